@@ -1,0 +1,136 @@
+-- tracedb SQL macros, installed into every database file so that any DuckDB client
+-- can use them. They follow the spreading rule of verifiers' Branch.spread exactly.
+
+-- A node's sampled mask, per token.
+CREATE OR REPLACE MACRO tdb_mask(n_tokens, mask_prefix, mask_slots) AS
+    CASE WHEN mask_slots IS NULL
+         THEN list_concat(list_resize([]::BOOLEAN[], mask_prefix, false),
+                          list_resize([]::BOOLEAN[], n_tokens - mask_prefix, true))
+         ELSE list_transform(mask_slots, lambda k: k > 0)
+    END;
+
+-- A compact per-sampled-token stream widened onto the node's tokens: values land on the
+-- sampled positions in order, 0.0 elsewhere; extra values are dropped, missing read 0.0,
+-- NULL or empty contributes zeros.
+CREATE OR REPLACE MACRO tdb_widen(vals, n_tokens, n_sampled, mask_prefix, mask_slots) AS
+    CASE WHEN mask_slots IS NULL
+         THEN list_concat(list_resize([]::FLOAT[], mask_prefix, 0.0::FLOAT),
+                          list_resize(coalesce(vals, []::FLOAT[]), n_sampled, 0.0::FLOAT))
+         ELSE list_transform(mask_slots,
+                             lambda k: CASE WHEN k = 0 THEN 0.0::FLOAT
+                                       ELSE coalesce(vals[k], 0.0::FLOAT) END)
+    END;
+
+-- One row per node with its tokens and every stream in full (per-token) layout.
+CREATE OR REPLACE MACRO node_tokens() AS TABLE
+    SELECT n.trace_id, n.node_index, n.parent, n.role, n.sampled,
+           n.n_tokens, n.n_sampled,
+           s.token_ids,
+           tdb_mask(n.n_tokens, n.mask_prefix, n.mask_slots) AS sampled_mask,
+           tdb_widen(n.logprobs, n.n_tokens, n.n_sampled, n.mask_prefix, n.mask_slots) AS logprobs,
+           n.advantages IS NOT NULL AS has_advantages,
+           tdb_widen(n.advantages, n.n_tokens, n.n_sampled, n.mask_prefix, n.mask_slots) AS advantages,
+           n.reference_logprobs IS NOT NULL AS has_reference_logprobs,
+           tdb_widen(n.reference_logprobs, n.n_tokens, n.n_sampled, n.mask_prefix, n.mask_slots) AS reference_logprobs,
+           n.trainer_logprobs IS NOT NULL AS has_trainer_logprobs,
+           tdb_widen(n.trainer_logprobs, n.n_tokens, n.n_sampled, n.mask_prefix, n.mask_slots) AS trainer_logprobs,
+           n.entropies IS NOT NULL AS has_entropies,
+           tdb_widen(n.entropies, n.n_tokens, n.n_sampled, n.mask_prefix, n.mask_slots) AS entropies,
+           n.loss_weights
+    FROM nodes n JOIN segments s USING (segment_id);
+
+-- One row per (branch, node on its path), pos = 1 at the root. first_branch is the
+-- first trainable branch holding the node (or the first branch, if none is trainable).
+CREATE OR REPLACE MACRO branch_nodes() AS TABLE
+    WITH p AS (
+        SELECT trace_id, branch_index, trainable,
+               unnest(path) AS node_index, generate_subscripts(path, 1) AS pos
+        FROM branches
+    )
+    SELECT p.*,
+           min(branch_index) FILTER (WHERE trainable)
+               OVER (PARTITION BY trace_id, node_index) AS first_trainable,
+           min(branch_index) OVER (PARTITION BY trace_id, node_index) AS first_any,
+           coalesce(first_trainable, first_any) AS first_branch
+    FROM p;
+
+-- The branch-spread token view: one row per branch, aligned per-token arrays.
+-- A stream is NULL when no node on the path holds it; loss_weights maps each name that
+-- some node on the path holds to its spread (zeros on nodes lacking it).
+-- train_once: a node's sampled tokens stay in the mask only in its first branch.
+CREATE OR REPLACE MACRO branch_tokens(train_once := false) AS TABLE
+    WITH bn AS (
+        SELECT b.trace_id, b.branch_index, b.trainable, b.pos, t.*
+               EXCLUDE (trace_id, node_index),
+               CASE WHEN train_once AND b.first_branch <> b.branch_index
+                    THEN list_resize([]::BOOLEAN[], t.n_tokens, false)
+                    ELSE t.sampled_mask END AS mask_used
+        FROM branch_nodes() b
+        JOIN node_tokens() t USING (trace_id, node_index)
+    ),
+    names AS (
+        SELECT DISTINCT trace_id, branch_index, unnest(map_keys(loss_weights)) AS name
+        FROM bn WHERE loss_weights IS NOT NULL
+    ),
+    lw AS (
+        SELECT trace_id, branch_index,
+               map_from_entries(list({'key': name, 'value': weights} ORDER BY name)) AS loss_weights
+        FROM (
+            SELECT bn.trace_id, bn.branch_index, names.name,
+                   flatten(list(coalesce(element_at(bn.loss_weights, names.name)[1],
+                                         list_resize([]::FLOAT[], bn.n_tokens, 0.0::FLOAT))
+                                ORDER BY bn.pos)) AS weights
+            FROM bn JOIN names USING (trace_id, branch_index)
+            GROUP BY ALL
+        )
+        GROUP BY ALL
+    ),
+    spread AS (
+        SELECT trace_id, branch_index, any_value(trainable) AS trainable,
+               flatten(list(token_ids ORDER BY pos)) AS token_ids,
+               flatten(list(mask_used ORDER BY pos)) AS sampled_mask,
+               flatten(list(logprobs ORDER BY pos)) AS logprobs,
+               CASE WHEN bool_or(has_advantages)
+                    THEN flatten(list(advantages ORDER BY pos)) END AS advantages,
+               CASE WHEN bool_or(has_reference_logprobs)
+                    THEN flatten(list(reference_logprobs ORDER BY pos)) END AS reference_logprobs,
+               CASE WHEN bool_or(has_trainer_logprobs)
+                    THEN flatten(list(trainer_logprobs ORDER BY pos)) END AS trainer_logprobs,
+               CASE WHEN bool_or(has_entropies)
+                    THEN flatten(list(entropies ORDER BY pos)) END AS entropies
+        FROM bn
+        GROUP BY trace_id, branch_index
+    )
+    SELECT s.trace_id, s.branch_index, s.trainable, s.token_ids, s.sampled_mask, s.logprobs,
+           s.advantages, s.reference_logprobs, s.trainer_logprobs, s.entropies,
+           coalesce(lw.loss_weights, MAP {}::MAP(VARCHAR, FLOAT[])) AS loss_weights
+    FROM spread s LEFT JOIN lw USING (trace_id, branch_index)
+    ORDER BY s.trace_id, s.branch_index;
+
+-- Per-branch sizes for analysts: tokens, sampled tokens, their share, credit presence.
+CREATE OR REPLACE MACRO branch_stats() AS TABLE
+    SELECT b.trace_id, b.branch_index, b.trainable, b.n_tokens, b.n_sampled,
+           CASE WHEN b.n_tokens > 0 THEN b.n_sampled / b.n_tokens END AS sampled_share,
+           len(b.path) AS n_nodes,
+           count(n.advantages) AS credited_nodes,
+           count(*) FILTER (WHERE n.sampled) AS sampled_nodes
+    FROM branches b, unnest(b.path) AS u(node_index)
+    JOIN nodes n ON n.trace_id = b.trace_id AND n.node_index = u.node_index
+    GROUP BY ALL;
+
+-- Which nodes carry credit, and how much (NULL = never assigned, not zero).
+CREATE OR REPLACE MACRO node_credit() AS TABLE
+    SELECT trace_id, node_index, role, sampled, n_sampled,
+           advantages IS NOT NULL AS assigned,
+           list_sum(advantages) AS advantage_sum,
+           list_avg(advantages) AS advantage_mean,
+           list_sum(list_transform(advantages, lambda a: abs(a))) AS advantage_abs_sum
+    FROM nodes;
+
+-- One row per trace with its group, reward and sizes; the starting point of most queries.
+CREATE OR REPLACE MACRO trace_summary() AS TABLE
+    SELECT t.trace_id, t.episode_id, t.group_id, t.reward, t.ok, t.stop_condition,
+           t.n_nodes, t.n_branches, t.n_tokens, t.n_sampled,
+           (SELECT count(*) FROM nodes n WHERE n.trace_id = t.trace_id AND n.advantages IS NOT NULL)
+               AS credited_nodes
+    FROM traces t;

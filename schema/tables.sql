@@ -1,0 +1,97 @@
+-- tracedb storage, schema version 1.
+-- One row per episode, trace, node, branch; token ids live once per distinct content
+-- in `segments`. Columns that hold a record's fields keep them exactly: `record` holds
+-- the JSON of everything that has no column of its own.
+
+CREATE TABLE IF NOT EXISTS tracedb_meta (
+    key   VARCHAR PRIMARY KEY,
+    value VARCHAR
+);
+
+CREATE TABLE IF NOT EXISTS episodes (
+    episode_id  VARCHAR PRIMARY KEY,
+    group_id    VARCHAR,           -- episode.group.id
+    env_id      VARCHAR,           -- episode.env.id
+    ok          BOOLEAN,
+    record      JSON NOT NULL,     -- the episode without its traces
+    source      VARCHAR,           -- file it was ingested from
+    line        BIGINT,
+    ingested_at TIMESTAMP DEFAULT current_timestamp
+);
+
+CREATE TABLE IF NOT EXISTS traces (
+    trace_id       VARCHAR PRIMARY KEY,
+    episode_id     VARCHAR,        -- NULL for a trace ingested on its own
+    position       INTEGER,        -- index in episode.traces
+    group_id       VARCHAR,
+    reward         DOUBLE,         -- weighted sum of scored rewards; NULL when none scored
+    ok             BOOLEAN,
+    is_completed   BOOLEAN,
+    is_timeout     BOOLEAN,
+    stop_condition VARCHAR,
+    n_nodes        INTEGER,
+    n_branches     INTEGER,
+    n_tokens       BIGINT,         -- tokens over all nodes (each node once)
+    n_sampled      BIGINT,         -- sampled tokens over all nodes
+    record         JSON NOT NULL,  -- the trace without its nodes
+    source         VARCHAR,
+    line           BIGINT,
+    ingested_at    TIMESTAMP DEFAULT current_timestamp
+);
+
+-- Token ids stored once per distinct content (system prompts, task prompts).
+CREATE TABLE IF NOT EXISTS segments (
+    segment_id BLOB PRIMARY KEY,   -- 128-bit BLAKE2b of the int32 token ids
+    n_tokens   INTEGER NOT NULL,
+    token_ids  INTEGER[] NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS nodes (
+    trace_id           VARCHAR NOT NULL,
+    node_index         INTEGER NOT NULL,
+    parent             INTEGER,
+    role               VARCHAR,    -- message.role, for queries
+    sampled            BOOLEAN,
+    "timestamp"        DOUBLE,
+    segment_id         BLOB NOT NULL,
+    n_tokens           INTEGER NOT NULL,
+    n_sampled          INTEGER NOT NULL,
+    -- The mask: canonical (mask_prefix unsampled tokens, then the rest sampled) or, when
+    -- not canonical, mask_slots: 0 on unsampled tokens, k on the k-th sampled token.
+    mask_prefix        INTEGER,
+    mask_slots         INTEGER[],
+    is_content         BOOLEAN[],
+    logprobs           FLOAT[],
+    advantages         FLOAT[],    -- NULL = never assigned; an empty or zero list is not NULL
+    reference_logprobs FLOAT[],
+    trainer_logprobs   FLOAT[],
+    entropies          FLOAT[],
+    loss_weights       MAP(VARCHAR, FLOAT[]),
+    semantic_parents   STRUCT("node" INTEGER, "type" VARCHAR)[],
+    message            JSON,
+    extra              JSON,       -- node fields tracedb has no column for
+    present            INTEGER NOT NULL,  -- bit i: field i of records.NODE_KEYS was in the record
+    PRIMARY KEY (trace_id, node_index)
+);
+
+CREATE TABLE IF NOT EXISTS branches (
+    trace_id     VARCHAR NOT NULL,
+    branch_index INTEGER NOT NULL,  -- verifiers' Branch.index
+    leaf         INTEGER NOT NULL,
+    trainable    BOOLEAN NOT NULL,
+    path         INTEGER[] NOT NULL, -- node indices, root first
+    n_tokens     BIGINT NOT NULL,
+    n_sampled    BIGINT NOT NULL,
+    PRIMARY KEY (trace_id, branch_index)
+);
+
+CREATE TABLE IF NOT EXISTS rejects (
+    source      VARCHAR,
+    line        BIGINT,
+    trace_id    VARCHAR,
+    node        INTEGER,
+    field       VARCHAR,
+    reason      VARCHAR NOT NULL,
+    record      VARCHAR,           -- the rejected line as it was
+    rejected_at TIMESTAMP DEFAULT current_timestamp
+);

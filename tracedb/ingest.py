@@ -1,0 +1,531 @@
+"""Ingest of verifiers ``traces.jsonl`` files into a tracedb database.
+
+Files are read line by line (``.jsonl``, ``.jsonl.zst``; a ``.json`` file holds one
+record; directories are walked for the first two). Each line is parsed and checked on
+its own: a bad line is rejected with its location and kept in ``rejects``, its
+neighbours are still ingested. One ``ingest`` call is one transaction: it lands whole
+or not at all, and with ``strict=True`` any rejection aborts it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+import simdjson
+
+from tracedb.errors import IngestAborted, Location, RecordError
+from tracedb.models import COMPACT_STREAMS
+from tracedb.records import (
+    ParsedLine,
+    ParsedNode,
+    ParsedTrace,
+    _Fallback,
+    check_trace,
+    parse_fast,
+    parse_slow,
+)
+
+if TYPE_CHECKING:
+    from tracedb.store import Database
+
+BATCH_TOKENS = 20_000_000
+"""Flush buffered rows to DuckDB after this many tokens (bounds ingest memory)."""
+
+
+@dataclass
+class Reject:
+    """A rejected input record and why."""
+
+    file: str | None
+    line: int | None
+    trace_id: str | None
+    node: int | None
+    field: str | None
+    reason: str
+
+    def __str__(self) -> str:
+        return str(RecordError(self.reason, Location(self.file, self.line, self.trace_id, self.node, self.field)))
+
+
+@dataclass
+class IngestReport:
+    """What one ``ingest`` call did."""
+
+    files: int = 0
+    lines: int = 0
+    episodes: int = 0
+    traces: int = 0
+    skipped: int = 0
+    """Traces already in the database (or earlier in this ingest): not added again."""
+    nodes: int = 0
+    tokens: int = 0
+    segments_added: int = 0
+    rejected: list[Reject] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.rejected
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "files": self.files,
+            "lines": self.lines,
+            "episodes": self.episodes,
+            "traces": self.traces,
+            "skipped": self.skipped,
+            "nodes": self.nodes,
+            "tokens": self.tokens,
+            "segments_added": self.segments_added,
+            "rejected": [r.__dict__ for r in self.rejected],
+            "seconds": round(self.seconds, 3),
+        }
+
+    def __str__(self) -> str:
+        text = (
+            f"ingested {self.traces} traces ({self.episodes} episodes, {self.nodes} nodes, "
+            f"{self.tokens} tokens) from {self.files} files in {self.seconds:.2f}s"
+        )
+        if self.skipped:
+            text += f"; {self.skipped} traces already present, not added again"
+        if self.rejected:
+            text += f"; {len(self.rejected)} records rejected"
+        return text
+
+
+# --------------------------------------------------------------------------- files
+
+
+def find_files(paths: Iterable[str | Path]) -> list[Path]:
+    """Expand directories (recursively) into their ``.jsonl`` / ``.jsonl.zst`` files."""
+    out: list[Path] = []
+    for p in paths:
+        p = Path(p)
+        if p.is_dir():
+            found = [q for q in p.rglob("*") if q.is_file() and q.name.endswith((".jsonl", ".jsonl.zst"))]
+            out.extend(sorted(found))
+        elif p.exists():
+            out.append(p)
+        else:
+            raise FileNotFoundError(f"no such file or directory: {p}")
+    return out
+
+
+def _open(path: Path) -> io.BufferedIOBase:
+    if path.name.endswith(".zst"):
+        import zstandard
+
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb")), 1 << 20)
+    return open(path, "rb", buffering=1 << 20)
+
+
+def read_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(line number, bytes) of each non-blank record; a ``.json`` file is one record."""
+    with _open(path) as f:
+        if path.suffix == ".json":
+            data = f.read()
+            if data.strip():
+                yield 1, data
+            return
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                yield number, line.rstrip(b"\r\n")
+
+
+# --------------------------------------------------------------------------- columns
+
+
+def _list_array(chunks: list[np.ndarray | None], value_type: pa.DataType) -> pa.Array:
+    lengths = np.fromiter((0 if c is None else len(c) for c in chunks), dtype=np.int64, count=len(chunks))
+    offsets = np.zeros(len(chunks) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    present = [c for c in chunks if c is not None and len(c)]
+    dtype = value_type.to_pandas_dtype()
+    values = np.concatenate(present).astype(dtype, copy=False) if present else np.zeros(0, dtype)
+    nulls = np.fromiter((c is None for c in chunks), dtype=bool, count=len(chunks))
+    return pa.LargeListArray.from_arrays(
+        pa.array(offsets), pa.array(values, type=value_type), mask=pa.array(nulls) if nulls.any() else None
+    ).cast(pa.list_(value_type))
+
+
+def segment_key(tokens: np.ndarray) -> bytes:
+    """Content address of a token segment: 128-bit BLAKE2b of its int32 ids."""
+    return hashlib.blake2b(memoryview(np.ascontiguousarray(tokens, dtype=np.int32)), digest_size=16).digest()
+
+
+def branch_paths(parents: list[int | None], links: list[list[dict[str, Any]] | None]) -> list[tuple[int, bool, list[int]]]:
+    """(leaf, trainable, root-to-leaf path) per branch, in verifiers' leaf order.
+
+    A leaf with a ``compaction_attempt`` link is trainable only if some node holds a
+    ``compaction`` link to it.
+    """
+    has_child = {p for p in parents if p is not None}
+    accepted = {link["node"] for ls in links if ls for link in ls if link["type"] == "compaction"}
+    out = []
+    for leaf in range(len(parents)):
+        if leaf in has_child:
+            continue
+        path = []
+        nid: int | None = leaf
+        while nid is not None:
+            path.append(nid)
+            nid = parents[nid]
+        path.reverse()
+        attempt = any(link["type"] == "compaction_attempt" for link in links[leaf] or [])
+        out.append((leaf, not attempt or leaf in accepted, path))
+    return out
+
+
+def _reward(meta: dict[str, Any]) -> float | None:
+    rewards = meta.get("rewards") or {}
+    scored = [r for r in rewards.values() if isinstance(r, dict) and r.get("score") is not None]
+    if not scored:
+        return None
+    return float(sum(r["score"] * r.get("weight", 1.0) for r in scored))
+
+
+class _Batch:
+    """Rows buffered for one flush to DuckDB."""
+
+    def __init__(self) -> None:
+        self.episodes: list[dict[str, Any]] = []
+        self.traces: list[dict[str, Any]] = []
+        self.nodes: list[tuple[str, int, ParsedNode, bytes]] = []
+        self.branches: list[tuple[str, int, int, bool, list[int], int, int]] = []
+        self.segments: dict[bytes, np.ndarray] = {}
+        self.pending: list[tuple[ParsedLine, str, int]] = []
+        self.tokens = 0
+
+    def add(self, line: ParsedLine, source: str, number: int, group_id: str | None, fresh: list[ParsedTrace]) -> None:
+        import json
+
+        if line.episode is not None:
+            ep = line.episode
+            self.episodes.append(
+                {
+                    "episode_id": ep["id"],
+                    "group_id": group_id,
+                    "env_id": (ep.get("env") or {}).get("id") if isinstance(ep.get("env"), dict) else None,
+                    "ok": ep.get("ok"),
+                    "record": json.dumps(ep, separators=(",", ":")),
+                    "source": source,
+                    "line": number,
+                }
+            )
+        for t in fresh:
+            parents = [n.parent for n in t.nodes]
+            links = [n.semantic_parents for n in t.nodes]
+            sizes = [len(n.token_ids) for n in t.nodes]
+            sampled = [int(n.mask.sum()) for n in t.nodes]
+            paths = branch_paths(parents, links)
+            for i, (leaf, trainable, path) in enumerate(paths):
+                self.branches.append(
+                    (t.trace_id, i, leaf, trainable, path, sum(sizes[j] for j in path), sum(sampled[j] for j in path))
+                )
+            meta = t.meta
+            self.traces.append(
+                {
+                    "trace_id": t.trace_id,
+                    "episode_id": t.episode_id,
+                    "position": t.position,
+                    "group_id": group_id,
+                    "reward": _reward(meta),
+                    "ok": meta.get("ok"),
+                    "is_completed": meta.get("is_completed"),
+                    "is_timeout": meta.get("is_timeout"),
+                    "stop_condition": meta.get("stop_condition"),
+                    "n_nodes": len(t.nodes),
+                    "n_branches": len(paths),
+                    "n_tokens": sum(sizes),
+                    "n_sampled": sum(sampled),
+                    "record": json.dumps(meta, separators=(",", ":")),
+                    "source": source,
+                    "line": number,
+                }
+            )
+            for i, node in enumerate(t.nodes):
+                key = segment_key(node.token_ids)
+                self.segments.setdefault(key, node.token_ids)
+                self.nodes.append((t.trace_id, i, node, key))
+
+    def node_table(self) -> pa.Table:
+        import json
+
+        rows = self.nodes
+        nodes = [r[2] for r in rows]
+        n_tokens = np.array([len(n.token_ids) for n in nodes], dtype=np.int32)
+        n_sampled = np.array([int(n.mask.sum()) for n in nodes], dtype=np.int32)
+        prefix: list[int | None] = []
+        slots: list[np.ndarray | None] = []
+        for n, size, k in zip(nodes, n_tokens, n_sampled):
+            if k == 0 or n.mask[size - k :].all():
+                prefix.append(int(size - k))
+                slots.append(None)
+            else:
+                prefix.append(None)
+                slots.append(np.where(n.mask, np.cumsum(n.mask), 0).astype(np.int32))
+        lw_type = pa.map_(pa.string(), pa.list_(pa.float32()))
+        loss_weights = pa.array(
+            [None if n.loss_weights is None else [(k, v.tolist()) for k, v in n.loss_weights.items()] for n in nodes],
+            type=lw_type,
+        )
+        sp_type = pa.list_(pa.struct([("node", pa.int32()), ("type", pa.string())]))
+        semantic = pa.array(
+            [None if n.semantic_parents is None else [{"node": s["node"], "type": s["type"]} for s in n.semantic_parents] for n in nodes],
+            type=sp_type,
+        )
+        roles = []
+        for n in nodes:
+            try:
+                roles.append(json.loads(n.message).get("role") if n.message else None)
+            except (ValueError, AttributeError):
+                roles.append(None)
+        columns = {
+            "trace_id": pa.array([r[0] for r in rows], pa.string()),
+            "node_index": pa.array([r[1] for r in rows], pa.int32()),
+            "parent": pa.array([n.parent for n in nodes], pa.int32()),
+            "role": pa.array(roles, pa.string()),
+            "sampled": pa.array([n.sampled for n in nodes], pa.bool_()),
+            "timestamp": pa.array([None if n.timestamp is None else float(n.timestamp) for n in nodes], pa.float64()),
+            "segment_id": pa.array([r[3] for r in rows], pa.binary()),
+            "n_tokens": pa.array(n_tokens),
+            "n_sampled": pa.array(n_sampled),
+            "mask_prefix": pa.array(prefix, pa.int32()),
+            "mask_slots": _list_array(slots, pa.int32()),
+            "is_content": _list_array([n.is_content for n in nodes], pa.bool_()),
+        }
+        for name in COMPACT_STREAMS:
+            columns[name] = _list_array([n.streams[name] for n in nodes], pa.float32())
+        columns["loss_weights"] = loss_weights
+        columns["semantic_parents"] = semantic
+        columns["message"] = pa.array([n.message for n in nodes], pa.string())
+        columns["extra"] = pa.array([n.extra for n in nodes], pa.string())
+        columns["present"] = pa.array([n.present for n in nodes], pa.int32())
+        return pa.table(columns)
+
+    def segment_table(self) -> pa.Table:
+        keys = list(self.segments)
+        chunks = [self.segments[k] for k in keys]
+        return pa.table(
+            {
+                "segment_id": pa.array(keys, pa.binary()),
+                "n_tokens": pa.array([len(c) for c in chunks], pa.int32()),
+                "token_ids": _list_array(chunks, pa.int32()),
+            }
+        )
+
+
+def _resolve(db: Database, batch: _Batch, report: IngestReport, seen: set[str]) -> None:
+    """Turn pending lines into rows, leaving out traces the database already holds."""
+    ids = [t.trace_id for line, _, _ in batch.pending for t in line.traces]
+    episode_ids = [line.episode["id"] for line, _, _ in batch.pending if line.episode is not None]
+    known = db._existing("traces", "trace_id", ids) | (seen & set(ids))
+    known_episodes = db._existing("episodes", "episode_id", episode_ids)
+    for line, source, number in batch.pending:
+        fresh = []
+        for t in line.traces:
+            if t.trace_id in known:
+                report.skipped += 1
+            else:
+                known.add(t.trace_id)
+                fresh.append(t)
+        group = (line.episode or {}).get("group")
+        group_id = group.get("id") if isinstance(group, dict) else None
+        if line.episode is not None:
+            if line.episode["id"] in known_episodes:
+                line.episode = None  # already stored; its new traces still join it
+            else:
+                known_episodes.add(line.episode["id"])
+                report.episodes += 1
+        batch.add(line, source, number, group_id, fresh)
+        report.traces += len(fresh)
+        report.nodes += sum(len(t.nodes) for t in fresh)
+        report.tokens += sum(len(n.token_ids) for t in fresh for n in t.nodes)
+    seen.update(known)
+
+
+def _flush(db: Database, batch: _Batch, report: IngestReport, seen: set[str]) -> None:
+    _resolve(db, batch, report, seen)
+    con = db.con
+    if batch.episodes:
+        con.register("_tdb_episodes", pa.Table.from_pylist(batch.episodes))
+        con.execute(
+            "INSERT INTO episodes (episode_id, group_id, env_id, ok, record, source, line) "
+            "SELECT episode_id, group_id, env_id, ok, record, source, line FROM _tdb_episodes"
+        )
+        con.unregister("_tdb_episodes")
+    if batch.traces:
+        con.register("_tdb_traces", pa.Table.from_pylist(batch.traces))
+        con.execute(
+            "INSERT INTO traces (trace_id, episode_id, position, group_id, reward, ok, is_completed, is_timeout,"
+            " stop_condition, n_nodes, n_branches, n_tokens, n_sampled, record, source, line)"
+            " SELECT trace_id, episode_id, position, group_id, reward, ok, is_completed, is_timeout,"
+            " stop_condition, n_nodes, n_branches, n_tokens, n_sampled, record, source, line FROM _tdb_traces"
+        )
+        con.unregister("_tdb_traces")
+    if batch.segments:
+        before = db._scalar("SELECT count(*) FROM segments")
+        con.register("_tdb_segments", batch.segment_table())
+        con.execute("INSERT OR IGNORE INTO segments SELECT segment_id, n_tokens, token_ids FROM _tdb_segments")
+        con.unregister("_tdb_segments")
+        report.segments_added += db._scalar("SELECT count(*) FROM segments") - before
+    if batch.nodes:
+        table = batch.node_table()
+        con.register("_tdb_nodes", table)
+        con.execute(f"INSERT INTO nodes ({', '.join(table.column_names)}) SELECT * FROM _tdb_nodes")
+        con.unregister("_tdb_nodes")
+    if batch.branches:
+        b = batch.branches
+        table = pa.table(
+            {
+                "trace_id": pa.array([r[0] for r in b], pa.string()),
+                "branch_index": pa.array([r[1] for r in b], pa.int32()),
+                "leaf": pa.array([r[2] for r in b], pa.int32()),
+                "trainable": pa.array([r[3] for r in b], pa.bool_()),
+                "path": pa.array([r[4] for r in b], pa.list_(pa.int32())),
+                "n_tokens": pa.array([r[5] for r in b], pa.int64()),
+                "n_sampled": pa.array([r[6] for r in b], pa.int64()),
+            }
+        )
+        con.register("_tdb_branches", table)
+        con.execute("INSERT INTO branches SELECT * FROM _tdb_branches")
+        con.unregister("_tdb_branches")
+
+
+def _record_rejects(db: Database, rejects: list[tuple[Reject, bytes]]) -> None:
+    if not rejects:
+        return
+    rows = [
+        {
+            "source": r.file,
+            "line": r.line,
+            "trace_id": r.trace_id,
+            "node": r.node,
+            "field": r.field,
+            "reason": r.reason,
+            "record": raw.decode("utf-8", errors="replace"),
+        }
+        for r, raw in rejects
+    ]
+    table = pa.Table.from_pylist(
+        rows,
+        schema=pa.schema(
+            [
+                ("source", pa.string()),
+                ("line", pa.int64()),
+                ("trace_id", pa.string()),
+                ("node", pa.int32()),
+                ("field", pa.string()),
+                ("reason", pa.string()),
+                ("record", pa.string()),
+            ]
+        ),
+    )
+    db.con.register("_tdb_rejects", table)
+    db.con.execute(
+        "INSERT INTO rejects (source, line, trace_id, node, field, reason, record) SELECT * FROM _tdb_rejects"
+    )
+    db.con.unregister("_tdb_rejects")
+
+
+def parse_line(parser: simdjson.Parser, raw: bytes, where: Location, *, allow_ragged: bool = False) -> ParsedLine:
+    """Parse and check one record; raises :class:`RecordError` when it is bad."""
+    try:
+        line = parse_fast(parser, raw)
+    except _Fallback:
+        line = parse_slow(raw, where)
+    for t in line.traces:
+        check_trace(t, where, allow_ragged=allow_ragged)
+    return line
+
+
+def ingest(
+    db: Database,
+    paths: str | Path | Iterable[str | Path],
+    *,
+    strict: bool = False,
+    allow_ragged: bool = False,
+    progress: bool = False,
+) -> IngestReport:
+    """Ingest files or directories into ``db``; see :meth:`tracedb.Database.ingest`."""
+    started = time.perf_counter()
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    files = find_files(paths)
+    report = IngestReport(files=len(files))
+    parser = simdjson.Parser()
+    rejects: list[tuple[Reject, bytes]] = []
+    seen: set[str] = set()
+    con = db.con
+    bar = _progress(files) if progress else None
+    con.execute("BEGIN TRANSACTION")
+    try:
+        batch = _Batch()
+        for path in files:
+            source = str(path)
+            for number, raw in read_lines(path):
+                report.lines += 1
+                if bar is not None:
+                    bar.advance(len(raw) + 1)
+                where = Location(source, number)
+                try:
+                    line = parse_line(parser, raw, where, allow_ragged=allow_ragged)
+                except RecordError as e:
+                    loc = e.location
+                    reject = Reject(loc.file, loc.line, loc.trace_id, loc.node, loc.field, e.reason)
+                    if strict:
+                        raise IngestAborted(e) from None
+                    rejects.append((reject, raw))
+                    report.rejected.append(reject)
+                    continue
+                batch.pending.append((line, source, number))
+                batch.tokens += sum(len(n.token_ids) for t in line.traces for n in t.nodes)
+                if batch.tokens >= BATCH_TOKENS:
+                    _flush(db, batch, report, seen)
+                    batch = _Batch()
+        _flush(db, batch, report, seen)
+        _record_rejects(db, rejects)
+        con.execute("COMMIT")
+    except BaseException:
+        con.execute("ROLLBACK")
+        raise
+    finally:
+        if bar is not None:
+            bar.stop()
+    db._changed()
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+class _Bar:
+    def __init__(self, total: int) -> None:
+        from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+        self.progress = Progress(
+            "[progress.description]{task.description}",
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            transient=True,
+        )
+        self.task = self.progress.add_task("ingest", total=total)
+        self.progress.start()
+
+    def advance(self, n: int) -> None:
+        self.progress.advance(self.task, n)
+
+    def stop(self) -> None:
+        self.progress.stop()
+
+
+def _progress(files: list[Path]) -> _Bar:
+    return _Bar(sum(p.stat().st_size for p in files))

@@ -1,0 +1,110 @@
+"""Pydantic models of the verifiers v1 record: Episode, Trace, MessageNode.
+
+They are the contract tracedb validates against. Every model keeps unknown fields
+(``extra="allow"``), so a record from a newer producer survives a round trip, and a
+semantic edge ``type`` is any string, not an enum. Per-token streams follow the
+verifiers layouts: ``mask`` and ``is_content`` are per token, the compact streams hold
+one value per True in ``mask``, ``loss_weights`` streams are per token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+COMPACT_STREAMS = ("logprobs", "advantages", "reference_logprobs", "trainer_logprobs", "entropies")
+"""Streams with one value per sampled token (True in ``mask``)."""
+OPTIONAL_STREAMS = COMPACT_STREAMS[1:]
+"""Compact streams where None (never assigned) differs from an empty list."""
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ParentLink(_Open):
+    """A typed causal link to another node of the same trace (not ancestry)."""
+
+    node: int = Field(ge=0)
+    """Index into ``Trace.nodes`` of the linked node."""
+    type: str
+    """The edge type, e.g. ``compaction``; unknown types are kept as they are."""
+
+
+class MessageNode(_Open):
+    """One distinct message and the tokens it adds to the running sequence."""
+
+    parent: int | None = None
+    """Index of the predecessor node; None for a root."""
+    semantic_parents: list[ParentLink] = Field(default_factory=list)
+    """Typed incoming causal links."""
+    message: dict[str, Any]
+    """The system / user / assistant / tool message, kept as written."""
+    sampled: bool = False
+    """True when a model call produced this message."""
+    token_ids: list[int] = Field(default_factory=list)
+    """Only the tokens this node adds."""
+    mask: list[bool] = Field(default_factory=list)
+    """Per token: True on sampled (trainable) tokens."""
+    is_content: list[bool] = Field(default_factory=list)
+    """Per token when non-empty: message body vs template scaffold."""
+    logprobs: list[float] = Field(default_factory=list)
+    """Compact: sampling logprobs, one per True in ``mask``; empty when unknown."""
+    advantages: list[float] | None = None
+    """Compact credit; None means never assigned, which is not zero credit."""
+    reference_logprobs: list[float] | None = None
+    """Compact reference-model logprobs, or None."""
+    trainer_logprobs: list[float] | None = None
+    """Compact trainer-recomputed logprobs, or None."""
+    entropies: list[float] | None = None
+    """Compact trainer entropies, or None."""
+    loss_weights: dict[str, list[float]] | None = None
+    """Named per-token weight streams, aligned to ``token_ids``."""
+
+    @property
+    def n_sampled(self) -> int:
+        """Number of True entries in ``mask``."""
+        return sum(self.mask)
+
+
+class Reward(_Open):
+    """A named, weighted reward."""
+
+    score: float
+    weight: float = 1.0
+
+
+class Trace(_Open):
+    """One agent's rollout: its message graph plus run metadata."""
+
+    version: int = 1
+    id: str
+    """Unique trace id; tracedb's key."""
+    nodes: list[MessageNode] = Field(default_factory=list)
+    """The message graph; list order is the node id."""
+    rewards: dict[str, Reward | None] | None = None
+    """Named rewards; a None value means scoring did not run."""
+    ok: bool = False
+    is_completed: bool = False
+    stop_condition: str | None = None
+    is_timeout: bool = False
+
+    @property
+    def reward(self) -> float | None:
+        """Weighted sum of the scored rewards; None when nothing was scored."""
+        scored = [r for r in (self.rewards or {}).values() if r is not None]
+        return sum(r.score * r.weight for r in scored) if scored else None
+
+
+class GroupInfo(_Open):
+    id: str
+
+
+class Episode(_Open):
+    """One line of ``traces.jsonl``: a run's traces for one task."""
+
+    id: str
+    group: GroupInfo | None = None
+    ok: bool = False
+    traces: list[Trace] = Field(default_factory=list)

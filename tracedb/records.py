@@ -1,0 +1,432 @@
+"""Turning one ``traces.jsonl`` line into columns, fast, with the pydantic contract behind it.
+
+The fast path parses a line with simdjson and takes every per-token stream straight into
+numpy buffers, never as Python objects. It checks the stream layouts vectorized. When
+anything looks off (a type it does not expect, a length that disagrees, bytes it cannot
+account for) the line goes through the slow path instead: ``json`` plus the pydantic
+models of :mod:`tracedb.models`, which either accept the record or say exactly what is
+wrong. Both paths produce the same :class:`ParsedTrace` values.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pydantic
+import simdjson
+
+from tracedb.errors import Location, RecordError
+from tracedb.models import COMPACT_STREAMS, Episode, Trace
+
+NODE_KEYS = (
+    "parent",
+    "semantic_parents",
+    "message",
+    "sampled",
+    "timestamp",
+    "token_ids",
+    "mask",
+    "is_content",
+    *COMPACT_STREAMS,
+    "loss_weights",
+)
+"""Node fields stored in their own columns; bit ``i`` of ``present`` says key ``i`` was in the record."""
+BIT = {k: 1 << i for i, k in enumerate(NODE_KEYS)}
+_INT32 = np.iinfo(np.int32)
+
+
+class _Fallback(Exception):
+    """The fast path cannot vouch for this line; use the slow path."""
+
+
+@dataclass
+class ParsedNode:
+    parent: int | None
+    sampled: bool | None
+    timestamp: float | None
+    message: str | None  # JSON text
+    semantic_parents: list[dict[str, Any]] | None
+    extra: str | None  # JSON text of unknown keys
+    present: int
+    token_ids: np.ndarray  # int32
+    mask: np.ndarray  # bool
+    is_content: np.ndarray | None  # bool; None when the key is absent
+    streams: dict[str, np.ndarray | None]  # compact float32 streams
+    loss_weights: dict[str, np.ndarray] | None
+
+
+@dataclass
+class ParsedTrace:
+    trace_id: str
+    episode_id: str | None
+    position: int
+    meta: dict[str, Any]  # the trace record without its nodes
+    nodes: list[ParsedNode] = field(default_factory=list)
+
+
+@dataclass
+class ParsedLine:
+    episode: dict[str, Any] | None  # the episode record without traces; None for a bare trace
+    traces: list[ParsedTrace]
+
+
+def _f32(values: Any) -> np.ndarray:
+    return np.asarray(values, dtype=np.float64).astype(np.float32)
+
+
+def _tokens(values: Any) -> np.ndarray:
+    arr = np.asarray(values, dtype=np.int64)
+    if arr.size and (arr.min() < _INT32.min or arr.max() > _INT32.max):
+        raise _Fallback
+    return arr.astype(np.int32)
+
+
+# --------------------------------------------------------------------------- fast path
+
+
+def _num(arr: Any, kind: str) -> np.ndarray:
+    if not isinstance(arr, simdjson.Array):
+        raise _Fallback
+    try:
+        buf = np.frombuffer(arr.as_buffer(of_type=kind), dtype=np.int64 if kind == "i" else np.float64)
+    except (TypeError, ValueError) as e:
+        raise _Fallback from e
+    if len(buf) != len(arr):
+        raise _Fallback
+    return buf
+
+
+_BOOL_DROP = b"[],rueals"
+
+
+def _bools(arr: Any) -> np.ndarray:
+    if not isinstance(arr, simdjson.Array):
+        raise _Fallback
+    text = arr.mini
+    letters = np.frombuffer(text.translate(None, _BOOL_DROP), dtype=np.uint8)
+    # "true" leaves "t", "false" leaves "f"; anything else leaves other bytes behind.
+    if len(letters) != len(arr) or text.count(b"[") != 1:
+        raise _Fallback
+    out = letters == ord("t")
+    if out.sum() + (letters == ord("f")).sum() != len(letters):
+        raise _Fallback
+    return out
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, simdjson.Object):
+        return value.as_dict()
+    if isinstance(value, simdjson.Array):
+        return value.as_list()
+    return value
+
+
+def _fast_node(node: Any) -> tuple[ParsedNode, int]:
+    """One node from the simdjson tape; returns it and the ``[`` bytes it accounts for."""
+    if not isinstance(node, simdjson.Object):
+        raise _Fallback
+    present = 0
+    extra: dict[str, Any] = {}
+    parent = sampled = timestamp = message = semantic = None
+    token_ids = mask = is_content = loss_weights = None
+    streams: dict[str, np.ndarray | None] = {}
+    brackets = 0
+    for key in node.keys():
+        value = node[key]
+        bit = BIT.get(key)
+        if bit is None:
+            extra[key] = _plain(value)
+            continue
+        present |= bit
+        if key == "token_ids":
+            token_ids = _num(value, "i")
+            brackets += 1
+        elif key == "mask":
+            mask = _bools(value)
+            brackets += 1
+        elif key == "is_content":
+            is_content = _bools(value)
+            brackets += 1
+        elif key == "message":
+            if not isinstance(value, simdjson.Object):
+                raise _Fallback
+            message = value.mini
+            brackets += message.count(b"[")
+        elif key == "parent":
+            if value is not None and (type(value) is not int or value < 0):
+                raise _Fallback
+            parent = value
+        elif key == "sampled":
+            if type(value) is not bool:
+                raise _Fallback
+            sampled = value
+        elif key == "timestamp":
+            if type(value) not in (int, float):
+                raise _Fallback
+            timestamp = value
+        elif key == "semantic_parents":
+            if not isinstance(value, simdjson.Array):
+                raise _Fallback
+            semantic = value.as_list()
+            brackets += 1
+            for link in semantic:
+                if (
+                    type(link) is not dict
+                    or type(link.get("node")) is not int
+                    or type(link.get("type")) is not str
+                    or link["node"] < 0
+                ):
+                    raise _Fallback
+                brackets += json.dumps(link).count("[")
+        elif key == "loss_weights":
+            if value is None:
+                continue
+            if not isinstance(value, simdjson.Object):
+                raise _Fallback
+            loss_weights = {}
+            for name in value.keys():
+                loss_weights[name] = _num(value[name], "d").astype(np.float32)
+                brackets += 1 + name.count("[")
+        else:  # a compact stream
+            if value is None:
+                streams[key] = None
+                continue
+            streams[key] = _num(value, "d").astype(np.float32)
+            brackets += 1
+    if message is None:
+        raise _Fallback  # message is required; let pydantic say so
+    extra_text = None
+    if extra:
+        extra_text = json.dumps(extra, separators=(",", ":"))
+        brackets += extra_text.count("[")
+    n = 0 if token_ids is None else len(token_ids)
+    if token_ids is not None and n and (token_ids.min() < _INT32.min or token_ids.max() > _INT32.max):
+        raise _Fallback
+    parsed = ParsedNode(
+        parent=parent,
+        sampled=sampled,
+        timestamp=timestamp,
+        message=message.decode() if message is not None else None,
+        semantic_parents=semantic,
+        extra=extra_text,
+        present=present,
+        token_ids=np.zeros(0, np.int32) if token_ids is None else token_ids.astype(np.int32),
+        mask=np.zeros(0, bool) if mask is None else mask,
+        is_content=is_content,
+        streams={k: streams.get(k) for k in COMPACT_STREAMS},
+        loss_weights=loss_weights,
+    )
+    return parsed, brackets
+
+
+def _fast_trace(trace: Any, episode_id: str | None, position: int) -> tuple[ParsedTrace, int]:
+    if not isinstance(trace, simdjson.Object):
+        raise _Fallback
+    meta: dict[str, Any] = {}
+    nodes_value = None
+    for key in trace.keys():
+        if key == "nodes":
+            nodes_value = trace[key]
+        else:
+            meta[key] = _plain(trace[key])
+    trace_id = meta.get("id")
+    if type(trace_id) is not str:
+        raise _Fallback
+    brackets = json.dumps(meta).count("[")
+    parsed = ParsedTrace(trace_id, episode_id, position, meta)
+    if nodes_value is not None:
+        if not isinstance(nodes_value, simdjson.Array):
+            raise _Fallback
+        brackets += 1
+        for node in nodes_value:
+            pn, b = _fast_node(node)
+            parsed.nodes.append(pn)
+            brackets += b
+        meta["nodes"] = None  # placeholder keeps the key's position; filled on read
+    try:  # the non-node part of the contract, cheap because it carries no tokens
+        Trace.model_validate({**meta, "nodes": []})
+    except pydantic.ValidationError as e:
+        raise _Fallback from e
+    return parsed, brackets
+
+
+def parse_fast(parser: simdjson.Parser, raw: bytes) -> ParsedLine:
+    """Parse one line on the fast path; raises :class:`_Fallback` when unsure."""
+    try:
+        doc = parser.parse(raw)
+    except (ValueError, RuntimeError) as e:
+        raise _Fallback from e
+    try:
+        if not isinstance(doc, simdjson.Object):
+            raise _Fallback
+        if "nodes" in doc and "traces" not in doc:  # a bare Trace record
+            trace, brackets = _fast_trace(doc, None, 0)
+            result = ParsedLine(None, [trace])
+        else:
+            episode: dict[str, Any] = {}
+            traces_value = None
+            for key in doc.keys():
+                if key == "traces":
+                    traces_value = doc[key]
+                else:
+                    episode[key] = _plain(doc[key])
+            if type(episode.get("id")) is not str or not isinstance(traces_value, simdjson.Array):
+                raise _Fallback
+            try:
+                Episode.model_validate({**episode, "traces": []})
+            except pydantic.ValidationError as e:
+                raise _Fallback from e
+            brackets = json.dumps(episode).count("[") + 1
+            traces = []
+            for i, t in enumerate(traces_value):
+                pt, b = _fast_trace(t, episode["id"], i)
+                traces.append(pt)
+                brackets += b
+            episode["traces"] = None
+            result = ParsedLine(episode, traces)
+        # Every "[" of the line must belong to an array we took apart; a nested list hidden
+        # inside a numeric stream would otherwise be flattened silently.
+        if raw.count(b"[") != brackets:
+            raise _Fallback
+        return result
+    finally:
+        del doc
+
+
+# --------------------------------------------------------------------------- slow path
+
+
+def _slow_node(node: dict[str, Any]) -> ParsedNode:
+    present = 0
+    for key in node:
+        if key in BIT:
+            present |= BIT[key]
+    extra = {k: v for k, v in node.items() if k not in BIT}
+    lw = node.get("loss_weights")
+    return ParsedNode(
+        parent=node.get("parent"),
+        sampled=node.get("sampled"),
+        timestamp=node.get("timestamp"),
+        message=json.dumps(node["message"], separators=(",", ":"), ensure_ascii=False),
+        semantic_parents=node.get("semantic_parents"),
+        extra=json.dumps(extra, separators=(",", ":")) if extra else None,
+        present=present,
+        token_ids=_tokens(node.get("token_ids", [])),
+        mask=np.asarray(node.get("mask", []), dtype=bool),
+        is_content=np.asarray(node["is_content"], dtype=bool) if "is_content" in node else None,
+        streams={
+            k: (None if node.get(k) is None else _f32(node[k]))
+            for k in COMPACT_STREAMS
+        },
+        loss_weights=None if lw is None else {k: _f32(v) for k, v in lw.items()},
+    )
+
+
+def _pydantic_location(err: pydantic.ValidationError, raw: dict[str, Any]) -> tuple[Location, str]:
+    first = err.errors()[0]
+    loc = list(first["loc"])
+    where = Location()
+    traces = raw.get("traces") if "traces" in raw or "nodes" not in raw else [raw]
+    if "nodes" in raw and "traces" not in raw:
+        loc = ["traces", 0, *loc]
+    if len(loc) >= 2 and loc[0] == "traces" and isinstance(loc[1], int):
+        try:
+            where.trace_id = traces[loc[1]].get("id")
+        except (AttributeError, IndexError, TypeError):
+            pass
+        loc = loc[2:]
+        if len(loc) >= 2 and loc[0] == "nodes" and isinstance(loc[1], int):
+            where.node = loc[1]
+            loc = loc[2:]
+    where.field = ".".join(str(p) for p in loc) or None
+    message = first["msg"]
+    if first["type"] == "value_error":
+        message = message.removeprefix("Value error, ")
+    return where, message
+
+
+def _check_types(value: Any, where: Location) -> None:
+    """Token ids must fit int32 (the stored type)."""
+    for t in value.get("traces", []) if "traces" in value else [value]:
+        for i, node in enumerate(t.get("nodes", [])):
+            ids = node.get("token_ids") or []
+            if ids and (min(ids) < _INT32.min or max(ids) > _INT32.max):
+                raise RecordError(
+                    "token id out of int32 range",
+                    Location(where.file, where.line, t.get("id"), i, "token_ids"),
+                )
+
+
+def parse_slow(raw: bytes, where: Location) -> ParsedLine:
+    """Parse and validate one line with ``json`` and the pydantic models."""
+    try:
+        value = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RecordError(f"not valid JSON: {e}", where) from None
+    if not isinstance(value, dict):
+        raise RecordError(f"expected a JSON object, got {type(value).__name__}", where)
+    bare = "nodes" in value and "traces" not in value
+    try:
+        if bare:
+            Trace.model_validate(value)
+        else:
+            Episode.model_validate(value)
+    except pydantic.ValidationError as e:
+        loc, message = _pydantic_location(e, value)
+        loc.file, loc.line = where.file, where.line
+        raise RecordError(message, loc) from None
+    _check_types(value, where)
+    traces_raw = [value] if bare else value["traces"]
+    episode = None if bare else {**value, "traces": None}
+    traces = []
+    for i, t in enumerate(traces_raw):
+        meta = {**t}
+        nodes = meta.pop("nodes", None)
+        if nodes is not None:
+            meta["nodes"] = None
+        pt = ParsedTrace(t["id"], None if bare else value["id"], i, meta)
+        pt.nodes = [_slow_node(n) for n in nodes or []]
+        traces.append(pt)
+    return ParsedLine(episode, traces)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def check_trace(trace: ParsedTrace, where: Location, *, allow_ragged: bool = False) -> None:
+    """The layout and graph rules of the contract, on parsed columns.
+
+    Raises :class:`RecordError` naming the node, the field and the lengths.
+    ``allow_ragged`` accepts compact streams that are longer or shorter than the
+    sampled-token count (verifiers' spreading drops or zero-fills them).
+    """
+    loc = Location(where.file, where.line, trace.trace_id)
+    for i, node in enumerate(trace.nodes):
+        n = len(node.token_ids)
+
+        def fail(field: str, reason: str) -> None:
+            raise RecordError(reason, Location(loc.file, loc.line, loc.trace_id, i, field))
+
+        if len(node.mask) != n:
+            fail("mask", f"mask has {len(node.mask)} entries but token_ids has {n}")
+        if node.is_content is not None and len(node.is_content) and len(node.is_content) != n:
+            fail("is_content", f"is_content has {len(node.is_content)} entries but token_ids has {n}")
+        k = int(node.mask.sum())
+        if not allow_ragged:
+            for name, values in node.streams.items():
+                if values is not None and len(values) and len(values) != k:
+                    fail(name, f"{name} has {len(values)} values but mask has {k} sampled tokens")
+        for name, weights in (node.loss_weights or {}).items():
+            if len(weights) != n:
+                fail(f"loss_weights.{name}", f"loss_weights[{name!r}] has {len(weights)} values but token_ids has {n}")
+        if node.parent is not None and node.parent >= i:
+            fail("parent", f"parent {node.parent} is not an earlier node (node count {len(trace.nodes)})")
+        for link in node.semantic_parents or []:
+            if link["node"] >= i:
+                fail(
+                    "semantic_parents",
+                    f"semantic parent {link['node']} ({link['type']}) is not an earlier node",
+                )
