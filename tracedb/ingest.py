@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import io
+import queue
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -36,8 +38,9 @@ from tracedb.records import (
 if TYPE_CHECKING:
     from tracedb.store import Database
 
-BATCH_TOKENS = 20_000_000
-"""Flush buffered rows to DuckDB after this many tokens (bounds ingest memory)."""
+BATCH_TOKENS = 2_000_000
+"""Hand buffered rows to the writer after this many tokens; with the writer's queue of
+two this bounds ingest memory to a few batches whatever the input size."""
 
 
 @dataclass
@@ -144,16 +147,18 @@ def read_lines(path: Path) -> Iterator[tuple[int, bytes]]:
 
 
 def _list_array(chunks: list[np.ndarray | None], value_type: pa.DataType) -> pa.Array:
+    """A list array from numpy chunks (None = a null list) with one copy of the values."""
     lengths = np.fromiter((0 if c is None else len(c) for c in chunks), dtype=np.int64, count=len(chunks))
     offsets = np.zeros(len(chunks) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     present = [c for c in chunks if c is not None and len(c)]
     dtype = value_type.to_pandas_dtype()
-    values = np.concatenate(present).astype(dtype, copy=False) if present else np.zeros(0, dtype)
+    values = pa.array(np.concatenate(present).astype(dtype, copy=False) if present else np.zeros(0, dtype), value_type)
     nulls = np.fromiter((c is None for c in chunks), dtype=bool, count=len(chunks))
-    return pa.LargeListArray.from_arrays(
-        pa.array(offsets), pa.array(values, type=value_type), mask=pa.array(nulls) if nulls.any() else None
-    ).cast(pa.list_(value_type))
+    mask = pa.array(nulls) if nulls.any() else None
+    if offsets[-1] < 2**31:
+        return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), values, mask=mask)
+    return pa.LargeListArray.from_arrays(pa.array(offsets), values, mask=mask)
 
 
 def segment_key(tokens: np.ndarray) -> bytes:
@@ -224,7 +229,7 @@ class _Batch:
             parents = [n.parent for n in t.nodes]
             links = [n.semantic_parents for n in t.nodes]
             sizes = [len(n.token_ids) for n in t.nodes]
-            sampled = [int(n.mask.sum()) for n in t.nodes]
+            sampled = [n.n_sampled for n in t.nodes]
             paths = branch_paths(parents, links)
             for i, (leaf, trainable, path) in enumerate(paths):
                 self.branches.append(
@@ -262,16 +267,9 @@ class _Batch:
         rows = self.nodes
         nodes = [r[2] for r in rows]
         n_tokens = np.array([len(n.token_ids) for n in nodes], dtype=np.int32)
-        n_sampled = np.array([int(n.mask.sum()) for n in nodes], dtype=np.int32)
-        prefix: list[int | None] = []
-        slots: list[np.ndarray | None] = []
-        for n, size, k in zip(nodes, n_tokens, n_sampled):
-            if k == 0 or n.mask[size - k :].all():
-                prefix.append(int(size - k))
-                slots.append(None)
-            else:
-                prefix.append(None)
-                slots.append(np.where(n.mask, np.cumsum(n.mask), 0).astype(np.int32))
+        n_sampled = np.array([n.n_sampled for n in nodes], dtype=np.int32)
+        prefix = [n.mask_prefix for n in nodes]
+        slots = [None if n.mask is None else np.where(n.mask, np.cumsum(n.mask), 0).astype(np.int32) for n in nodes]
         lw_type = pa.map_(pa.string(), pa.list_(pa.float32()))
         loss_weights = pa.array(
             [None if n.loss_weights is None else [(k, v.tolist()) for k, v in n.loss_weights.items()] for n in nodes],
@@ -466,8 +464,10 @@ def ingest(
     seen: set[str] = set()
     con = db.con
     bar = _progress(files) if progress else None
+    writer = _Writer(db, report, seen)
     con.execute("BEGIN TRANSACTION")
     try:
+        writer.start()
         batch = _Batch()
         for path in files:
             source = str(path)
@@ -489,12 +489,14 @@ def ingest(
                 batch.pending.append((line, source, number))
                 batch.tokens += sum(len(n.token_ids) for t in line.traces for n in t.nodes)
                 if batch.tokens >= BATCH_TOKENS:
-                    _flush(db, batch, report, seen)
+                    writer.put(batch)
                     batch = _Batch()
-        _flush(db, batch, report, seen)
+        writer.put(batch)
+        writer.finish()
         _record_rejects(db, rejects)
         con.execute("COMMIT")
     except BaseException:
+        writer.abandon()
         con.execute("ROLLBACK")
         raise
     finally:
@@ -503,6 +505,45 @@ def ingest(
     db._changed()
     report.seconds = time.perf_counter() - started
     return report
+
+
+class _Writer(threading.Thread):
+    """Writes batches to DuckDB on a second thread while the caller parses the next.
+
+    DuckDB releases the GIL while it inserts, so parsing and writing overlap. Only this
+    thread touches the connection until :meth:`finish` returns.
+    """
+
+    def __init__(self, db: Database, report: IngestReport, seen: set[str]) -> None:
+        super().__init__(name="tracedb-ingest-writer", daemon=True)
+        self.db, self.report, self.seen = db, report, seen
+        self.queue: queue.Queue[_Batch | None] = queue.Queue(maxsize=2)
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        while (batch := self.queue.get()) is not None:
+            if self.error is None:
+                try:
+                    _flush(self.db, batch, self.report, self.seen)
+                except BaseException as e:  # handed to the caller in put/finish
+                    self.error = e
+
+    def put(self, batch: _Batch) -> None:
+        if self.error is not None:
+            raise self.error
+        self.queue.put(batch)
+
+    def finish(self) -> None:
+        self.queue.put(None)
+        self.join()
+        if self.error is not None:
+            raise self.error
+
+    def abandon(self) -> None:
+        if self.is_alive():
+            self.error = self.error or RuntimeError("ingest abandoned")
+            self.queue.put(None)
+            self.join()
 
 
 class _Bar:

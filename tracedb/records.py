@@ -52,7 +52,9 @@ class ParsedNode:
     extra: str | None  # JSON text of unknown keys
     present: int
     token_ids: np.ndarray  # int32
-    mask: np.ndarray  # bool
+    n_sampled: int
+    mask_prefix: int | None  # canonical mask: this many unsampled tokens, then all sampled
+    mask: np.ndarray | None  # bool, only for a mask that is not canonical
     is_content: np.ndarray | None  # bool; None when the key is absent
     streams: dict[str, np.ndarray | None]  # compact float32 streams
     loss_weights: dict[str, np.ndarray] | None
@@ -102,18 +104,39 @@ def _num(arr: Any, kind: str) -> np.ndarray:
 _BOOL_DROP = b"[],rueals"
 
 
-def _bools(arr: Any) -> np.ndarray:
+def _bool_text(arr: Any) -> tuple[bytes, int, int]:
+    """The minified text of a JSON list of booleans, its true and its false count."""
     if not isinstance(arr, simdjson.Array):
         raise _Fallback
     text = arr.mini
-    letters = np.frombuffer(text.translate(None, _BOOL_DROP), dtype=np.uint8)
-    # "true" leaves "t", "false" leaves "f"; anything else leaves other bytes behind.
-    if len(letters) != len(arr) or text.count(b"[") != 1:
+    trues, falses = text.count(b"t"), text.count(b"f")
+    # "true" holds one t and no f, "false" one f and no t; a string, number, null or
+    # nested list breaks one of these counts.
+    if trues + falses != len(arr) or text.count(b"[") != 1 or b'"' in text:
         raise _Fallback
-    out = letters == ord("t")
-    if out.sum() + (letters == ord("f")).sum() != len(letters):
-        raise _Fallback
-    return out
+    return text, trues, falses
+
+
+def _bools(arr: Any) -> np.ndarray:
+    text, _, _ = _bool_text(arr)
+    return np.frombuffer(text.translate(None, _BOOL_DROP), dtype=np.uint8) == ord("t")
+
+
+def _mask(arr: Any) -> tuple[int, int | None, np.ndarray | None]:
+    """(sampled count, canonical prefix or None, explicit mask or None)."""
+    text, trues, falses = _bool_text(arr)
+    if trues == 0 or text.rfind(b"f") < text.find(b"t"):
+        return trues, falses, None
+    return trues, None, np.frombuffer(text.translate(None, _BOOL_DROP), dtype=np.uint8) == ord("t")
+
+
+def split_mask(mask: np.ndarray) -> tuple[int, int | None, np.ndarray | None]:
+    """The same triple as ``_mask`` from a bool array."""
+    k = int(mask.sum())
+    n = len(mask)
+    if k == 0 or mask[n - k :].all():
+        return k, n - k, None
+    return k, None, mask
 
 
 def _plain(value: Any) -> Any:
@@ -131,7 +154,8 @@ def _fast_node(node: Any) -> tuple[ParsedNode, int]:
     present = 0
     extra: dict[str, Any] = {}
     parent = sampled = timestamp = message = semantic = None
-    token_ids = mask = is_content = loss_weights = None
+    token_ids = is_content = loss_weights = None
+    n_sampled, mask_prefix, mask = 0, 0, None
     streams: dict[str, np.ndarray | None] = {}
     brackets = 0
     for key in node.keys():
@@ -145,7 +169,7 @@ def _fast_node(node: Any) -> tuple[ParsedNode, int]:
             token_ids = _num(value, "i")
             brackets += 1
         elif key == "mask":
-            mask = _bools(value)
+            n_sampled, mask_prefix, mask = _mask(value)
             brackets += 1
         elif key == "is_content":
             is_content = _bools(value)
@@ -214,7 +238,9 @@ def _fast_node(node: Any) -> tuple[ParsedNode, int]:
         extra=extra_text,
         present=present,
         token_ids=np.zeros(0, np.int32) if token_ids is None else token_ids.astype(np.int32),
-        mask=np.zeros(0, bool) if mask is None else mask,
+        n_sampled=n_sampled,
+        mask_prefix=mask_prefix,
+        mask=mask,
         is_content=is_content,
         streams={k: streams.get(k) for k in COMPACT_STREAMS},
         loss_weights=loss_weights,
@@ -306,6 +332,7 @@ def _slow_node(node: dict[str, Any]) -> ParsedNode:
             present |= BIT[key]
     extra = {k: v for k, v in node.items() if k not in BIT}
     lw = node.get("loss_weights")
+    n_sampled, mask_prefix, mask = split_mask(np.asarray(node.get("mask", []), dtype=bool))
     return ParsedNode(
         parent=node.get("parent"),
         sampled=node.get("sampled"),
@@ -315,7 +342,9 @@ def _slow_node(node: dict[str, Any]) -> ParsedNode:
         extra=json.dumps(extra, separators=(",", ":")) if extra else None,
         present=present,
         token_ids=_tokens(node.get("token_ids", [])),
-        mask=np.asarray(node.get("mask", []), dtype=bool),
+        n_sampled=n_sampled,
+        mask_prefix=mask_prefix,
+        mask=mask,
         is_content=np.asarray(node["is_content"], dtype=bool) if "is_content" in node else None,
         streams={
             k: (None if node.get(k) is None else _f32(node[k]))
@@ -410,11 +439,12 @@ def check_trace(trace: ParsedTrace, where: Location, *, allow_ragged: bool = Fal
         def fail(field: str, reason: str) -> None:
             raise RecordError(reason, Location(loc.file, loc.line, loc.trace_id, i, field))
 
-        if len(node.mask) != n:
-            fail("mask", f"mask has {len(node.mask)} entries but token_ids has {n}")
+        size = len(node.mask) if node.mask is not None else node.n_sampled + node.mask_prefix
+        if size != n:
+            fail("mask", f"mask has {size} entries but token_ids has {n}")
         if node.is_content is not None and len(node.is_content) and len(node.is_content) != n:
             fail("is_content", f"is_content has {len(node.is_content)} entries but token_ids has {n}")
-        k = int(node.mask.sum())
+        k = node.n_sampled
         if not allow_ragged:
             for name, values in node.streams.items():
                 if values is not None and len(values) and len(values) != k:
