@@ -166,7 +166,9 @@ def segment_key(tokens: np.ndarray) -> bytes:
     return hashlib.blake2b(memoryview(np.ascontiguousarray(tokens, dtype=np.int32)), digest_size=16).digest()
 
 
-def branch_paths(parents: list[int | None], links: list[list[dict[str, Any]] | None]) -> list[tuple[int, bool, list[int]]]:
+def branch_paths(
+    parents: list[int | None], links: list[list[dict[str, Any]] | None]
+) -> list[tuple[int, bool, list[int]]]:
     """(leaf, trainable, root-to-leaf path) per branch, in verifiers' leaf order.
 
     A leaf with a ``compaction_attempt`` link is trainable only if some node holds a
@@ -277,7 +279,12 @@ class _Batch:
         )
         sp_type = pa.list_(pa.struct([("node", pa.int32()), ("type", pa.string())]))
         semantic = pa.array(
-            [None if n.semantic_parents is None else [{"node": s["node"], "type": s["type"]} for s in n.semantic_parents] for n in nodes],
+            [
+                None
+                if n.semantic_parents is None
+                else [{"node": s["node"], "type": s["type"]} for s in n.semantic_parents]
+                for n in nodes
+            ],
             type=sp_type,
         )
         roles = []

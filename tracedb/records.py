@@ -346,10 +346,7 @@ def _slow_node(node: dict[str, Any]) -> ParsedNode:
         mask_prefix=mask_prefix,
         mask=mask,
         is_content=np.asarray(node["is_content"], dtype=bool) if "is_content" in node else None,
-        streams={
-            k: (None if node.get(k) is None else _f32(node[k]))
-            for k in COMPACT_STREAMS
-        },
+        streams={k: (None if node.get(k) is None else _f32(node[k])) for k in COMPACT_STREAMS},
         loss_weights=None if lw is None else {k: _f32(v) for k, v in lw.items()},
     )
 
@@ -432,31 +429,35 @@ def check_trace(trace: ParsedTrace, where: Location, *, allow_ragged: bool = Fal
     ``allow_ragged`` accepts compact streams that are longer or shorter than the
     sampled-token count (verifiers' spreading drops or zero-fills them).
     """
-    loc = Location(where.file, where.line, trace.trace_id)
     for i, node in enumerate(trace.nodes):
-        n = len(node.token_ids)
+        problem = _node_problem(i, node, allow_ragged)
+        if problem is not None:
+            field, reason = problem
+            raise RecordError(reason, Location(where.file, where.line, trace.trace_id, i, field))
 
-        def fail(field: str, reason: str) -> None:
-            raise RecordError(reason, Location(loc.file, loc.line, loc.trace_id, i, field))
 
-        size = len(node.mask) if node.mask is not None else node.n_sampled + node.mask_prefix
-        if size != n:
-            fail("mask", f"mask has {size} entries but token_ids has {n}")
-        if node.is_content is not None and len(node.is_content) and len(node.is_content) != n:
-            fail("is_content", f"is_content has {len(node.is_content)} entries but token_ids has {n}")
-        k = node.n_sampled
-        if not allow_ragged:
-            for name, values in node.streams.items():
-                if values is not None and len(values) and len(values) != k:
-                    fail(name, f"{name} has {len(values)} values but mask has {k} sampled tokens")
-        for name, weights in (node.loss_weights or {}).items():
-            if len(weights) != n:
-                fail(f"loss_weights.{name}", f"loss_weights[{name!r}] has {len(weights)} values but token_ids has {n}")
-        if node.parent is not None and node.parent >= i:
-            fail("parent", f"parent {node.parent} is not an earlier node (node count {len(trace.nodes)})")
-        for link in node.semantic_parents or []:
-            if link["node"] >= i:
-                fail(
-                    "semantic_parents",
-                    f"semantic parent {link['node']} ({link['type']}) is not an earlier node",
-                )
+def _node_problem(i: int, node: ParsedNode, allow_ragged: bool) -> tuple[str, str] | None:
+    """(field, reason) of the first rule node ``i`` breaks, or None."""
+    n = len(node.token_ids)
+    size = len(node.mask) if node.mask is not None else node.n_sampled + node.mask_prefix
+    if size != n:
+        return "mask", f"mask has {size} entries but token_ids has {n}"
+    if node.is_content is not None and len(node.is_content) and len(node.is_content) != n:
+        return "is_content", f"is_content has {len(node.is_content)} entries but token_ids has {n}"
+    k = node.n_sampled
+    if not allow_ragged:
+        for name, values in node.streams.items():
+            if values is not None and len(values) and len(values) != k:
+                return name, f"{name} has {len(values)} values but mask has {k} sampled tokens"
+    for name, weights in (node.loss_weights or {}).items():
+        if len(weights) != n:
+            return f"loss_weights.{name}", f"loss_weights[{name!r}] has {len(weights)} values but token_ids has {n}"
+    if node.parent is not None and node.parent >= i:
+        return "parent", f"parent {node.parent} is not an earlier node than {i}"
+    for link in node.semantic_parents or []:
+        if link["node"] >= i:
+            return (
+                "semantic_parents",
+                f"semantic parent {link['node']} ({link['type']}) is not an earlier node than {i}",
+            )
+    return None

@@ -23,8 +23,17 @@ SCAFFOLD = 3  # unsampled generation-prompt tokens ahead of each completion
 
 _AGENT = {
     "config": {
-        "runtime": {"allow": ["*"], "block": [], "type": "prime", "image": "python:3.11-slim",
-                    "labels": [], "cpu": 1.0, "memory": 2.0, "disk": 5.0, "idle_timeout": 3600.0},
+        "runtime": {
+            "allow": ["*"],
+            "block": [],
+            "type": "prime",
+            "image": "python:3.11-slim",
+            "labels": [],
+            "cpu": 1.0,
+            "memory": 2.0,
+            "disk": 5.0,
+            "idle_timeout": 3600.0,
+        },
         "timeout": {},
         "retries": {"max_retries": 0, "rules": []},
         "network_notice": True,
@@ -56,8 +65,7 @@ class _Builder:
         self.nodes: list[dict[str, Any]] = []
         self.t = t0
 
-    def add(self, parent: int | None, role: str, tokens: np.ndarray, sampled: bool,
-            content: str, **extra: Any) -> int:
+    def add(self, parent: int | None, role: str, tokens: np.ndarray, sampled: bool, content: str, **extra: Any) -> int:
         n = len(tokens)
         node: dict[str, Any] = {}
         if parent is not None:
@@ -123,8 +131,14 @@ def generate_episodes(
                 kind = "assistant" if turn % 2 == 0 else "tool"
                 toks = rng.integers(0, VOCAB, n, dtype=np.int64)
                 if kind == "assistant" and branch > compaction_every:
-                    attempt = b.add(last, "assistant", toks, True, "summary of work so far",
-                                    semantic_parents=[{"node": last, "type": "compaction_attempt"}])
+                    attempt = b.add(
+                        last,
+                        "assistant",
+                        toks,
+                        True,
+                        "summary of work so far",
+                        semantic_parents=[{"node": last, "type": "compaction_attempt"}],
+                    )
                     resume = b.add(root, "user", toks[: n // 2], False, "summary of work so far")
                     last = resume
                     total += n + n // 2

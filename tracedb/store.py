@@ -194,7 +194,7 @@ class Database:
         branch_tokens = one("SELECT coalesce(sum(n_tokens), 0) FROM branches")
         size = None
         if self.path != ":memory:":
-            size = one("SELECT sum(total_blocks * block_size) FROM pragma_database_size()")
+            size = sum(p.stat().st_size for p in (Path(self.path), Path(self.path + ".wal")) if p.exists())
         return {
             "path": self.path,
             "schema_version": SCHEMA_VERSION,

@@ -118,7 +118,9 @@ def _flat(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray, np.n
     return values, offsets, valid
 
 
-def _copy_runs(dst: np.ndarray, dst_start: np.ndarray, src: np.ndarray, src_start: np.ndarray, length: np.ndarray) -> None:
+def _copy_runs(
+    dst: np.ndarray, dst_start: np.ndarray, src: np.ndarray, src_start: np.ndarray, length: np.ndarray
+) -> None:
     """dst[dst_start[i] : +length[i]] = src[src_start[i] : +length[i]] for every run i."""
     keep = length > 0
     dst_start, src_start, length = dst_start[keep], src_start[keep], length[keep]
@@ -232,6 +234,8 @@ def _gather_index(run_start: np.ndarray, run_end: np.ndarray) -> np.ndarray:
 def _take(flat: np.ndarray, run_start: np.ndarray, run_end: np.ndarray, index: np.ndarray | None) -> np.ndarray:
     if index is not None:
         return flat[index]
+    if len(run_start) == 0:
+        return flat[:0].copy()
     if len(run_start) == 1:
         return flat[run_start[0] : run_end[0]].copy()
     return np.concatenate([flat[a:b] for a, b in zip(run_start.tolist(), run_end.tolist())])
@@ -242,9 +246,7 @@ def _list(values: np.ndarray, offsets: pa.Array, value_type: pa.DataType, valid:
     return pa.ListArray.from_arrays(offsets, pa.array(values, value_type), mask=mask)
 
 
-def _branch_tables(
-    data: _Nodes, columns: Sequence[str], train_once: bool, trainable: bool | None
-) -> pa.Table:
+def _branch_tables(data: _Nodes, columns: Sequence[str], train_once: bool, trainable: bool | None) -> pa.Table:
     br = data.branches
     if trainable is not None:
         br = br.filter(pc.equal(br.column("trainable"), trainable))
@@ -253,7 +255,11 @@ def _branch_tables(
     paths = br.column("path").to_pylist()
     bases = [data.base[t] for t in trace_ids]
     run_start, run_end, per_branch = _runs(paths, bases, data.starts)
-    lengths = np.add.reduceat(run_end - run_start, np.concatenate([[0], np.cumsum(per_branch)[:-1]])) if n_branches else np.zeros(0, np.int64)
+    lengths = (
+        np.add.reduceat(run_end - run_start, np.concatenate([[0], np.cumsum(per_branch)[:-1]]))
+        if n_branches
+        else np.zeros(0, np.int64)
+    )
     offsets64 = np.zeros(n_branches + 1, np.int64)
     np.cumsum(lengths, out=offsets64[1:])
     offsets = pa.array(offsets64.astype(np.int32)) if offsets64[-1] < 2**31 else None
@@ -278,7 +284,9 @@ def _branch_tables(
         elif name == "logprobs":
             out[name] = _list(_take(data.full[name], run_start, run_end, index), offsets, pa.float32())
         elif name in OPTIONAL_STREAMS:
-            held = np.array([data.has[name][rows].any() for rows in path_rows], bool) if n_branches else np.zeros(0, bool)
+            held = (
+                np.array([data.has[name][rows].any() for rows in path_rows], bool) if n_branches else np.zeros(0, bool)
+            )
             values = _take(data.full[name], run_start, run_end, index)
             out[name] = _list(values, offsets, pa.float32(), held)
         elif name == "loss_weights":

@@ -1,0 +1,242 @@
+"""The ``tracedb`` command: a thin shell over the library, one library call per command."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+import tracedb
+from tracedb.errors import TraceDBError
+
+app = typer.Typer(
+    help="Trace storage for RL of LLM agents: verifiers v1 message graphs in DuckDB, branch-spread token views.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+out = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
+
+DbOption = Annotated[
+    Path, typer.Option("--db", envvar="TRACEDB_DB", help="Database file (created if missing); env TRACEDB_DB.")
+]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table.")]
+
+
+def _open(db: Path, read_only: bool = False) -> tracedb.Database:
+    if read_only and not db.exists():
+        err.print(f"[red]no database at {db}[/red]")
+        raise typer.Exit(2)
+    try:
+        return tracedb.connect(db, read_only=read_only)
+    except TraceDBError as e:
+        err.print(f"[red]{e}[/red]")
+        raise typer.Exit(2) from None
+
+
+def _emit(data: Any, as_json: bool, title: str | None = None) -> None:
+    """Shared output: JSON for scripts, a table for people."""
+    if as_json:
+        sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+        return
+    rows = data if isinstance(data, list) else [{"key": k, "value": v} for k, v in data.items()]
+    table = Table(title=title)
+    if rows:
+        for column in rows[0]:
+            table.add_column(str(column))
+        for row in rows:
+            table.add_row(*("" if v is None else str(v) for v in row.values()))
+    out.print(table)
+
+
+@app.command()
+def ingest(
+    paths: Annotated[list[Path], typer.Argument(help="traces.jsonl / .jsonl.zst / .json files or directories.")],
+    db: DbOption = Path("tracedb.duckdb"),
+    strict: Annotated[bool, typer.Option(help="Abort on the first bad record; the database stays unchanged.")] = False,
+    allow_ragged: Annotated[
+        bool, typer.Option(help="Accept compact streams longer/shorter than the sampled count.")
+    ] = False,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    as_json: JsonOption = False,
+) -> None:
+    """Ingest verifiers traces. Exits 1 when any record was rejected (they are kept in `rejects`)."""
+    with _open(db) as database:
+        try:
+            report = database.ingest(paths, strict=strict, allow_ragged=allow_ragged, progress=progress and not as_json)
+        except (TraceDBError, FileNotFoundError) as e:
+            err.print(f"[red]{e}[/red]")
+            raise typer.Exit(1) from None
+    if as_json:
+        _emit(report.to_dict(), True)
+    else:
+        out.print(str(report))
+        for reject in report.rejected[:20]:
+            err.print(f"[yellow]rejected[/yellow] {reject}")
+        if len(report.rejected) > 20:
+            err.print(f"... and {len(report.rejected) - 20} more: tracedb rejects --db {db}")
+    if report.rejected:
+        raise typer.Exit(1)
+
+
+@app.command()
+def sql(
+    query: Annotated[str, typer.Argument(help="SQL to run; '-' reads it from standard input.")],
+    db: DbOption = Path("tracedb.duckdb"),
+    as_json: JsonOption = False,
+    limit: Annotated[int, typer.Option(help="Print at most this many rows (table output).")] = 50,
+) -> None:
+    """Run SQL against the database; tracedb's macros (branch_tokens(), node_credit(), ...) are there."""
+    text = sys.stdin.read() if query == "-" else query
+    with _open(db) as database:
+        try:
+            table = database.sql(text)
+        except Exception as e:  # DuckDB's own message says what is wrong with the query
+            err.print(f"[red]{type(e).__name__}: {e}[/red]")
+            raise typer.Exit(1) from None
+    rows = table.to_pylist()
+    if as_json:
+        _emit(rows, True)
+        return
+    _emit(rows[:limit], False)
+    if len(rows) > limit:
+        err.print(f"{len(rows)} rows, {limit} shown (--limit)")
+
+
+@app.command()
+def branches(
+    trace_id: Annotated[str, typer.Argument(help="The trace to show.")],
+    db: DbOption = Path("tracedb.duckdb"),
+    train_once: Annotated[bool, typer.Option(help="Keep a shared node trainable only in its first branch.")] = False,
+    tokens: Annotated[bool, typer.Option(help="With --json: include the full per-token arrays.")] = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Show one trace's branches: size, sampled tokens, credit; --json --tokens for the arrays."""
+    with _open(db, read_only=True) as database:
+        table = database.branches(trace_ids=[trace_id], train_once=train_once)
+    if table.num_rows == 0:
+        err.print(f"[red]trace {trace_id!r} is not in {db}[/red]")
+        raise typer.Exit(1)
+    rows = []
+    for row in table.to_pylist():
+        summary = {
+            "branch_index": row["branch_index"],
+            "trainable": row["trainable"],
+            "tokens": len(row["token_ids"]),
+            "sampled": sum(row["sampled_mask"]),
+            "advantages": None if row["advantages"] is None else "assigned",
+            "loss_weights": ",".join(k for k, _ in row["loss_weights"]) or None,
+        }
+        if as_json and tokens:
+            row["loss_weights"] = dict(row["loss_weights"])
+            summary = row
+        rows.append(summary)
+    _emit(rows, as_json, title=f"trace {trace_id}")
+
+
+@app.command()
+def trace(
+    trace_id: Annotated[str, typer.Argument(help="The trace to print.")],
+    db: DbOption = Path("tracedb.duckdb"),
+) -> None:
+    """Print a trace record exactly as it was ingested (JSON)."""
+    with _open(db, read_only=True) as database:
+        try:
+            record = database.trace(trace_id)
+        except TraceDBError as e:
+            err.print(f"[red]{e}[/red]")
+            raise typer.Exit(1) from None
+    sys.stdout.write(json.dumps(record) + "\n")
+
+
+@app.command()
+def export(
+    path: Annotated[Path, typer.Argument(help="Output file: .parquet, .arrow (IPC file) or .arrows (IPC stream).")],
+    db: DbOption = Path("tracedb.duckdb"),
+    trace_id: Annotated[list[str] | None, typer.Option(help="Only these traces (repeatable).")] = None,
+    group: Annotated[list[str] | None, typer.Option(help="Only traces of these groups (repeatable).")] = None,
+    trainable_only: Annotated[bool, typer.Option(help="Only trainable branches.")] = False,
+    columns: Annotated[str | None, typer.Option(help="Comma-separated token columns to keep.")] = None,
+    train_once: Annotated[bool, typer.Option(help="Keep a shared node trainable only in its first branch.")] = False,
+    format: Annotated[str | None, typer.Option(help="parquet, arrow or arrows (default: from the suffix).")] = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Export branch views, streaming in bounded memory."""
+    with _open(db, read_only=True) as database:
+        try:
+            result = database.export(
+                path,
+                format=format,
+                trace_ids=trace_id or None,
+                group=group or None,
+                trainable=True if trainable_only else None,
+                columns=[c.strip() for c in columns.split(",")] if columns else None,
+                train_once=train_once,
+            )
+        except ValueError as e:
+            err.print(f"[red]{e}[/red]")
+            raise typer.Exit(2) from None
+    _emit(result, as_json)
+
+
+@app.command()
+def stats(db: DbOption = Path("tracedb.duckdb"), as_json: JsonOption = False) -> None:
+    """Episodes, traces, nodes, branches, tokens, bytes and the dedup ratio."""
+    with _open(db, read_only=True) as database:
+        _emit(database.stats(), as_json, title=str(db))
+
+
+@app.command()
+def rejects(db: DbOption = Path("tracedb.duckdb"), as_json: JsonOption = False) -> None:
+    """Records that ingest rejected, with where and why."""
+    with _open(db, read_only=True) as database:
+        rows = database.sql(
+            "SELECT source, line, trace_id, node, field, reason FROM rejects ORDER BY rejected_at, source, line"
+        ).to_pylist()
+    _emit(rows, as_json, title="rejects")
+
+
+@app.command()
+def demo(
+    db: DbOption = Path("tracedb-demo.duckdb"),
+    data: Annotated[Path, typer.Option(help="Where the generated sample traces.jsonl goes.")] = Path(
+        "data/sample/traces.jsonl"
+    ),
+    groups: Annotated[int, typer.Option(help="Rollout groups to generate.")] = 8,
+    group_size: Annotated[int, typer.Option(help="Traces per group.")] = 8,
+    tokens: Annotated[int, typer.Option(help="Tokens per trace.")] = 30_000,
+) -> None:
+    """The main job end to end on generated sample data: ingest, views, SQL, export."""
+    from tracedb.sample import write_sample
+
+    if not data.exists():
+        write_sample(data, groups=groups, group_size=group_size, tokens_per_trace=tokens, advantages=True)
+        out.print(f"wrote sample rollouts to {data}")
+    with _open(db) as database:
+        report = database.ingest(data, progress=True)
+        out.print(str(report))
+        _emit(database.stats(), False, title="stats")
+        view = database.branches(trainable=True)
+        out.print(
+            f"branch views: {view.num_rows} trainable branches, "
+            f"{sum(len(x) for x in view.column('token_ids').to_pylist())} tokens (aligned token_ids, "
+            "sampled_mask, logprobs, advantages, ...)"
+        )
+        per_group = database.sql(
+            "SELECT t.group_id, count(*) AS branches, sum(b.n_tokens) AS tokens, "
+            "round(avg(s.sampled_share), 3) AS sampled_share, sum(s.credited_nodes) AS credited_nodes "
+            "FROM branch_stats() s JOIN traces t USING (trace_id) "
+            "JOIN branches b USING (trace_id, branch_index) GROUP BY 1 ORDER BY 1"
+        )
+        _emit(per_group.to_pylist(), False, title="SQL: per group, from branch_stats()")
+        exported = database.export(db.with_suffix(".parquet"), trainable=True)
+        out.print(f"exported {exported['rows']} branches to {exported['path']} ({exported['bytes']} bytes)")
+
+
+def main() -> None:  # pragma: no cover - console entry point
+    app()

@@ -1,0 +1,99 @@
+"""Streaming export of branch views to Parquet or Arrow IPC.
+
+Views are built a batch of whole traces at a time (see ``views.iter_branches``) and
+written as they come, so memory stays bounded by the batch size, not the database.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import pyarrow.parquet as pq
+
+from tracedb.views import BRANCH_SCHEMA, iter_branches
+
+if TYPE_CHECKING:
+    from tracedb.store import Database
+
+FORMATS = {
+    ".parquet": "parquet",
+    ".pq": "parquet",
+    ".arrow": "arrow",
+    ".ipc": "arrow",
+    ".feather": "arrow",
+    ".arrows": "arrows",
+}
+"""File suffix -> format: ``parquet``, ``arrow`` (IPC file) or ``arrows`` (IPC stream)."""
+
+
+def export(
+    db: Database,
+    path: str | Path,
+    *,
+    format: str | None = None,
+    trace_ids: Sequence[str] | None = None,
+    group: str | Sequence[str] | None = None,
+    episode: str | Sequence[str] | None = None,
+    trainable: bool | None = None,
+    columns: Sequence[str] | None = None,
+    train_once: bool = False,
+    batch_tokens: int = 16_000_000,
+    compression: str | None = "zstd",
+) -> dict[str, Any]:
+    """Write the branch views of the selected traces to ``path``.
+
+    ``format`` is ``parquet``, ``arrow`` (IPC file) or ``arrows`` (IPC stream); by
+    default it follows the suffix. Filters and ``columns`` are those of
+    ``db.branches()``. The file is written beside ``path`` and renamed into place, so a
+    failed export leaves no partial file. Returns rows, branches' tokens and bytes.
+    """
+    path = Path(path)
+    fmt = format or FORMATS.get(path.suffix.lower())
+    if fmt not in ("parquet", "arrow", "arrows"):
+        raise ValueError(f"cannot tell the export format of {path}; use .parquet, .arrow or .arrows, or format=")
+    tmp = path.with_name(path.name + ".partial")
+    rows = tokens = 0
+    writer: Any = None
+    try:
+        for table in iter_branches(
+            db,
+            trace_ids=trace_ids,
+            group=group,
+            episode=episode,
+            trainable=trainable,
+            columns=columns,
+            train_once=train_once,
+            batch_tokens=batch_tokens,
+        ):
+            if writer is None:
+                writer = _writer(fmt, tmp, table.schema, compression)
+            if table.num_rows:
+                writer.write_table(table)
+                rows += table.num_rows
+                if "token_ids" in table.column_names:
+                    tokens += int(pa.compute.sum(pa.compute.list_value_length(table.column("token_ids"))).as_py() or 0)
+        if writer is None:  # nothing selected: still a valid, empty file
+            writer = _writer(fmt, tmp, BRANCH_SCHEMA, compression)
+        writer.close()
+        writer = None
+        os.replace(tmp, path)
+    finally:
+        if writer is not None:
+            writer.close()
+        if tmp.exists():
+            tmp.unlink()
+    return {"path": str(path), "format": fmt, "rows": rows, "tokens": tokens, "bytes": path.stat().st_size}
+
+
+def _writer(fmt: str, path: Path, schema: pa.Schema, compression: str | None) -> Any:
+    if fmt == "parquet":
+        return pq.ParquetWriter(path, schema, compression=compression or "none")
+    options = ipc.IpcWriteOptions(compression=compression if compression in ("zstd", "lz4") else None)
+    if fmt == "arrow":
+        return ipc.new_file(path, schema, options=options)
+    return ipc.new_stream(path, schema, options=options)
