@@ -264,7 +264,6 @@ class _Batch:
                 self.nodes.append((t.trace_id, i, node, key))
 
     def node_table(self) -> pa.Table:
-        import json
 
         rows = self.nodes
         nodes = [r[2] for r in rows]
@@ -287,17 +286,11 @@ class _Batch:
             ],
             type=sp_type,
         )
-        roles = []
-        for n in nodes:
-            try:
-                roles.append(json.loads(n.message).get("role") if n.message else None)
-            except (ValueError, AttributeError):
-                roles.append(None)
         columns = {
             "trace_id": pa.array([r[0] for r in rows], pa.string()),
             "node_index": pa.array([r[1] for r in rows], pa.int32()),
             "parent": pa.array([n.parent for n in nodes], pa.int32()),
-            "role": pa.array(roles, pa.string()),
+            "role": pa.array([n.role for n in nodes], pa.string()),
             "sampled": pa.array([n.sampled for n in nodes], pa.bool_()),
             "timestamp": pa.array([None if n.timestamp is None else float(n.timestamp) for n in nodes], pa.float64()),
             "segment_id": pa.array([r[3] for r in rows], pa.binary()),

@@ -48,6 +48,7 @@ class ParsedNode:
     sampled: bool | None
     timestamp: float | None
     message: str | None  # JSON text
+    role: str | None  # message.role, for queries
     semantic_parents: list[dict[str, Any]] | None
     extra: str | None  # JSON text of unknown keys
     present: int
@@ -89,9 +90,14 @@ def _tokens(values: Any) -> np.ndarray:
 # --------------------------------------------------------------------------- fast path
 
 
+_EMPTY = {"i": np.zeros(0, np.int64), "d": np.zeros(0, np.float64)}
+
+
 def _num(arr: Any, kind: str) -> np.ndarray:
     if not isinstance(arr, simdjson.Array):
         raise _Fallback
+    if not len(arr):
+        return _EMPTY[kind]
     try:
         buf = np.frombuffer(arr.as_buffer(of_type=kind), dtype=np.int64 if kind == "i" else np.float64)
     except (TypeError, ValueError) as e:
@@ -118,6 +124,8 @@ def _bool_text(arr: Any) -> tuple[bytes, int, int]:
 
 
 def _bools(arr: Any) -> np.ndarray:
+    if isinstance(arr, simdjson.Array) and not len(arr):
+        return np.zeros(0, bool)
     text, _, _ = _bool_text(arr)
     return np.frombuffer(text.translate(None, _BOOL_DROP), dtype=np.uint8) == ord("t")
 
@@ -153,7 +161,7 @@ def _fast_node(node: Any) -> tuple[ParsedNode, int]:
         raise _Fallback
     present = 0
     extra: dict[str, Any] = {}
-    parent = sampled = timestamp = message = semantic = None
+    parent = sampled = timestamp = message = semantic = role = None
     token_ids = is_content = loss_weights = None
     n_sampled, mask_prefix, mask = 0, 0, None
     streams: dict[str, np.ndarray | None] = {}
@@ -179,6 +187,7 @@ def _fast_node(node: Any) -> tuple[ParsedNode, int]:
                 raise _Fallback
             message = value.mini
             brackets += message.count(b"[")
+            role = value.get("role")
         elif key == "parent":
             if value is not None and (type(value) is not int or value < 0):
                 raise _Fallback
@@ -194,8 +203,8 @@ def _fast_node(node: Any) -> tuple[ParsedNode, int]:
         elif key == "semantic_parents":
             if not isinstance(value, simdjson.Array):
                 raise _Fallback
-            semantic = value.as_list()
             brackets += 1
+            semantic = value.as_list() if len(value) else []
             for link in semantic:
                 if (
                     type(link) is not dict
@@ -234,6 +243,7 @@ def _fast_node(node: Any) -> tuple[ParsedNode, int]:
         sampled=sampled,
         timestamp=timestamp,
         message=message.decode() if message is not None else None,
+        role=role if isinstance(role, str) else None,
         semantic_parents=semantic,
         extra=extra_text,
         present=present,
@@ -338,6 +348,7 @@ def _slow_node(node: dict[str, Any]) -> ParsedNode:
         sampled=node.get("sampled"),
         timestamp=node.get("timestamp"),
         message=json.dumps(node["message"], separators=(",", ":"), ensure_ascii=False),
+        role=node["message"].get("role") if isinstance(node["message"].get("role"), str) else None,
         semantic_parents=node.get("semantic_parents"),
         extra=json.dumps(extra, separators=(",", ":")) if extra else None,
         present=present,
