@@ -21,15 +21,29 @@ CREATE OR REPLACE MACRO tdb_widen(vals, n_tokens, n_sampled, mask_prefix, mask_s
                                        ELSE coalesce(vals[k], 0.0::FLOAT) END)
     END;
 
+-- Each node's compact advantages in one credit set: 'default' (or NULL) is the credit
+-- ingested with the records; a named set reads the credit table, where a node without
+-- a row is unassigned (NULL) and a constant is stored once and broadcast here.
+CREATE OR REPLACE MACRO credit_advantages(credit_set) AS TABLE
+    SELECT n.trace_id, n.node_index, n.n_sampled,
+           CASE WHEN credit_set IS NULL OR credit_set = 'default' THEN n.advantages
+                ELSE coalesce(c.advantages,
+                              CASE WHEN c.value IS NOT NULL
+                                   THEN list_resize([]::FLOAT[], n.n_sampled, c.value) END)
+           END AS advantages
+    FROM nodes n
+    LEFT JOIN credit c
+           ON c.credit_set = credit_set AND c.trace_id = n.trace_id AND c.node_index = n.node_index;
+
 -- One row per node with its tokens and every stream in full (per-token) layout.
-CREATE OR REPLACE MACRO node_tokens() AS TABLE
+CREATE OR REPLACE MACRO node_tokens(credit := NULL) AS TABLE
     SELECT n.trace_id, n.node_index, n.parent, n.role, n.sampled,
            n.n_tokens, n.n_sampled,
            s.token_ids,
            tdb_mask(n.n_tokens, n.mask_prefix, n.mask_slots) AS sampled_mask,
            tdb_widen(n.logprobs, n.n_tokens, n.n_sampled, n.mask_prefix, n.mask_slots) AS logprobs,
-           n.advantages IS NOT NULL AS has_advantages,
-           tdb_widen(n.advantages, n.n_tokens, n.n_sampled, n.mask_prefix, n.mask_slots) AS advantages,
+           a.advantages IS NOT NULL AS has_advantages,
+           tdb_widen(a.advantages, n.n_tokens, n.n_sampled, n.mask_prefix, n.mask_slots) AS advantages,
            n.reference_logprobs IS NOT NULL AS has_reference_logprobs,
            tdb_widen(n.reference_logprobs, n.n_tokens, n.n_sampled, n.mask_prefix, n.mask_slots) AS reference_logprobs,
            n.trainer_logprobs IS NOT NULL AS has_trainer_logprobs,
@@ -37,7 +51,8 @@ CREATE OR REPLACE MACRO node_tokens() AS TABLE
            n.entropies IS NOT NULL AS has_entropies,
            tdb_widen(n.entropies, n.n_tokens, n.n_sampled, n.mask_prefix, n.mask_slots) AS entropies,
            n.loss_weights
-    FROM nodes n JOIN segments s USING (segment_id);
+    FROM nodes n JOIN segments s USING (segment_id)
+    JOIN credit_advantages(credit) a USING (trace_id, node_index);
 
 -- One row per (branch, node on its path), pos = 1 at the root. first_branch is the
 -- first trainable branch holding the node (or the first branch, if none is trainable).
@@ -58,7 +73,7 @@ CREATE OR REPLACE MACRO branch_nodes() AS TABLE
 -- A stream is NULL when no node on the path holds it; loss_weights maps each name that
 -- some node on the path holds to its spread (zeros on nodes lacking it).
 -- train_once: a node's sampled tokens stay in the mask only in its first branch.
-CREATE OR REPLACE MACRO branch_tokens(train_once := false) AS TABLE
+CREATE OR REPLACE MACRO branch_tokens(train_once := false, credit := NULL) AS TABLE
     WITH bn AS (
         SELECT b.trace_id, b.branch_index, b.trainable, b.pos, t.*
                EXCLUDE (trace_id, node_index),
@@ -66,7 +81,7 @@ CREATE OR REPLACE MACRO branch_tokens(train_once := false) AS TABLE
                     THEN list_resize([]::BOOLEAN[], t.n_tokens, false)
                     ELSE t.sampled_mask END AS mask_used
         FROM branch_nodes() b
-        JOIN node_tokens() t USING (trace_id, node_index)
+        JOIN node_tokens(credit := credit) t USING (trace_id, node_index)
     ),
     names AS (
         SELECT DISTINCT trace_id, branch_index, unnest(map_keys(loss_weights)) AS name
@@ -118,19 +133,34 @@ CREATE OR REPLACE MACRO branch_stats() AS TABLE
     JOIN nodes n ON n.trace_id = b.trace_id AND n.node_index = u.node_index
     GROUP BY ALL;
 
--- Which nodes carry credit, and how much (NULL = never assigned, not zero).
-CREATE OR REPLACE MACRO node_credit() AS TABLE
-    SELECT trace_id, node_index, role, sampled, n_sampled,
-           advantages IS NOT NULL AS assigned,
-           list_sum(advantages) AS advantage_sum,
-           list_avg(advantages) AS advantage_mean,
-           list_sum(list_transform(advantages, lambda a: abs(a))) AS advantage_abs_sum
-    FROM nodes;
+-- Which nodes carry credit in a set, and how much (NULL = never assigned, not zero).
+CREATE OR REPLACE MACRO node_credit(credit := NULL) AS TABLE
+    SELECT n.trace_id, n.node_index, n.role, n.sampled, n.n_sampled,
+           a.advantages IS NOT NULL AS assigned,
+           list_sum(a.advantages) AS advantage_sum,
+           list_avg(a.advantages) AS advantage_mean,
+           list_sum(list_transform(a.advantages, lambda x: abs(x))) AS advantage_abs_sum
+    FROM nodes n JOIN credit_advantages(credit) a USING (trace_id, node_index);
+
+-- Two credit sets on the same rollouts, per trace: signed and absolute advantage mass
+-- over sampled tokens, and how many nodes each assigns.
+CREATE OR REPLACE MACRO credit_compare(set_a, set_b) AS TABLE
+    WITH a AS (SELECT trace_id, sum(advantage_sum) AS mass, sum(advantage_abs_sum) AS abs_mass,
+                      count(*) FILTER (WHERE assigned) AS nodes
+               FROM node_credit(credit := set_a) GROUP BY trace_id),
+         b AS (SELECT trace_id, sum(advantage_sum) AS mass, sum(advantage_abs_sum) AS abs_mass,
+                      count(*) FILTER (WHERE assigned) AS nodes
+               FROM node_credit(credit := set_b) GROUP BY trace_id)
+    SELECT t.trace_id, t.group_id, t.reward,
+           a.mass AS mass_a, b.mass AS mass_b, a.abs_mass AS abs_mass_a, b.abs_mass AS abs_mass_b,
+           a.nodes AS assigned_nodes_a, b.nodes AS assigned_nodes_b
+    FROM traces t JOIN a USING (trace_id) JOIN b USING (trace_id)
+    ORDER BY t.trace_id;
 
 -- One row per trace with its group, reward and sizes; the starting point of most queries.
 CREATE OR REPLACE MACRO trace_summary() AS TABLE
     SELECT t.trace_id, t.episode_id, t.group_id, t.reward, t.ok, t.stop_condition,
            t.n_nodes, t.n_branches, t.n_tokens, t.n_sampled,
            (SELECT count(*) FROM nodes n WHERE n.trace_id = t.trace_id AND n.advantages IS NOT NULL)
-               AS credited_nodes
+               AS credited_nodes  -- in the default (ingested) set
     FROM traces t;

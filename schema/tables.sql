@@ -68,6 +68,7 @@ CREATE TABLE IF NOT EXISTS nodes (
     entropies          FLOAT[],
     loss_weights       MAP(VARCHAR, FLOAT[]),
     semantic_parents   STRUCT("node" INTEGER, "type" VARCHAR)[],
+    semantic_parents_record JSON,  -- the links as written, only when they carry more than node and type
     message            JSON,
     extra              JSON,       -- node fields tracedb has no column for
     present            INTEGER NOT NULL,  -- bit i: field i of records.NODE_KEYS was in the record
@@ -94,4 +95,26 @@ CREATE TABLE IF NOT EXISTS rejects (
     reason      VARCHAR NOT NULL,
     record      VARCHAR,           -- the rejected line as it was
     rejected_at TIMESTAMP DEFAULT current_timestamp
+);
+
+-- Named credit sets: many assignments side by side on the same frozen rollouts. The
+-- set called 'default' is the credit ingested with the records (nodes.advantages).
+CREATE TABLE IF NOT EXISTS credit_sets (
+    name        VARCHAR PRIMARY KEY,
+    algorithm   VARCHAR NOT NULL,
+    params      JSON,
+    description VARCHAR,
+    created_at  TIMESTAMP DEFAULT current_timestamp
+);
+
+-- One row per assigned node of a named set; no row = never assigned (None, not zero).
+-- A constant over the node's sampled tokens is stored once in `value`; otherwise the
+-- compact list is in `advantages`.
+CREATE TABLE IF NOT EXISTS credit (
+    credit_set VARCHAR NOT NULL,
+    trace_id   VARCHAR NOT NULL,
+    node_index INTEGER NOT NULL,
+    value      FLOAT,
+    advantages FLOAT[],
+    PRIMARY KEY (credit_set, trace_id, node_index)
 );

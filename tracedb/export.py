@@ -42,6 +42,7 @@ def export(
     trainable: bool | None = None,
     columns: Sequence[str] | None = None,
     train_once: bool = False,
+    credit: str | None = None,
     batch_tokens: int = 16_000_000,
     compression: str | None = "zstd",
 ) -> dict[str, Any]:
@@ -49,7 +50,7 @@ def export(
 
     ``format`` is ``parquet``, ``arrow`` (IPC file) or ``arrows`` (IPC stream); by
     default it follows the suffix. Filters and ``columns`` are those of
-    ``db.branches()``. The file is written beside ``path`` and renamed into place, so a
+    ``db.branches()``, ``credit`` picks a credit set. The file is written beside ``path`` and renamed into place, so a
     failed export leaves no partial file. Returns rows, branches' tokens and bytes.
     """
     path = Path(path)
@@ -68,6 +69,7 @@ def export(
             trainable=trainable,
             columns=columns,
             train_once=train_once,
+            credit=credit,
             batch_tokens=batch_tokens,
         ):
             if writer is None:

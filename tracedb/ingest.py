@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import queue
 import threading
 import time
@@ -212,8 +213,6 @@ class _Batch:
         self.tokens = 0
 
     def add(self, line: ParsedLine, source: str, number: int, group_id: str | None, fresh: list[ParsedTrace]) -> None:
-        import json
-
         if line.episode is not None:
             ep = line.episode
             self.episodes.append(
@@ -304,6 +303,15 @@ class _Batch:
             columns[name] = _list_array([n.streams[name] for n in nodes], pa.float32())
         columns["loss_weights"] = loss_weights
         columns["semantic_parents"] = semantic
+        columns["semantic_parents_record"] = pa.array(
+            [
+                json.dumps(n.semantic_parents)
+                if n.semantic_parents and any(len(link) != 2 for link in n.semantic_parents)
+                else None
+                for n in nodes
+            ],
+            pa.string(),
+        )
         columns["message"] = pa.array([n.message for n in nodes], pa.string())
         columns["extra"] = pa.array([n.extra for n in nodes], pa.string())
         columns["present"] = pa.array([n.present for n in nodes], pa.int32())

@@ -5,7 +5,8 @@ installed in it so that any DuckDB client can query it."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +56,21 @@ class Database:
         self.con = duckdb.connect(self.path, read_only=read_only)
         self._generation = 0
         self._cache: Any = None
-        if not read_only:
-            self._install()
-        self._check_version()
+        self._in_transaction = False
+        try:
+            if not read_only:
+                self._install()
+            self._check_version()
+        except BaseException:
+            self.con.close()  # a refused file is not kept open
+            raise
 
     # ----------------------------------------------------------------- lifecycle
 
     def _install(self) -> None:
+        # An existing file of another version is refused before anything is written to it.
+        if self._scalar("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'tracedb_meta'"):
+            self._check_version()
         self.con.execute(load_sql("tables.sql"))
         row = self._row("SELECT value FROM tracedb_meta WHERE key = 'schema_version'")
         if row is None:
@@ -82,6 +91,25 @@ class Database:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """All or nothing: commit on success, roll back on any error. Nests as one."""
+        if self._in_transaction:
+            yield
+            return
+        self.con.execute("BEGIN TRANSACTION")
+        self._in_transaction = True
+        try:
+            yield
+        except BaseException:
+            self.con.execute("ROLLBACK")
+            raise
+        else:
+            self.con.execute("COMMIT")
+        finally:
+            self._in_transaction = False
+            self._changed()
 
     def _changed(self) -> None:
         """Something was written: cached views are stale."""
@@ -145,20 +173,33 @@ class Database:
 
     # ----------------------------------------------------------------- records
 
-    def trace(self, trace_id: str) -> dict[str, Any]:
-        """The trace record exactly as ingested (per-token floats at float32 precision)."""
+    def trace(self, trace_id: str, *, credit: str | None = None) -> dict[str, Any]:
+        """The trace record exactly as ingested (per-token floats at float32 precision).
+
+        Later writes show: streams written back are in the record. ``credit="name"``
+        puts that credit set's advantages on the nodes instead of the default set's
+        (a node the set does not assign has no ``advantages``, i.e. None).
+        """
         row = self._row("SELECT record FROM traces WHERE trace_id = ?", [trace_id])
         if row is None:
             raise NotFound(f"trace {trace_id!r} is not in {self.path}")
         record = json.loads(row[0])
+        credit = self._credit_name(credit)
         nodes = self.sql(
-            "SELECT n.*, s.token_ids FROM nodes n JOIN segments s USING (segment_id) "
+            "SELECT n.* EXCLUDE (advantages), a.advantages, s.token_ids FROM nodes n "
+            "JOIN segments s USING (segment_id) "
+            "JOIN credit_advantages(?) a USING (trace_id, node_index) "
             "WHERE trace_id = ? ORDER BY node_index",
-            [trace_id],
+            [credit, trace_id],
         )
         if "nodes" in record:
-            record["nodes"] = [_node_record(row) for row in _rows(nodes)]
+            record["nodes"] = [_node_record(row, named_credit=credit is not None) for row in _rows(nodes)]
         return record
+
+    def _credit_name(self, credit: str | None) -> str | None:
+        from tracedb.writeback import _credit
+
+        return _credit(self, credit)
 
     def episode(self, episode_id: str) -> dict[str, Any]:
         """The episode record exactly as ingested, with its traces."""
@@ -171,6 +212,74 @@ class Database:
         ).fetchall()
         record["traces"] = [self.trace(r[0]) for r in ids]
         return record
+
+    # ----------------------------------------------------------------- write-back
+
+    def write_nodes(
+        self, data: Any, *, stream: str = "advantages", credit: str | None = None, name: str | None = None
+    ) -> int:
+        """Write per-node compact values ``(trace_id, node_index, values)``; see :mod:`tracedb.writeback`."""
+        from tracedb.writeback import write_nodes
+
+        return write_nodes(self, data, stream=stream, credit=credit, name=name)
+
+    def write_traces(self, data: Any, *, stream: str = "advantages", credit: str | None = None) -> int:
+        """Write per trace: ``value`` broadcast over its sampled tokens, or ``values`` over all of them."""
+        from tracedb.writeback import write_traces
+
+        return write_traces(self, data, stream=stream, credit=credit)
+
+    def write_branches(
+        self, data: Any, *, stream: str = "advantages", credit: str | None = None, name: str | None = None
+    ) -> int:
+        """Write full-layout branch values ``(trace_id, branch_index, values)``, projected onto nodes."""
+        from tracedb.writeback import write_branches
+
+        return write_branches(self, data, stream=stream, credit=credit, name=name)
+
+    def clear(
+        self,
+        *,
+        stream: str = "advantages",
+        credit: str | None = None,
+        trace_ids: Sequence[str] | None = None,
+        name: str | None = None,
+    ) -> int:
+        """Return ``stream`` to unassigned (None) on every node of ``trace_ids`` (default: all)."""
+        from tracedb.writeback import clear
+
+        return clear(self, stream=stream, credit=credit, trace_ids=trace_ids, name=name)
+
+    def create_credit_set(
+        self,
+        name: str,
+        *,
+        algorithm: str = "manual",
+        params: dict[str, Any] | None = None,
+        description: str | None = None,
+        replace: bool = False,
+    ) -> None:
+        """Register a named credit set; its advantages are then written with ``credit=name``."""
+        from tracedb.writeback import create_credit_set
+
+        create_credit_set(self, name, algorithm=algorithm, params=params, description=description, replace=replace)
+
+    def drop_credit_set(self, name: str) -> None:
+        """Remove a named credit set and all its credit."""
+        from tracedb.writeback import drop_credit_set
+
+        drop_credit_set(self, name)
+
+    def credit_sets(self) -> pa.Table:
+        """The credit sets: name, algorithm, params, description, created_at, assigned nodes."""
+        return self.sql(
+            "SELECT 'default' AS name, 'ingested' AS algorithm, NULL::JSON AS params, "
+            "'credit ingested with the records' AS description, NULL::TIMESTAMP AS created_at, "
+            "(SELECT count(*) FROM nodes WHERE advantages IS NOT NULL) AS assigned_nodes "
+            "UNION ALL SELECT s.name, s.algorithm, s.params, s.description, s.created_at, "
+            "(SELECT count(*) FROM credit c WHERE c.credit_set = s.name) FROM credit_sets s "
+            "ORDER BY created_at NULLS FIRST, name"
+        )
 
     # ----------------------------------------------------------------- views
 
@@ -227,14 +336,17 @@ def _floats(scalar: pa.Scalar) -> list[float] | None:
     return _shortest(scalar.values.to_numpy(zero_copy_only=False))
 
 
-def _node_record(row: dict[str, pa.Scalar]) -> dict[str, Any]:
+def _node_record(row: dict[str, pa.Scalar], named_credit: bool = False) -> dict[str, Any]:
     present = row["present"].as_py()
+    if named_credit:  # a named set decides by itself whether the node has advantages
+        present = present | BIT["advantages"] if row["advantages"].is_valid else present & ~BIT["advantages"]
     has = lambda key: bool(present & BIT[key])  # noqa: E731
     node: dict[str, Any] = {}
     if has("parent"):
         node["parent"] = row["parent"].as_py()
     if has("semantic_parents"):
-        node["semantic_parents"] = row["semantic_parents"].as_py()
+        kept = row["semantic_parents_record"].as_py()
+        node["semantic_parents"] = json.loads(kept) if kept else row["semantic_parents"].as_py()
     if has("message"):
         node["message"] = json.loads(row["message"].as_py())
     if has("sampled"):

@@ -85,13 +85,25 @@ class _Nodes:
     branches: pa.Table  # trace_id, branch_index, trainable, path (sorted)
 
 
-def _load(db: Database, trace_ids: list[str], streams: Sequence[str]) -> _Nodes:
+def _load(db: Database, trace_ids: list[str], streams: Sequence[str], credit: str | None = None) -> _Nodes:
     db.con.register("_tdb_sel", pa.table({"trace_id": pa.array(trace_ids, pa.string())}))
     try:
-        cols = "".join(f", n.{c}" for c in streams)
+        cols = "".join(f", n.{c}" for c in streams if c != "advantages")
+        if credit is not None and "advantages" in streams:
+            advantages = (
+                ", coalesce(c.advantages, CASE WHEN c.value IS NOT NULL "
+                "THEN list_resize([]::FLOAT[], n.n_sampled, c.value) END) AS advantages"
+            )
+            join = "LEFT JOIN credit c ON c.credit_set = ? AND c.trace_id = n.trace_id AND c.node_index = n.node_index"
+            params: list[Any] | None = [credit]
+        else:
+            advantages = ", n.advantages" if "advantages" in streams else ""
+            join, params = "", None
         nodes = db.sql(
             "SELECT n.trace_id, n.node_index, n.n_tokens, n.n_sampled, n.mask_prefix, n.mask_slots, "
-            f"n.loss_weights, n.segment_id{cols} FROM nodes n SEMI JOIN _tdb_sel USING (trace_id)"
+            f"n.loss_weights, n.segment_id{cols}{advantages} FROM nodes n {join} "
+            "SEMI JOIN _tdb_sel USING (trace_id)",
+            params,
         )
         segments = db.sql(
             "SELECT segment_id, token_ids FROM segments WHERE segment_id IN "
@@ -353,6 +365,7 @@ def iter_branches(
     trainable: bool | None = None,
     columns: Sequence[str] | None = None,
     train_once: bool = False,
+    credit: str | None = None,
     batch_tokens: int = 16_000_000,
 ) -> Iterator[pa.Table]:
     """Branch views in batches of whole traces, about ``batch_tokens`` stored tokens each.
@@ -361,6 +374,7 @@ def iter_branches(
     exports stream from.
     """
     cols = _columns(columns)
+    credit = db._credit_name(credit)
     selected = _select_traces(db, trace_ids, group, episode)
     sizes = dict(db.con.execute("SELECT trace_id, n_tokens FROM traces").fetchall()) if selected else {}
     chunk: list[str] = []
@@ -369,22 +383,28 @@ def iter_branches(
         chunk.append(tid)
         acc += sizes.get(tid, 0)
         if acc >= batch_tokens:
-            yield _view(db, chunk, cols, train_once, trainable, cache=False)
+            yield _view(db, chunk, cols, train_once, trainable, credit, cache=False)
             chunk, acc = [], 0
     if chunk or not selected:
-        yield _view(db, chunk, cols, train_once, trainable, cache=False)
+        yield _view(db, chunk, cols, train_once, trainable, credit, cache=False)
 
 
 def _view(
-    db: Database, trace_ids: list[str], cols: list[str], train_once: bool, trainable: bool | None, cache: bool
+    db: Database,
+    trace_ids: list[str],
+    cols: list[str],
+    train_once: bool,
+    trainable: bool | None,
+    credit: str | None,
+    cache: bool,
 ) -> pa.Table:
     streams = [c for c in COMPACT_STREAMS if c in cols]
-    key = (db._generation, tuple(trace_ids))
+    key = (db._generation, tuple(trace_ids), credit)
     data = None
     if cache and db._cache is not None and db._cache[0] == key and set(streams) <= set(db._cache[1].full):
         data = db._cache[1]
     if data is None:
-        data = _load(db, trace_ids, streams)
+        data = _load(db, trace_ids, streams, credit)
         if cache and len(data.tokens) <= _CACHE_TOKENS:
             db._cache = (key, data)
     return _branch_tables(data, cols, train_once, trainable)
@@ -399,6 +419,7 @@ def branches(
     trainable: bool | None = None,
     columns: Sequence[str] | None = None,
     train_once: bool = False,
+    credit: str | None = None,
 ) -> pa.Table:
     """One row per branch of the selected traces, ordered by trace id then branch index.
 
@@ -406,12 +427,14 @@ def branches(
     ``trainable=True`` keeps only trainable branches. ``columns`` picks token columns
     (``trace_id``, ``branch_index`` and ``trainable`` are always there). ``train_once``
     leaves a shared node's sampled tokens in the mask of its first trainable branch only.
+    ``credit="name"`` reads advantages from that credit set (default: the ingested set).
     Decoded node columns are cached on ``db`` until its next write, so repeated views of
     the same selection skip the database.
     """
     cols = _columns(columns)
+    credit = db._credit_name(credit)
     selected = _select_traces(db, trace_ids, group, episode)
-    return _view(db, selected, cols, train_once, trainable, cache=True)
+    return _view(db, selected, cols, train_once, trainable, credit, cache=True)
 
 
 def to_polars(table: pa.Table) -> polars.DataFrame:

@@ -1,0 +1,62 @@
+"""``python -m benchmarks``: tracedb against verifiers v1, side by side in one run.
+
+Prints the table and writes ``benchmarks/results.json``. Exits 0 whether or not the
+targets are met (the table reports PASS/MISS); 2 when tracedb's answers differ from
+verifiers' (the figures would mean nothing); 1 on any other error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from benchmarks.workload import Workload
+
+RESULTS = Path(__file__).resolve().parent / "results.json"
+QUICK = {"traces": 16, "tokens": 3_000, "repeat": 1}
+FULL = {"traces": 256, "tokens": 30_000, "repeat": 5}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
+    p.add_argument("--workdir", type=Path, default=Path("out/bench"), help="workload cache and scratch databases")
+    p.add_argument("--traces", type=int, help=f"traces, in groups of 8 (default {FULL['traces']})")
+    p.add_argument("--tokens", type=int, help=f"tokens per trace (default {FULL['tokens']})")
+    p.add_argument("--repeat", type=int, help=f"runs per figure; medians are reported (default {FULL['repeat']})")
+    p.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test (16 traces, 3k tokens, 1 run)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--results", type=Path, default=RESULTS, help=f"where to write results (default {RESULTS})")
+    args = p.parse_args(argv)
+    defaults = QUICK if args.quick else FULL
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.traces < 1 or args.tokens < 100 or args.repeat < 1:
+        p.error("--traces >= 1, --tokens >= 100 and --repeat >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+
+    def log(message: str) -> None:
+        print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+    from benchmarks.core import CorrectnessError, render, run, write_results
+    from benchmarks.workload import build
+
+    files = build(Workload(traces=args.traces, tokens=args.tokens, seed=args.seed), args.workdir, log=log)
+    try:
+        results = run(files, args.workdir, args.repeat, log=log)
+    except CorrectnessError as e:
+        print(f"CORRECTNESS FAILURE: {e}", file=sys.stderr)
+        return 2
+    write_results(results, args.results)
+    print(render(results))
+    log(f"results written to {args.results}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,450 @@
+"""Branch views against a plain reference spread, on random verifiers records.
+
+The reference below is the rule of design.md / verifiers ``Branch.spread`` written as
+loops over the input dicts, nothing shared with tracedb. Every property ingests the
+generated ``traces.jsonl`` through ``db.ingest`` and compares what comes back:
+``db.branches()`` (numpy), ``branch_tokens()`` (SQL macros), ``db.trace()`` (round trip)
+and verifiers' own ``Trace.branches``.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from strategies import COMPACT, EPISODE_TEMPLATE, OPTIONAL, TRACE_TEMPLATE, all_traces, episodes, is_ragged, write_jsonl
+
+import tracedb
+import tracedb.views
+from tracedb.views import BRANCH_SCHEMA
+
+SETTINGS = settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+# --------------------------------------------------------------------------- reference
+
+
+def reference_paths(trace: dict[str, Any]) -> list[tuple[int, bool, list[int]]]:
+    """(index, trainable, root-to-leaf node path) per branch, in leaf order."""
+    nodes = trace.get("nodes") or []
+    has_child = {n.get("parent") for n in nodes if n.get("parent") is not None}
+    accepted = {link["node"] for n in nodes for link in n.get("semantic_parents") or [] if link["type"] == "compaction"}
+    out = []
+    for leaf in range(len(nodes)):
+        if leaf in has_child:
+            continue
+        path = []
+        at = leaf
+        while at is not None:
+            path.append(at)
+            at = nodes[at].get("parent")
+        path.reverse()
+        attempt = any(link["type"] == "compaction_attempt" for link in nodes[leaf].get("semantic_parents") or [])
+        out.append((len(out), not attempt or leaf in accepted, path))
+    return out
+
+
+def widen(node: dict[str, Any], values: list[float] | None) -> list[float]:
+    """A compact stream on the node's tokens: k-th value on the k-th True of the mask."""
+    values = values or []
+    out = []
+    k = 0
+    for sampled in node.get("mask") or []:
+        if sampled:
+            out.append(float(values[k]) if k < len(values) else 0.0)
+            k += 1
+        else:
+            out.append(0.0)
+    return out
+
+
+def first_branches(trace: dict[str, Any]) -> dict[int, int]:
+    """Node -> index of the first trainable branch holding it (first branch if none is)."""
+    first: dict[int, int] = {}
+    paths = reference_paths(trace)
+    for prefer in (True, False):
+        for index, trainable, path in paths:
+            if trainable == prefer:
+                for node in path:
+                    first.setdefault(node, index)
+    return first
+
+
+def reference_branches(trace: dict[str, Any], *, train_once: bool = False) -> list[dict[str, Any]]:
+    nodes = trace.get("nodes") or []
+    first = first_branches(trace)
+    rows = []
+    for index, trainable, path in reference_paths(trace):
+        on = [nodes[i] for i in path]
+        row: dict[str, Any] = {"trace_id": trace["id"], "branch_index": index, "trainable": trainable}
+        row["token_ids"] = [t for n in on for t in n.get("token_ids") or []]
+        row["sampled_mask"] = [
+            bool(m) and (not train_once or first[i] == index) for i, n in zip(path, on) for m in n.get("mask") or []
+        ]
+        row["logprobs"] = [v for n in on for v in widen(n, n.get("logprobs"))]
+        for name in OPTIONAL:
+            if all(n.get(name) is None for n in on):
+                row[name] = None
+            else:
+                row[name] = [v for n in on for v in widen(n, n.get(name))]
+        names = {name for n in on for name in n.get("loss_weights") or {}}
+        row["loss_weights"] = {
+            name: [
+                float(v)
+                for n in on
+                for v in ((n.get("loss_weights") or {}).get(name) or [0.0] * len(n.get("token_ids") or []))
+            ]
+            for name in names
+        }
+        rows.append(row)
+    return rows
+
+
+def reference_view(eps: list[dict[str, Any]], **kw: Any) -> list[dict[str, Any]]:
+    rows = [row for t in all_traces(eps) for row in reference_branches(t, **kw)]
+    return sorted(rows, key=lambda r: (r["trace_id"], r["branch_index"]))
+
+
+# --------------------------------------------------------------------------- comparison
+
+
+def f32(values: Any) -> list[float] | None:
+    """Values at float32 precision, as plain floats (so == compares float32 values)."""
+    if values is None:
+        return None
+    return np.asarray(values, dtype=np.float64).astype(np.float32).tolist()
+
+
+def canon(row: dict[str, Any]) -> dict[str, Any]:
+    """A branch row from Arrow, SQL or the reference, in one comparable form."""
+    lw = row["loss_weights"]
+    lw = dict(lw) if isinstance(lw, list) else lw
+    out = {
+        "trace_id": row["trace_id"],
+        "branch_index": row["branch_index"],
+        "trainable": row["trainable"],
+        "token_ids": list(row["token_ids"]),
+        "sampled_mask": list(row["sampled_mask"]),
+        "logprobs": f32(row["logprobs"]),
+        "loss_weights": {k: f32(v) for k, v in lw.items()},
+    }
+    for name in OPTIONAL:
+        out[name] = f32(row[name])
+    return out
+
+
+def rows_of(table: pa.Table) -> list[dict[str, Any]]:
+    return [canon(r) for r in table.to_pylist()]
+
+
+def canon_record(record: dict[str, Any]) -> dict[str, Any]:
+    """A trace record with its per-token float streams at float32 precision."""
+    record = json.loads(json.dumps(record))
+    for node in record.get("nodes") or []:
+        for name in COMPACT:
+            if isinstance(node.get(name), list):
+                node[name] = f32(node[name])
+        if isinstance(node.get("loss_weights"), dict):
+            node["loss_weights"] = {k: f32(v) for k, v in node["loss_weights"].items()}
+    return record
+
+
+# --------------------------------------------------------------------------- harness
+
+
+@pytest.fixture(scope="module")
+def fresh():
+    """Returns a function giving an empty database; one connection is reused and wiped,
+    because installing the schema costs more than a whole example."""
+    db = tracedb.connect(":memory:")
+    tables = [
+        r[0]
+        for r in db.con.execute(
+            "SELECT table_name FROM duckdb_tables() WHERE database_name = current_database() "
+            "AND table_name <> 'tracedb_meta'"
+        ).fetchall()
+    ]
+
+    def make() -> tracedb.Database:
+        for table in tables:
+            db.con.execute(f'DELETE FROM "{table}"')
+        db._changed()
+        return db
+
+    yield make
+    db.close()
+
+
+def ingest(db: tracedb.Database, eps: list[dict[str, Any]], *, allow_ragged: bool = False) -> Any:
+    with tempfile.TemporaryDirectory() as tmp:
+        return db.ingest(write_jsonl(Path(tmp) / "gen.traces.jsonl", eps), allow_ragged=allow_ragged)
+
+
+def load(fresh: Any, eps: list[dict[str, Any]], *, allow_ragged: bool = False) -> tracedb.Database:
+    db = fresh()
+    report = ingest(db, eps, allow_ragged=allow_ragged)
+    assert report.ok, [str(r) for r in report.rejected]
+    assert report.traces == len(all_traces(eps))
+    return db
+
+
+def sql_view(db: tracedb.Database, train_once: bool = False) -> list[dict[str, Any]]:
+    query = "SELECT * FROM branch_tokens(train_once := true)" if train_once else "SELECT * FROM branch_tokens()"
+    return rows_of(db.sql(query))
+
+
+def verifiers_view(trace: dict[str, Any]) -> list[dict[str, Any]]:
+    from verifiers.v1.trace import WireTrace
+
+    rows = []
+    for b in WireTrace.model_validate(json.loads(json.dumps(trace))).branches:
+        names = {name for n in b.nodes for name in n.loss_weights or {}}
+        row = {"trace_id": trace["id"], "branch_index": b.index, "trainable": b.trainable}
+        row["token_ids"] = b.token_ids
+        row["sampled_mask"] = b.sampled_mask
+        row["logprobs"] = b.logprobs
+        for name in OPTIONAL:
+            row[name] = getattr(b, name)
+        row["loss_weights"] = {name: b.loss_weights(name) for name in names}
+        rows.append(canon(row))
+    return rows
+
+
+# --------------------------------------------------------------------------- properties
+
+
+@SETTINGS
+@given(eps=episodes())
+def test_python_view_matches_reference(fresh: Any, eps: list[dict[str, Any]]) -> None:
+    db = load(fresh, eps)
+    expected = [canon(r) for r in reference_view(eps)]
+    table = db.branches()
+    assert table.schema.equals(BRANCH_SCHEMA)
+    assert rows_of(table) == expected
+    # filters select from the same rows
+    assert rows_of(db.branches(trainable=True)) == [r for r in expected if r["trainable"]]
+    assert rows_of(db.branches(trainable=False)) == [r for r in expected if not r["trainable"]]
+    some = sorted({r["trace_id"] for r in expected})[:1]
+    assert rows_of(db.branches(trace_ids=some)) == [r for r in expected if r["trace_id"] in some]
+
+
+@SETTINGS
+@given(eps=episodes())
+def test_sql_view_matches_reference(fresh: Any, eps: list[dict[str, Any]]) -> None:
+    db = load(fresh, eps)
+    assert sql_view(db) == [canon(r) for r in reference_view(eps)]
+
+
+@SETTINGS
+@given(eps=episodes())
+def test_round_trip(fresh: Any, eps: list[dict[str, Any]]) -> None:
+    db = load(fresh, eps)
+    for trace in all_traces(eps):
+        assert canon_record(db.trace(trace["id"])) == canon_record(trace)
+    for ep in eps:
+        assert canon_record_episode(db.episode(ep["id"])) == canon_record_episode(ep)
+
+
+def canon_record_episode(ep: dict[str, Any]) -> dict[str, Any]:
+    return {**ep, "traces": [canon_record(t) for t in ep["traces"]]}
+
+
+@SETTINGS
+@given(eps=episodes())
+def test_matches_verifiers_branches(fresh: Any, eps: list[dict[str, Any]]) -> None:
+    db = load(fresh, eps)
+    got = rows_of(db.branches())
+    for trace in all_traces(eps):
+        assert [r for r in got if r["trace_id"] == trace["id"]] == verifiers_view(trace)
+
+
+@SETTINGS
+@given(eps=episodes())
+def test_train_once(fresh: Any, eps: list[dict[str, Any]]) -> None:
+    db = load(fresh, eps)
+    expected = [canon(r) for r in reference_view(eps, train_once=True)]
+    python = rows_of(db.branches(train_once=True))
+    assert python == expected
+    assert sql_view(db, train_once=True) == expected
+    # the filter does not change which branch a node's tokens train in
+    assert rows_of(db.branches(train_once=True, trainable=True)) == [r for r in expected if r["trainable"]]
+    # every sampled token of a node is trained exactly once over the trace's branches
+    for trace in all_traces(eps):
+        nodes = trace["nodes"]
+        counts = {i: 0 for i, n in enumerate(nodes) if any(n.get("mask") or [])}
+        for index, _, path in reference_paths(trace):
+            row = next(r for r in python if r["trace_id"] == trace["id"] and r["branch_index"] == index)
+            at = 0
+            for i in path:
+                size = len(nodes[i].get("token_ids") or [])
+                if any(row["sampled_mask"][at : at + size]):
+                    counts[i] += 1
+                at += size
+        assert all(c == 1 for c in counts.values()), counts
+
+
+@SETTINGS
+@given(eps=episodes(ragged=True))
+def test_ragged_streams(fresh: Any, eps: list[dict[str, Any]]) -> None:
+    """Without allow_ragged a line holding a ragged stream is rejected (and only such
+    lines); with it, every view spreads ragged streams as verifiers does."""
+    db = fresh()
+    report = ingest(db, eps, allow_ragged=False)
+    bad_lines = {i + 1 for i, ep in enumerate(eps) if any(is_ragged(t) for t in ep["traces"])}
+    assert {r.line for r in report.rejected} == bad_lines
+    kept = [t["id"] for i, ep in enumerate(eps) if i + 1 not in bad_lines for t in ep["traces"]]
+    assert sorted(db.sql("SELECT trace_id FROM traces").column("trace_id").to_pylist()) == sorted(kept)
+
+    db = load(fresh, eps, allow_ragged=True)
+    expected = [canon(r) for r in reference_view(eps)]
+    assert rows_of(db.branches()) == expected
+    assert sql_view(db) == expected
+    for trace in all_traces(eps):
+        assert [r for r in expected if r["trace_id"] == trace["id"]] == verifiers_view(trace)
+    once = [canon(r) for r in reference_view(eps, train_once=True)]
+    assert rows_of(db.branches(train_once=True)) == once
+    assert sql_view(db, train_once=True) == once
+
+
+# --------------------------------------------------------------------------- explicit cases
+
+
+def _trace(trace_id: str, nodes: list[dict[str, Any]]) -> dict[str, Any]:
+    return {**json.loads(json.dumps(TRACE_TEMPLATE)), "id": trace_id, "nodes": nodes}
+
+
+def _node(parent: int | None, tokens: list[int], mask: list[bool], **fields: Any) -> dict[str, Any]:
+    node: dict[str, Any] = {"semantic_parents": [], "message": {"role": "user", "content": ""}, "sampled": False}
+    if parent is not None:
+        node["parent"] = parent
+    return {**node, "token_ids": tokens, "mask": mask, "is_content": [], "logprobs": [], **fields}
+
+
+def _episode(eid: str, trace_list: list[dict[str, Any]]) -> dict[str, Any]:
+    return {**json.loads(json.dumps(EPISODE_TEMPLATE)), "id": eid, "traces": trace_list}
+
+
+def test_none_versus_zero_and_partial_paths(fresh: Any) -> None:
+    """None on every node -> None; [] or zeros on one node -> a spread; a path partly
+    assigned spreads with zeros on the unassigned nodes."""
+    nodes = [
+        _node(None, [1, 2], [False, False]),
+        _node(0, [3, 4], [False, True], logprobs=[-0.5], advantages=[0.25]),  # assigned
+        _node(0, [5, 6], [True, False], logprobs=[-0.75], advantages=[]),  # assigned, empty
+        _node(0, [7], [True], logprobs=[-1.0]),  # never assigned
+        _node(0, [8, 9], [True, True], advantages=None, entropies=[0.0, 0.0]),
+    ]
+    eps = [_episode("ep-none", [_trace("t-none", nodes)])]
+    db = load(fresh, eps)
+    got = rows_of(db.branches())
+    assert [r["advantages"] for r in got] == [[0, 0, 0, 0.25], [0, 0, 0, 0], None, None]
+    assert [r["entropies"] for r in got] == [None, None, None, [0, 0, 0, 0]]
+    assert got == [canon(r) for r in reference_view(eps)]
+    assert sql_view(db) == got
+
+
+def test_round_trip_keeps_unknown_semantic_link_fields(fresh: Any) -> None:
+    """tracedb's ParentLink keeps unknown fields (extra="allow"), and a trace read back
+    must equal the one that went in: a newer producer's link field must survive."""
+    nodes = [
+        _node(None, [1], [False]),
+        _node(0, [2], [True], logprobs=[-0.5], semantic_parents=[{"node": 0, "type": "vendor:review", "weight": 2}]),
+    ]
+    trace = _trace("t-link", nodes)
+    db = load(fresh, [_episode("ep-link", [trace])])
+    assert db.trace("t-link")["nodes"][1]["semantic_parents"] == [{"node": 0, "type": "vendor:review", "weight": 2}]
+
+
+# --------------------------------------------------------------------------- many runs
+
+
+def _fork_episode(n_leaves: int, seed: int) -> list[dict[str, Any]]:
+    """One trace: a root, an empty-token child of it, and many leaves hanging off either,
+    random masks and streams, many of them with no tokens (empty runs)."""
+    rng = np.random.default_rng(seed)
+    nodes = [
+        _node(None, [1, 2, 3], [False, False, True], logprobs=[-0.5]),
+        _node(0, [], [], advantages=[]),
+    ]
+    for i in range(n_leaves):
+        n = int(rng.integers(0, 4))
+        tokens = rng.integers(0, 50, n).tolist()
+        mask = (rng.random(n) < 0.5).tolist()
+        k = sum(mask)
+        fields: dict[str, Any] = {"logprobs": [round(float(x), 4) for x in rng.normal(size=k)]}
+        if i % 3 == 0:
+            fields["advantages"] = [round(float(x), 4) for x in rng.normal(size=k)]
+        if i % 7 == 0:
+            fields["loss_weights"] = {"rl": [round(float(x), 4) for x in rng.random(n)]}
+        if i % 11 == 0:
+            fields["semantic_parents"] = [{"node": 0, "type": "compaction_attempt"}]
+        nodes.append(_node(int(rng.integers(0, 2)), tokens, mask, **fields))
+    return [_episode("ep-fork", [_trace("t-fork", nodes)])]
+
+
+def test_many_runs_use_gather_index(fresh: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """More than 4096 runs in a view: views gather through ``_gather_index``."""
+    eps = _fork_episode(4200, seed=7)
+    db = load(fresh, eps)
+    indexed: list[bool] = []
+    real = tracedb.views._take
+
+    def spy(flat: np.ndarray, run_start: np.ndarray, run_end: np.ndarray, index: np.ndarray | None) -> np.ndarray:
+        indexed.append(index is not None)
+        return real(flat, run_start, run_end, index)
+
+    monkeypatch.setattr(tracedb.views, "_take", spy)
+    expected = [canon(r) for r in reference_view(eps)]
+    assert rows_of(db.branches()) == expected
+    assert indexed and all(indexed), indexed
+    once = [canon(r) for r in reference_view(eps, train_once=True)]
+    assert rows_of(db.branches(train_once=True)) == once
+    trainable = [r for r in expected if r["trainable"]]
+    assert 0 < len(trainable) < len(expected)
+    assert rows_of(db.branches(trainable=True)) == trainable
+
+
+def _gather_reference(run_start: list[int], run_end: list[int]) -> list[int]:
+    return [i for a, b in zip(run_start, run_end) for i in range(a, b)]
+
+
+@pytest.mark.parametrize(
+    "runs",
+    [
+        [(0, 3)],
+        [(5, 8)],
+        [(0, 0)],
+        [(4, 4), (4, 4)],
+        [(0, 0), (2, 5)],
+        [(3, 3), (2, 5), (9, 9)],
+        [(2, 5), (5, 7)],
+        [(5, 7), (2, 5)],
+        [(0, 2), (0, 2), (0, 2)],
+        [(10, 12), (3, 3), (3, 3), (0, 1), (7, 7)],
+        [(0, 1), (6, 6), (1, 2)],
+    ],
+)
+def test_gather_index_cases(runs: list[tuple[int, int]]) -> None:
+    start = np.array([a for a, _ in runs], np.int64)
+    end = np.array([b for _, b in runs], np.int64)
+    got = tracedb.views._gather_index(start, end)
+    assert got.tolist() == _gather_reference(start.tolist(), end.tolist())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 5)), min_size=1, max_size=30))
+def test_gather_index_property(runs: list[tuple[int, int]]) -> None:
+    start = np.array([a for a, _ in runs], np.int64)
+    end = start + np.array([n for _, n in runs], np.int64)
+    got = tracedb.views._gather_index(start, end)
+    assert got.tolist() == _gather_reference(start.tolist(), end.tolist())

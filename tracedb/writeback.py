@@ -1,0 +1,406 @@
+"""Validated, atomic write-back of per-token streams onto nodes.
+
+Credit lives on the node: a node shared by several branches has one value, and every
+layout a caller may hold (per node, per trace, per branch) is turned into per-node rows
+before anything is written. Every row is checked first (the node exists, the lengths
+agree, the values are finite, a shared node gets one value); then all rows are written
+in one transaction. A write either applies entirely or not at all.
+
+``None`` clears a stream back to unassigned; zeros are zeros.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+
+from tracedb.errors import NotFound, TraceDBError
+from tracedb.models import COMPACT_STREAMS
+from tracedb.records import BIT
+
+if TYPE_CHECKING:
+    from tracedb.store import Database
+
+DEFAULT_SET = "default"
+"""The credit set ingested with the records (``nodes.advantages``)."""
+FULL_STREAMS = ("loss_weights",)
+STREAMS = (*COMPACT_STREAMS[1:], *FULL_STREAMS)
+"""Streams a consumer may write: compact ``advantages``, ``reference_logprobs``,
+``trainer_logprobs``, ``entropies`` and the full-layout named ``loss_weights``."""
+
+
+class WriteError(TraceDBError):
+    """A write that cannot be applied; nothing of it was written."""
+
+
+def as_arrow(data: Any) -> pa.Table:
+    """Arrow from a pyarrow/polars/pandas table, a list of row dicts or a dict of columns."""
+    if isinstance(data, pa.Table):
+        return data
+    if isinstance(data, pa.RecordBatch):
+        return pa.Table.from_batches([data])
+    if hasattr(data, "to_arrow"):  # polars
+        return data.to_arrow()
+    if isinstance(data, Mapping):
+        return pa.table(dict(data))
+    if isinstance(data, Sequence):
+        return pa.Table.from_pylist(list(data))
+    if hasattr(data, "to_dict") and hasattr(data, "columns"):  # pandas
+        return pa.Table.from_pandas(data, preserve_index=False)
+    raise TypeError(f"cannot read rows from {type(data).__name__}")
+
+
+def _require(table: pa.Table, columns: Sequence[str], layout: str) -> None:
+    missing = [c for c in columns if c not in table.column_names]
+    if missing:
+        raise WriteError(f"{layout} write needs columns {list(columns)}; missing {missing}")
+
+
+def _check_stream(stream: str, credit: str | None, name: str | None) -> None:
+    if stream not in STREAMS:
+        raise WriteError(f"cannot write stream {stream!r}; writable streams are {list(STREAMS)}")
+    if credit not in (None, DEFAULT_SET) and stream != "advantages":
+        raise WriteError(f"credit sets hold advantages only, not {stream!r}")
+    if stream == "loss_weights" and not name:
+        raise WriteError("loss_weights writes need a stream name (name=...)")
+
+
+def _credit(db: Database, credit: str | None) -> str | None:
+    """None for the default set, else the named set (which must exist)."""
+    if credit in (None, DEFAULT_SET):
+        return None
+    if db._scalar("SELECT count(*) FROM credit_sets WHERE name = ?", [credit]) == 0:
+        raise NotFound(f"credit set {credit!r} does not exist; create it with db.create_credit_set()")
+    return credit
+
+
+def _values_column(table: pa.Table, column: str = "values") -> pa.ChunkedArray:
+    col = table.column(column)
+    if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
+        return col.cast(pa.list_(pa.float32()))
+    if pa.types.is_null(col.type):
+        return col.cast(pa.list_(pa.float32()))
+    raise WriteError(f"column {column!r} must hold lists of floats (or nulls to clear), not {col.type}")
+
+
+# --------------------------------------------------------------------------- nodes
+
+
+def write_nodes(
+    db: Database, data: Any, *, stream: str = "advantages", credit: str | None = None, name: str | None = None
+) -> int:
+    """Write ``(trace_id, node_index, values)`` rows; returns the number of nodes written.
+
+    Compact streams need ``len(values) == node's sampled tokens``; ``loss_weights``
+    (with ``name``) needs ``len(values) == node's tokens``. A null clears the node.
+    """
+    _check_stream(stream, credit, name)
+    table = as_arrow(data)
+    _require(table, ("trace_id", "node_index", "values"), "per-node")
+    stage = pa.table(
+        {
+            "trace_id": table.column("trace_id").cast(pa.string()),
+            "node_index": table.column("node_index").cast(pa.int32()),
+            "values": _values_column(table),
+        }
+    )
+    with db._transaction():
+        return _apply(db, stage, stream, _credit(db, credit), name)
+
+
+def _apply(db: Database, stage: pa.Table, stream: str, credit: str | None, name: str | None) -> int:
+    if stage.num_rows == 0:
+        return 0
+    con = db.con
+    con.register("_tdb_stage", stage)
+    try:
+        size = "n.n_tokens" if stream == "loss_weights" else "n.n_sampled"
+        what = f"loss_weights[{name!r}]" if stream == "loss_weights" else stream
+        bad = db._row(
+            f"SELECT s.trace_id, s.node_index, n.trace_id IS NULL, {size}, len(s.values), "
+            "  list_bool_or(list_transform(s.values, lambda x: isnan(x) OR isinf(x))) "
+            "FROM _tdb_stage s LEFT JOIN nodes n USING (trace_id, node_index) "
+            f"WHERE n.trace_id IS NULL OR (s.values IS NOT NULL AND (len(s.values) <> {size} "
+            "  OR list_bool_or(list_transform(s.values, lambda x: isnan(x) OR isinf(x))))) LIMIT 1"
+        )
+        if bad is not None:
+            trace_id, node, missing, expected, got, nonfinite = bad
+            if missing:
+                known = db._scalar("SELECT count(*) FROM traces WHERE trace_id = ?", [trace_id])
+                what_missing = f"node {node}" if known else "trace"
+                raise WriteError(f"trace {trace_id}: {what_missing} not in the database; nothing written")
+            if nonfinite and got == expected:
+                raise WriteError(f"trace {trace_id}, node {node}: {what} holds NaN or infinity; nothing written")
+            raise WriteError(
+                f"trace {trace_id}, node {node}: {what} needs {expected} values "
+                f"({'tokens' if stream == 'loss_weights' else 'sampled tokens'}), got {got}; nothing written"
+            )
+        dup = db._row(
+            "SELECT trace_id, node_index FROM _tdb_stage GROUP BY ALL "
+            "HAVING count(DISTINCT coalesce(values::VARCHAR, 'NULL')) > 1 LIMIT 1"
+        )
+        if dup is not None:
+            raise WriteError(
+                f"trace {dup[0]}, node {dup[1]}: two different {what} values for one node; nothing written"
+            )
+        con.execute(
+            "CREATE OR REPLACE TEMP TABLE _tdb_write AS SELECT DISTINCT trace_id, node_index, values FROM _tdb_stage"
+        )
+    finally:
+        con.unregister("_tdb_stage")
+    count = db._scalar("SELECT count(*) FROM _tdb_write")
+    if credit is not None:
+        con.execute(
+            "DELETE FROM credit WHERE credit_set = ? AND (trace_id, node_index) IN "
+            "(SELECT (trace_id, node_index) FROM _tdb_write)",
+            [credit],
+        )
+        con.execute(
+            "INSERT INTO credit (credit_set, trace_id, node_index, value, advantages) "
+            "SELECT ?, trace_id, node_index, "
+            "  CASE WHEN len(values) > 0 AND list_min(values) = list_max(values) THEN values[1] END, "
+            "  CASE WHEN len(values) = 0 OR list_min(values) <> list_max(values) THEN values END "
+            "FROM _tdb_write WHERE values IS NOT NULL",
+            [credit],
+        )
+    elif stream == "loss_weights":
+        bit = BIT["loss_weights"]
+        con.execute(
+            "UPDATE nodes SET loss_weights = w.merged, "
+            f"  present = CASE WHEN w.merged IS NULL THEN present & ~{bit} ELSE present | {bit} END "
+            "FROM (SELECT n.trace_id, n.node_index, "
+            "        CASE WHEN len(e.entries) = 0 THEN NULL ELSE map_from_entries(e.entries) END AS merged "
+            "      FROM _tdb_write s JOIN nodes n USING (trace_id, node_index), "
+            "      LATERAL (SELECT list_concat("
+            "          list_filter(coalesce(map_entries(n.loss_weights), []), lambda e: e.key <> ?), "
+            "          CASE WHEN s.values IS NULL THEN [] ELSE [{'key': ?, 'value': s.values}] END) AS entries) e"
+            ") w WHERE nodes.trace_id = w.trace_id AND nodes.node_index = w.node_index",
+            [name, name],
+        )
+    else:
+        bit = BIT[stream]
+        col = f'"{stream}"'
+        con.execute(
+            f"UPDATE nodes SET {col} = w.values, "
+            f"  present = CASE WHEN w.values IS NULL THEN present & ~{bit} ELSE present | {bit} END "
+            "FROM _tdb_write w WHERE nodes.trace_id = w.trace_id AND nodes.node_index = w.node_index"
+        )
+    con.execute("DROP TABLE _tdb_write")
+    return int(count)
+
+
+# --------------------------------------------------------------------------- traces
+
+
+def write_traces(db: Database, data: Any, *, stream: str = "advantages", credit: str | None = None) -> int:
+    """Per trace: ``value`` (a scalar broadcast over every sampled token) or ``values``
+    (one list over all the trace's sampled tokens, in node order). Null clears the trace.
+    Nodes without sampled tokens are left as they are. Returns nodes written."""
+    _check_stream(stream, credit, None)
+    if stream == "loss_weights":
+        raise WriteError("loss_weights are per token; write them per node or per branch")
+    table = as_arrow(data)
+    if "trace_id" not in table.column_names or not ({"value", "values"} & set(table.column_names)):
+        raise WriteError("per-trace write needs columns trace_id and value (scalar) or values (list)")
+    stage = pa.table({"trace_id": table.column("trace_id").cast(pa.string())})
+    stage = stage.append_column(
+        "value",
+        table.column("value").cast(pa.float64())
+        if "value" in table.column_names
+        else pa.nulls(len(stage), pa.float64()),
+    )
+    stage = stage.append_column(
+        "values",
+        _values_column(table) if "values" in table.column_names else pa.nulls(len(stage), pa.list_(pa.float32())),
+    )
+    with db._transaction():
+        credit_name = _credit(db, credit)
+        db.con.register("_tdb_traces_in", stage)
+        try:
+            bad = db._row(
+                "SELECT s.trace_id, t.trace_id IS NULL, t.n_sampled, len(s.values), "
+                "  s.value IS NOT NULL AND s.values IS NOT NULL, isnan(s.value) OR isinf(s.value) "
+                "FROM _tdb_traces_in s LEFT JOIN traces t USING (trace_id) "
+                "WHERE t.trace_id IS NULL OR (s.values IS NOT NULL AND len(s.values) <> t.n_sampled) "
+                "  OR (s.value IS NOT NULL AND s.values IS NOT NULL) OR isnan(s.value) OR isinf(s.value) LIMIT 1"
+            )
+            if bad is not None:
+                trace_id, missing, expected, got, both, nonfinite = bad
+                if missing:
+                    raise WriteError(f"trace {trace_id} is not in the database; nothing written")
+                if both:
+                    raise WriteError(f"trace {trace_id}: give value or values, not both; nothing written")
+                if nonfinite:
+                    raise WriteError(f"trace {trace_id}: {stream} value is NaN or infinite; nothing written")
+                raise WriteError(
+                    f"trace {trace_id}: {stream} needs {expected} values (sampled tokens of the trace), "
+                    f"got {got}; nothing written"
+                )
+            # Broadcast or slice onto each node's sampled tokens, in node order.
+            nodes = db.sql(
+                "SELECT n.trace_id, n.node_index, "
+                "  CASE WHEN s.values IS NOT NULL "
+                "       THEN s.values[o.offset + 1 : o.offset + n.n_sampled] "
+                "       WHEN s.value IS NOT NULL THEN list_resize([]::FLOAT[], n.n_sampled, s.value::FLOAT) "
+                "  END AS values "
+                "FROM _tdb_traces_in s JOIN nodes n USING (trace_id) "
+                "JOIN (SELECT trace_id, node_index, coalesce(sum(n_sampled) OVER (PARTITION BY trace_id "
+                "      ORDER BY node_index ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS offset "
+                "      FROM nodes SEMI JOIN _tdb_traces_in USING (trace_id)) o USING (trace_id, node_index) "
+                "WHERE n.n_sampled > 0"
+            )
+        finally:
+            db.con.unregister("_tdb_traces_in")
+        return _apply(db, nodes, stream, credit_name, None)
+
+
+# --------------------------------------------------------------------------- branches
+
+
+def write_branches(
+    db: Database,
+    data: Any,
+    *,
+    stream: str = "advantages",
+    credit: str | None = None,
+    name: str | None = None,
+) -> int:
+    """Per branch ``(trace_id, branch_index, values)`` in full layout (aligned to the
+    branch's ``token_ids``), projected onto its nodes. Compact streams take the values on
+    sampled positions and require zeros elsewhere; ``loss_weights`` take every position.
+    A node on several written branches must get the same values from each. Null clears
+    every node of the branch. Returns nodes written."""
+    _check_stream(stream, credit, name)
+    table = as_arrow(data)
+    _require(table, ("trace_id", "branch_index", "values"), "per-branch")
+    trace_ids = table.column("trace_id").cast(pa.string()).to_pylist()
+    branch_index = table.column("branch_index").cast(pa.int32()).to_pylist()
+    values = _values_column(table)
+    from tracedb.views import _load
+
+    data_nodes = _load(db, sorted(set(trace_ids)), [])
+    paths = {
+        (t, b): p
+        for t, b, p in zip(
+            data_nodes.branches.column("trace_id").to_pylist(),
+            data_nodes.branches.column("branch_index").to_pylist(),
+            data_nodes.branches.column("path").to_pylist(),
+        )
+    }
+    compact = stream != "loss_weights"
+    rows: dict[tuple[str, int], tuple[Any, tuple[str, int]]] = {}
+    for i, (tid, bi) in enumerate(zip(trace_ids, branch_index)):
+        path = paths.get((tid, bi))
+        if path is None:
+            raise WriteError(f"trace {tid}: branch {bi} is not in the database; nothing written")
+        base = data_nodes.base[tid]
+        starts = data_nodes.starts
+        length = sum(int(starts[base + n + 1] - starts[base + n]) for n in path)
+        scalar = values[i]
+        vals = None if not scalar.is_valid else np.asarray(scalar.values.to_numpy(zero_copy_only=False), np.float32)
+        if vals is not None and len(vals) != length:
+            raise WriteError(
+                f"trace {tid}, branch {bi}: {stream} needs {length} values (the branch's tokens), "
+                f"got {len(vals)}; nothing written"
+            )
+        offset = 0
+        for node in path:
+            a, b = int(starts[base + node]), int(starts[base + node + 1])
+            n_tok = b - a
+            piece = None
+            if vals is not None:
+                piece = vals[offset : offset + n_tok]
+                if compact:
+                    sampled = data_nodes.mask[a:b]
+                    stray = np.flatnonzero((piece != 0) & ~sampled)
+                    if len(stray):
+                        raise WriteError(
+                            f"trace {tid}, branch {bi}, node {node}: {stream} is {piece[stray[0]]:g} on unsampled "
+                            f"token {offset + int(stray[0])} of the branch; only sampled tokens take values; "
+                            "nothing written"
+                        )
+                    piece = piece[sampled]
+                if not np.isfinite(piece).all():
+                    raise WriteError(f"trace {tid}, branch {bi}, node {node}: {stream} holds NaN or infinity")
+            offset += n_tok
+            key = (tid, node)
+            if key in rows:
+                prior, where = rows[key]
+                same = (prior is None and piece is None) or (
+                    prior is not None and piece is not None and np.array_equal(prior, piece)
+                )
+                if not same:
+                    raise WriteError(
+                        f"trace {tid}, node {node}: branches {where[1]} and {bi} give it different {stream}; "
+                        "one node, one value; nothing written"
+                    )
+                continue
+            rows[key] = (piece, (tid, bi))
+    stage = pa.table(
+        {
+            "trace_id": pa.array([k[0] for k in rows], pa.string()),
+            "node_index": pa.array([k[1] for k in rows], pa.int32()),
+            "values": pa.array([None if v[0] is None else v[0] for v in rows.values()], pa.list_(pa.float32())),
+        }
+    )
+    with db._transaction():
+        return _apply(db, stage, stream, _credit(db, credit), name)
+
+
+# --------------------------------------------------------------------------- sets
+
+
+def create_credit_set(
+    db: Database,
+    name: str,
+    *,
+    algorithm: str = "manual",
+    params: Mapping[str, Any] | None = None,
+    description: str | None = None,
+    replace: bool = False,
+) -> None:
+    """Register a named credit set (its algorithm, parameters and creation time).
+
+    ``replace=True`` drops an existing set of that name and its credit first.
+    """
+    if not name or name == DEFAULT_SET:
+        raise WriteError(f"{name!r} cannot name a credit set (the default set is the ingested credit)")
+    with db._transaction():
+        exists = db._scalar("SELECT count(*) FROM credit_sets WHERE name = ?", [name])
+        if exists and not replace:
+            raise WriteError(f"credit set {name!r} exists; pass replace=True to recompute it")
+        db.con.execute("DELETE FROM credit WHERE credit_set = ?", [name])
+        db.con.execute("DELETE FROM credit_sets WHERE name = ?", [name])
+        db.con.execute(
+            "INSERT INTO credit_sets (name, algorithm, params, description) VALUES (?, ?, ?, ?)",
+            [name, algorithm, json.dumps(dict(params or {}), sort_keys=True, default=str), description],
+        )
+
+
+def drop_credit_set(db: Database, name: str) -> None:
+    with db._transaction():
+        _credit(db, name)
+        db.con.execute("DELETE FROM credit WHERE credit_set = ?", [name])
+        db.con.execute("DELETE FROM credit_sets WHERE name = ?", [name])
+
+
+def clear(
+    db: Database,
+    *,
+    stream: str = "advantages",
+    credit: str | None = None,
+    trace_ids: Sequence[str] | None = None,
+    name: str | None = None,
+) -> int:
+    """Return every node (of ``trace_ids``, or all) to unassigned for ``stream``."""
+    _check_stream(stream, credit, name)
+    where = "" if trace_ids is None else "WHERE trace_id IN (SELECT unnest(?::VARCHAR[]))"
+    params = [] if trace_ids is None else [list(trace_ids)]
+    rows = db.sql(f"SELECT trace_id, node_index FROM nodes {where}", params)
+    stage = rows.append_column("values", pa.nulls(rows.num_rows, pa.list_(pa.float32())))
+    with db._transaction():
+        return _apply(db, stage, stream, _credit(db, credit), name)
