@@ -12,13 +12,12 @@ from typing import Any
 import duckdb
 import pytest
 import zstandard
+from conftest import FIXTURES
 
 import tracedb
 import tracedb.ingest
 from tracedb.errors import SchemaVersionError
 from tracedb.ingest import IngestReport
-
-from conftest import FIXTURES
 
 TABLES = ("tracedb_meta", "episodes", "traces", "segments", "nodes", "branches", "rejects")
 FIXTURE_FILES = sorted(FIXTURES.glob("*.traces.jsonl"))
@@ -78,6 +77,14 @@ def renamed(episode: dict[str, Any], suffix: str) -> dict[str, Any]:
     for t in e["traces"]:
         t["id"] = t["id"] + suffix
     return e
+
+
+def groups_head(tmp_path: Path, n: int) -> Path:
+    """The first ``n`` lines of the groups fixture, as a file of their own."""
+    path = tmp_path / f"groups_head_{n}.traces.jsonl"
+    lines = (FIXTURES / "groups.traces.jsonl").read_text().splitlines(keepends=True)[:n]
+    path.write_text("".join(lines))
+    return path
 
 
 def fixture_totals() -> dict[str, int]:
@@ -143,7 +150,7 @@ def _zst_streamed(data: bytes) -> bytes:
 
 @pytest.mark.parametrize("compress", [_zst_one_shot, _zst_streamed], ids=["one-shot", "streamed"])
 def test_jsonl_zst_file(fresh_db, tmp_path, compress):
-    source = FIXTURES / "groups.traces.jsonl"
+    source = groups_head(tmp_path, 8)
     path = tmp_path / "groups.traces.jsonl.zst"
     path.write_bytes(compress(source.read_bytes()))
     report = fresh_db.ingest(path)
@@ -327,14 +334,16 @@ def test_trace_twice_in_one_file(fresh_db, tmp_path, monkeypatch, batch_tokens):
     assert_same(fresh_db.episode(a["id"]), a)
 
 
-def test_idempotency_across_batches_and_files(fresh_db, monkeypatch):
-    monkeypatch.setattr(tracedb.ingest, "BATCH_TOKENS", 1)
-    report = fresh_db.ingest([FIXTURES, FIXTURES / "groups.traces.jsonl"])
-    totals = fixture_totals()
-    n_groups = len(episodes_of(FIXTURES / "groups.traces.jsonl"))
+def test_idempotency_across_batches_and_files(fresh_db, tmp_path, monkeypatch):
+    monkeypatch.setattr(tracedb.ingest, "BATCH_TOKENS", 1)  # every line is its own batch
+    head = groups_head(tmp_path, 6)
+    files = [FIXTURES / "linear.traces.jsonl", head, FIXTURES / "forest.traces.jsonl", head]
+    report = fresh_db.ingest(files)
     assert report.ok
-    assert (report.traces, report.skipped) == (totals["traces"], n_groups)
-    assert fresh_db.stats()["traces"] == totals["traces"]
+    assert (report.traces, report.skipped, report.episodes) == (8, 6, 8)
+    assert fresh_db.stats()["traces"] == 8
+    for e in episodes_of(head):
+        assert_same(fresh_db.episode(e["id"]), e)
 
 
 # --------------------------------------------------------------------------- segment dedup

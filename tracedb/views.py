@@ -102,7 +102,7 @@ def _load(db: Database, trace_ids: list[str], streams: Sequence[str], credit: st
         nodes = db.sql(
             "SELECT n.trace_id, n.node_index, n.n_tokens, n.n_sampled, n.mask_prefix, n.mask_slots, "
             f"n.loss_weights, n.segment_id{cols}{advantages} FROM nodes n {join} "
-            "SEMI JOIN _tdb_sel USING (trace_id)",
+            "WHERE n.trace_id IN (SELECT trace_id FROM _tdb_sel)",
             params,
         )
         segments = db.sql(
