@@ -1,0 +1,96 @@
+"""Credit assignment: algorithms that write advantages onto nodes as named credit sets.
+
+Each algorithm is one small vectorized function from columns (Arrow / Polars / DuckDB)
+to credit, registered in :data:`ALGORITHMS`. It returns either per-trace scalars
+(``trace_id, value``: broadcast over the trace's sampled tokens) or per-node compact
+lists (``trace_id, node_index, values``). :func:`run` records the set (algorithm,
+parameters, creation time) and writes its credit in one transaction.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+if TYPE_CHECKING:
+    from tracedb.store import Database
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    name: str
+    func: Callable[..., pa.Table]
+    layout: str  # "trace" (trace_id, value) or "node" (trace_id, node_index, values)
+    summary: str
+
+    def params(self) -> dict[str, Any]:
+        """Parameter names and defaults, from the function signature."""
+        sig = inspect.signature(self.func)
+        return {k: p.default for k, p in list(sig.parameters.items())[1:]}
+
+
+def _registry() -> dict[str, Algorithm]:
+    from tracedb.credit import outcome, returns, reweight, tree
+
+    table = (
+        Algorithm("grpo", outcome.grpo, "trace", "group-relative advantage r - mean(group), optional std scaling"),
+        Algorithm("rloo", outcome.rloo, "trace", "leave-one-out baseline r - mean(others)"),
+        Algorithm("returns", returns.returns, "node", "discounted turn-level returns along each branch"),
+        Algorithm("gae", returns.gae, "node", "GAE(gamma, lambda) over each branch's turns"),
+        Algorithm("tree", tree.tree, "node", "prefix-tree credit over shared token prefixes within a group"),
+        Algorithm("reweight", reweight.reweight, "node", "mean-preserving token reweighting of an existing set"),
+    )
+    return {a.name: a for a in table}
+
+
+ALGORITHMS: dict[str, Algorithm] = {}
+
+
+def algorithms() -> dict[str, Algorithm]:
+    """The registered algorithms, by name."""
+    if not ALGORITHMS:
+        ALGORITHMS.update(_registry())
+    return ALGORITHMS
+
+
+def compute(db: Database, algorithm: str, **params: Any) -> pa.Table:
+    """Run an algorithm without writing anything; returns its credit table."""
+    algo = _lookup(algorithm)
+    return algo.func(db, **params)
+
+
+def run(
+    db: Database,
+    algorithm: str,
+    name: str | None = None,
+    *,
+    replace: bool = False,
+    description: str | None = None,
+    **params: Any,
+) -> dict[str, Any]:
+    """Compute ``algorithm`` and stamp it as credit set ``name`` (default: the algorithm's
+    name). Returns the set's name, algorithm, parameters and what was written."""
+    from tracedb.writeback import create_credit_set, write_nodes, write_traces
+
+    algo = _lookup(algorithm)
+    name = name or algorithm
+    table = algo.func(db, **params)
+    resolved = {**algo.params(), **params}
+    with db._transaction():
+        create_credit_set(db, name, algorithm=algorithm, params=resolved, description=description, replace=replace)
+        if algo.layout == "trace":
+            nodes = write_traces(db, table, credit=name)
+        else:
+            nodes = write_nodes(db, table, credit=name)
+    return {"name": name, "algorithm": algorithm, "params": resolved, "rows": table.num_rows, "nodes": nodes}
+
+
+def _lookup(algorithm: str) -> Algorithm:
+    algos = algorithms()
+    if algorithm not in algos:
+        raise ValueError(f"unknown credit algorithm {algorithm!r}; known: {sorted(algos)}")
+    return algos[algorithm]

@@ -1,0 +1,103 @@
+"""Outcome-level credit: one advantage per trace from its group's rewards (GRPO, RLOO)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import polars as pl
+import pyarrow as pa
+
+if TYPE_CHECKING:
+    from tracedb.store import Database
+
+
+def trace_rewards(
+    db: Database,
+    *,
+    reward: str | None = None,
+    group_by: str = "group_id",
+    include_failed: bool = False,
+) -> pl.DataFrame:
+    """One row per trace: ``trace_id``, ``group``, ``reward``, ``valid``.
+
+    ``reward`` None takes the weighted sum of the trace's scored rewards, a name takes
+    that reward's score. ``group_by`` names a ``traces`` column (default the episode's
+    group id) or a JSON path into the trace record (``$.task.data.idx``). A trace is
+    invalid (left unassigned, out of every mean) when it has no reward, or, unless
+    ``include_failed``, when it is not ok or timed out.
+    """
+    from tracedb.store import quote_identifier
+
+    reward_params: list = []
+    group_params: list = []
+    if reward is None:
+        reward_sql = "t.reward"
+    else:
+        reward_sql = (
+            "TRY_CAST(json_extract_string(t.record, '$.rewards.' || to_json(?::VARCHAR) || '.score') AS DOUBLE)"
+        )
+        reward_params = [reward]
+    if group_by.startswith("$"):
+        group_sql = "json_extract_string(t.record, ?)"
+        group_params = [group_by]
+    else:
+        columns = {
+            r[0]
+            for r in db.con.execute("SELECT column_name FROM duckdb_columns() WHERE table_name = 'traces'").fetchall()
+        }
+        if group_by not in columns:
+            raise ValueError(f"cannot group by {group_by!r}: not a traces column ({sorted(columns)}) nor a $.json.path")
+        group_sql = f"t.{quote_identifier(group_by)}::VARCHAR"
+    failed = "" if include_failed else " AND coalesce(t.ok, false) AND NOT coalesce(t.is_timeout, false)"
+    table = db.sql(
+        f'SELECT t.trace_id, {group_sql} AS "group", {reward_sql} AS reward, '
+        f"({reward_sql} IS NOT NULL{failed}) AS valid FROM traces t ORDER BY t.trace_id",
+        group_params + reward_params + reward_params,
+    )
+    return pl.from_arrow(table)
+
+
+def _baseline_table(df: pl.DataFrame, advantage: pl.Expr) -> pa.Table:
+    valid = df.filter(pl.col("valid"))
+    # A trace without a group is its own group.
+    valid = valid.with_columns(pl.coalesce(pl.col("group"), pl.lit("trace:") + pl.col("trace_id")).alias("group"))
+    out = valid.with_columns(advantage.alias("value")).select("trace_id", "value")
+    return out.to_arrow()
+
+
+def grpo(
+    db: Database,
+    *,
+    reward: str | None = None,
+    group_by: str = "group_id",
+    scale_std: bool = False,
+    eps: float = 1e-6,
+    include_failed: bool = False,
+) -> pa.Table:
+    """GRPO: A = r - mean(r over the group's valid members), optionally / (std + eps).
+
+    Off by default, as in Dr. GRPO; the std is the sample standard deviation (a group of
+    one has none and gets 0). Equal rewards give zeros, not None. Excluded rollouts
+    (failed, timed out, unscored) stay unassigned and do not enter the mean.
+    """
+    df = trace_rewards(db, reward=reward, group_by=group_by, include_failed=include_failed)
+    centered = pl.col("reward") - pl.col("reward").mean().over("group")
+    if scale_std:
+        std = pl.col("reward").std(ddof=1).over("group").fill_null(0.0).fill_nan(0.0)
+        centered = centered / (std + eps)
+    return _baseline_table(df, centered)
+
+
+def rloo(
+    db: Database,
+    *,
+    reward: str | None = None,
+    group_by: str = "group_id",
+    include_failed: bool = False,
+) -> pa.Table:
+    """RLOO: A = r - mean of the other valid members' rewards; a group of one gets 0."""
+    df = trace_rewards(db, reward=reward, group_by=group_by, include_failed=include_failed)
+    n = pl.len().over("group")
+    others = (pl.col("reward").sum().over("group") - pl.col("reward")) / (n - 1)
+    advantage = pl.when(n > 1).then(pl.col("reward") - others).otherwise(0.0)
+    return _baseline_table(df, advantage)

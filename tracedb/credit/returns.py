@@ -1,0 +1,1 @@
+"""Turn-level returns and GAE along each branch (to be completed)."""
