@@ -201,6 +201,57 @@ def rejects(db: DbOption = Path("tracedb.duckdb"), as_json: JsonOption = False) 
     _emit(rows, as_json, title="rejects")
 
 
+def _param(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise typer.BadParameter(f"expected key=value, got {text!r}")
+    try:
+        return key.strip(), json.loads(value)
+    except ValueError:
+        return key.strip(), value
+
+
+@app.command()
+def credit(
+    algorithm: Annotated[
+        str | None, typer.Argument(help="Algorithm: grpo, rloo, returns, gae, tree, reweight.")
+    ] = None,
+    name: Annotated[str | None, typer.Option(help="Credit set to write (default: the algorithm's name).")] = None,
+    param: Annotated[
+        list[str] | None, typer.Option("--param", "-p", help="Algorithm parameter key=value (JSON values), repeatable.")
+    ] = None,
+    replace: Annotated[bool, typer.Option(help="Recompute an existing set of that name.")] = False,
+    list_algorithms: Annotated[bool, typer.Option("--list", help="List the algorithms and their parameters.")] = False,
+    db: DbOption = Path("tracedb.duckdb"),
+    as_json: JsonOption = False,
+) -> None:
+    """Stamp advantages with a credit algorithm as a named credit set (one transaction)."""
+    from tracedb import credit as credit_lib
+
+    if list_algorithms or algorithm is None:
+        rows = [
+            {"algorithm": a.name, "layout": a.layout, "params": a.params(), "summary": a.summary}
+            for a in credit_lib.algorithms().values()
+        ]
+        _emit(rows, as_json, title="credit algorithms")
+        return
+    params = dict(_param(p) for p in param or [])
+    with _open(db) as database:
+        try:
+            result = credit_lib.run(database, algorithm, name, replace=replace, **params)
+        except (TraceDBError, ValueError, TypeError) as e:
+            err.print(f"[red]{e}[/red]")
+            raise typer.Exit(1) from None
+    _emit(result, as_json)
+
+
+@app.command("credit-sets")
+def credit_sets(db: DbOption = Path("tracedb.duckdb"), as_json: JsonOption = False) -> None:
+    """The credit sets side by side: algorithm, parameters, creation time, assigned nodes."""
+    with _open(db, read_only=True) as database:
+        _emit(database.credit_sets().to_pylist(), as_json, title="credit sets")
+
+
 @app.command()
 def demo(
     db: DbOption = Path("tracedb-demo.duckdb"),

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from tracedb.errors import NotFound, TraceDBError
 from tracedb.models import COMPACT_STREAMS
@@ -240,6 +241,9 @@ def write_traces(db: Database, data: Any, *, stream: str = "advantages", credit:
                     f"trace {trace_id}: {stream} needs {expected} values (sampled tokens of the trace), "
                     f"got {got}; nothing written"
                 )
+            if credit_name is not None and pc.all(pc.is_null(stage.column("values"))).as_py():
+                # Scalars into a named set are valid by construction: store one value per node.
+                return _broadcast(db, credit_name)
             # Broadcast or slice onto each node's sampled tokens, in node order.
             nodes = db.sql(
                 "SELECT n.trace_id, n.node_index, "
@@ -256,6 +260,21 @@ def write_traces(db: Database, data: Any, *, stream: str = "advantages", credit:
         finally:
             db.con.unregister("_tdb_traces_in")
         return _apply(db, nodes, stream, credit_name, None)
+
+
+def _broadcast(db: Database, credit: str) -> int:
+    """Per-trace scalars (registered as _tdb_traces_in) onto a named set, one row per node."""
+    db.con.execute(
+        "DELETE FROM credit WHERE credit_set = ? AND trace_id IN (SELECT trace_id FROM _tdb_traces_in)", [credit]
+    )
+    return int(
+        db._scalar(
+            "WITH ins AS (INSERT INTO credit (credit_set, trace_id, node_index, value) "
+            "SELECT ?, n.trace_id, n.node_index, s.value::FLOAT FROM _tdb_traces_in s JOIN nodes n USING (trace_id) "
+            "WHERE n.n_sampled > 0 AND s.value IS NOT NULL RETURNING 1) SELECT count(*) FROM ins",
+            [credit],
+        )
+    )
 
 
 # --------------------------------------------------------------------------- branches

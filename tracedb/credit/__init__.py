@@ -9,6 +9,7 @@ parameters, creation time) and writes its credit in one transaction.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,9 +24,14 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Algorithm:
     name: str
-    func: Callable[..., pa.Table]
+    target: str  # "module:function" under tracedb.credit, imported when first used
     layout: str  # "trace" (trace_id, value) or "node" (trace_id, node_index, values)
     summary: str
+
+    @property
+    def func(self) -> Callable[..., pa.Table]:
+        module, function = self.target.split(":")
+        return getattr(importlib.import_module(f"tracedb.credit.{module}"), function)
 
     def params(self) -> dict[str, Any]:
         """Parameter names and defaults, from the function signature."""
@@ -33,27 +39,22 @@ class Algorithm:
         return {k: p.default for k, p in list(sig.parameters.items())[1:]}
 
 
-def _registry() -> dict[str, Algorithm]:
-    from tracedb.credit import outcome, returns, reweight, tree
-
-    table = (
-        Algorithm("grpo", outcome.grpo, "trace", "group-relative advantage r - mean(group), optional std scaling"),
-        Algorithm("rloo", outcome.rloo, "trace", "leave-one-out baseline r - mean(others)"),
-        Algorithm("returns", returns.returns, "node", "discounted turn-level returns along each branch"),
-        Algorithm("gae", returns.gae, "node", "GAE(gamma, lambda) over each branch's turns"),
-        Algorithm("tree", tree.tree, "node", "prefix-tree credit over shared token prefixes within a group"),
-        Algorithm("reweight", reweight.reweight, "node", "mean-preserving token reweighting of an existing set"),
+ALGORITHMS: dict[str, Algorithm] = {
+    a.name: a
+    for a in (
+        Algorithm("grpo", "outcome:grpo", "trace", "group-relative advantage r - mean(group), optional std scaling"),
+        Algorithm("rloo", "outcome:rloo", "trace", "leave-one-out baseline r - mean(others)"),
+        Algorithm("returns", "returns:returns", "node", "discounted turn-level returns along each branch"),
+        Algorithm("gae", "returns:gae", "node", "GAE(gamma, lambda) over each branch's turns"),
+        Algorithm("tree", "tree:tree", "node", "prefix-tree credit over shared token prefixes within a group"),
+        Algorithm("reweight", "reweight:reweight", "node", "mean-preserving token reweighting of an existing set"),
     )
-    return {a.name: a for a in table}
-
-
-ALGORITHMS: dict[str, Algorithm] = {}
+}
+"""The one table of credit algorithms."""
 
 
 def algorithms() -> dict[str, Algorithm]:
     """The registered algorithms, by name."""
-    if not ALGORITHMS:
-        ALGORITHMS.update(_registry())
     return ALGORITHMS
 
 
