@@ -20,7 +20,9 @@ OPTIONAL_STREAMS = COMPACT_STREAMS[1:]
 
 
 class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # strict: a "1" is not a parent index and a 0 is not a mask entry; values are never
+    # converted, so what is stored is what was written.
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class ParentLink(_Open):
@@ -35,7 +37,7 @@ class ParentLink(_Open):
 class MessageNode(_Open):
     """One distinct message and the tokens it adds to the running sequence."""
 
-    parent: int | None = None
+    parent: int | None = Field(default=None, ge=0)
     """Index of the predecessor node; None for a root."""
     semantic_parents: list[ParentLink] = Field(default_factory=list)
     """Typed incoming causal links."""
@@ -43,6 +45,8 @@ class MessageNode(_Open):
     """The system / user / assistant / tool message, kept as written."""
     sampled: bool = False
     """True when a model call produced this message."""
+    timestamp: float | None = None
+    """Wall-clock epoch seconds when the node was created."""
     token_ids: list[int] = Field(default_factory=list)
     """Only the tokens this node adds."""
     mask: list[bool] = Field(default_factory=list)

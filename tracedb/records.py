@@ -382,6 +382,9 @@ def _pydantic_location(err: pydantic.ValidationError, raw: dict[str, Any]) -> tu
     message = first["msg"]
     if first["type"] == "value_error":
         message = message.removeprefix("Value error, ")
+    if first["type"] != "missing" and "input" in first:
+        shown = json.dumps(first["input"], default=str)
+        message += f" (got {shown if len(shown) <= 80 else shown[:77] + '...'})"
     return where, message
 
 
@@ -391,8 +394,9 @@ def _check_types(value: Any, where: Location) -> None:
         for i, node in enumerate(t.get("nodes", [])):
             ids = node.get("token_ids") or []
             if ids and (min(ids) < _INT32.min or max(ids) > _INT32.max):
+                value = min(ids) if min(ids) < _INT32.min else max(ids)
                 raise RecordError(
-                    "token id out of int32 range",
+                    f"token id {value} at position {ids.index(value)} does not fit int32",
                     Location(where.file, where.line, t.get("id"), i, "token_ids"),
                 )
 

@@ -1,1 +1,266 @@
-"""Turn-level returns and GAE along each branch (to be completed)."""
+"""Turn-level discounted returns and GAE(gamma, lambda) along each branch.
+
+**Turns.** The turns of a branch are the nodes on its path (root first) that hold sampled
+tokens (``n_sampled > 0``), in path order. Each turn ``t`` has a reward ``r_t`` and a value
+``V_t``:
+
+- ``r_t`` is the node field ``reward_field`` (None: 0.0 on every turn), plus, with
+  ``terminal_reward=True``, the trace's outcome reward (the weighted sum ``traces.reward``,
+  or the score of the reward named ``reward``) on the branch's *last* turn. Every branch
+  gets it there, a compaction attempt included: it is what the episode that branch was part
+  of earned.
+- ``V_t`` is the node field ``value_field`` (None: 0.0).
+
+A field name is a ``nodes`` column when one has that name, else a key of the node's record
+that tracedb keeps in ``nodes.extra`` (``"value": 0.3``). A node without the field, or with
+a null or non-numeric one, reads 0.0.
+
+**Termination** (as in standard GAE, bootstrap only on truncation). A branch is
+*truncated* when its trace hit a limit (``stop_condition`` in :data:`LIMITS`, or
+``is_timeout``), when it is untrainable (a compaction attempt that was not resumed), or when
+its leaf is a compaction attempt that was resumed (the episode went on in another branch).
+Otherwise it is *terminated*. After the last turn ``T-1`` the value ``V_T`` is 0 on
+termination; on truncation it is ``bootstrap_field`` of the last turn when given, else
+``V_{T-1}``.
+
+- ``returns``: ``G_t = r_t + gamma G_{t+1}`` with ``G_T = V_T``; stamps ``G_t`` (``G_t - V_t``
+  with ``subtract_values``).
+- ``gae``: ``delta_t = r_t + gamma V_{t+1} - V_t``, ``A_t = delta_t + gamma lam A_{t+1}``.
+
+**One value per node.** Branches share nodes; a shared turn takes its value from the first
+trainable branch through it (the first branch when none is), the rule ``train_once`` uses in
+:mod:`tracedb.views`. The value is broadcast over the node's sampled tokens.
+
+**Excluded traces** (no outcome reward while ``terminal_reward``; failed or timed out unless
+``include_failed``) get no rows: their nodes stay unassigned (None, not zeros).
+
+**Computation.** One SQL query flattens every branch's turns into a single array ordered by
+branch; the recurrences ``y_t = x_t + c y_{t+1}`` are then solved for all branches at once by
+a segmented reverse scan with recursive doubling (``log2`` of the longest branch numpy
+passes, no loop per branch or turn). The doubling only ever multiplies by ``c**d <= 1``, so
+long branches with a small ``c`` cannot overflow; ``c**d`` underflowing to 0 is the exact
+limit, unlike rescaling by ``c**-t``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyarrow as pa
+
+from tracedb.credit.outcome import trace_rewards
+
+if TYPE_CHECKING:
+    from tracedb.store import Database
+
+LIMITS = ("max_turns", "max_input_tokens", "max_output_tokens", "max_total_tokens", "compaction_failed")
+"""Stop conditions that cut an episode short (verifiers ``Trace.is_truncated``)."""
+
+_TRACES = "_tdb_returns_traces"
+
+OUTPUT_SCHEMA = pa.schema([("trace_id", pa.string()), ("node_index", pa.int32()), ("values", pa.list_(pa.float32()))])
+
+
+def returns(
+    db: Database,
+    *,
+    gamma: float = 1.0,
+    reward: str | None = None,
+    reward_field: str | None = None,
+    value_field: str | None = None,
+    bootstrap_field: str | None = None,
+    terminal_reward: bool = True,
+    subtract_values: bool = False,
+    include_failed: bool = False,
+) -> pa.Table:
+    """Discounted return ``G_t`` of every turn (``G_t - V_t`` with ``subtract_values``).
+
+    Returns ``(trace_id, node_index, values)``: each sampled node's value broadcast over its
+    sampled tokens. See the module docstring for turns, rewards, values and termination.
+    """
+    _check_unit("gamma", gamma)
+    turns = _turns(db, reward, reward_field, value_field, bootstrap_field, terminal_reward, include_failed)
+    if turns is None:
+        return OUTPUT_SCHEMA.empty_table()
+    r, v, boot, last, end = turns["r"], turns["v"], turns["boot"], turns["last"], turns["end"]
+    x = r.copy()
+    x[last] += gamma * boot  # G_T folded into the last reward: G_{T-1} = r_{T-1} + gamma G_T
+    g = _reverse_scan(x, end, gamma)
+    return _stamp(turns, g - v if subtract_values else g)
+
+
+def gae(
+    db: Database,
+    *,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    reward: str | None = None,
+    reward_field: str | None = None,
+    value_field: str | None = None,
+    bootstrap_field: str | None = None,
+    terminal_reward: bool = True,
+    include_failed: bool = False,
+) -> pa.Table:
+    """Generalized advantage estimation over each branch's turns.
+
+    ``A_t = sum_k (gamma lam)^k delta_{t+k}`` with ``delta_t = r_t + gamma V_{t+1} - V_t``;
+    ``lam=1`` gives ``G_t - V_t``, ``lam=0`` the one-step TD error. Returns
+    ``(trace_id, node_index, values)`` like :func:`returns`.
+    """
+    _check_unit("gamma", gamma)
+    _check_unit("lam", lam)
+    turns = _turns(db, reward, reward_field, value_field, bootstrap_field, terminal_reward, include_failed)
+    if turns is None:
+        return OUTPUT_SCHEMA.empty_table()
+    r, v, boot, last, end = turns["r"], turns["v"], turns["boot"], turns["last"], turns["end"]
+    v_next = np.empty_like(v)
+    v_next[:-1] = v[1:]
+    v_next[last] = boot  # V_T: the next turn of the branch does not exist, the bootstrap stands in
+    delta = r + gamma * v_next - v
+    return _stamp(turns, _reverse_scan(delta, end, gamma * lam))
+
+
+def _check_unit(name: str, x: float) -> None:
+    # Outside [0, 1] the discount no longer shrinks and the scan's factors could overflow.
+    if not 0.0 <= float(x) <= 1.0:
+        raise ValueError(f"{name} must be within [0, 1], got {x!r}")
+
+
+def _reverse_scan(x: np.ndarray, end: np.ndarray, c: float) -> np.ndarray:
+    """``y_t = x_t + c y_{t+1}`` within each segment (``end[t]``: index of t's segment end).
+
+    Recursive doubling: after the pass with stride ``d``, ``y_t`` sums ``c^k x_{t+k}`` for
+    ``k < 2d`` inside the segment. ``c**d`` only shrinks (to 0.0 at worst, the true limit).
+    """
+    y = x.astype(np.float64, copy=True)
+    active = np.arange(len(y))
+    d = 1
+    while True:
+        active = active[active + d <= end[active]]  # turns whose partner d ahead is in their branch
+        if not len(active):
+            break
+        # Fancy indexing copies the right-hand side, so every update reads the previous pass.
+        y[active] += (c**d) * y[active + d]
+        d *= 2
+    return y
+
+
+def _field(name: str | None, columns: set[str], key: str, params: dict[str, object]) -> str:
+    """SQL reading node field ``name`` as DOUBLE (0.0 when absent) from ``n`` (a nodes row)."""
+    if name is None:
+        return "0.0::DOUBLE"
+    if name in columns:
+        return f'coalesce(TRY_CAST(n."{name.replace(chr(34), chr(34) * 2)}" AS DOUBLE), 0.0)'
+    params[key] = name
+    return f"coalesce(TRY_CAST(json_extract_string(n.extra, '$.' || to_json(${key}::VARCHAR)) AS DOUBLE), 0.0)"
+
+
+def _turns(
+    db: Database,
+    reward: str | None,
+    reward_field: str | None,
+    value_field: str | None,
+    bootstrap_field: str | None,
+    terminal_reward: bool,
+    include_failed: bool,
+) -> dict[str, np.ndarray | pa.Array] | None:
+    """Every turn of every branch of the assigned traces, ordered by branch then path position,
+    as numpy columns (``r`` with the terminal reward added, ``v``, ``boot`` on last turns)."""
+    import polars as pl
+
+    # The outcome reward and which traces are assigned come from the same rule as GRPO/RLOO.
+    traces = trace_rewards(db, reward=reward, include_failed=include_failed)
+    if terminal_reward:
+        traces = traces.filter(pl.col("valid")).select("trace_id", outcome=pl.col("reward"))
+    else:
+        # Without an outcome reward a missing one excludes nothing; failed runs still do.
+        failed = "" if include_failed else "WHERE coalesce(ok, false) AND NOT coalesce(is_timeout, false)"
+        traces = pl.from_arrow(db.sql(f"SELECT trace_id, 0.0::DOUBLE AS outcome FROM traces {failed}"))
+    if traces.height == 0:
+        return None
+    columns = {
+        r[0] for r in db.con.execute("SELECT column_name FROM duckdb_columns() WHERE table_name = 'nodes'").fetchall()
+    }
+    params: dict[str, object] = {"limits": list(LIMITS)}
+    r_sql = _field(reward_field, columns, "reward_field", params)
+    v_sql = _field(value_field, columns, "value_field", params)
+    b_sql = _field(bootstrap_field, columns, "bootstrap_field", params) if bootstrap_field else v_sql
+    query = f"""
+        WITH paths AS (
+            SELECT trace_id, branch_index, trainable, leaf,
+                   unnest(path) AS node_index, generate_subscripts(path, 1) AS pos
+            FROM branches SEMI JOIN {_TRACES} USING (trace_id)
+        ), turns AS (
+            SELECT p.trace_id, p.branch_index, p.trainable, p.leaf, p.node_index, p.pos, n.n_sampled,
+                   {r_sql} AS r, {v_sql} AS v, {b_sql} AS b
+            FROM paths p JOIN nodes n USING (trace_id, node_index)
+            WHERE n.n_sampled > 0
+        )
+        SELECT t.trace_id, t.node_index, t.n_sampled, t.r, t.v, t.b, x.outcome,
+               t.pos = max(t.pos) OVER w AS last,
+               row_number() OVER (PARTITION BY t.trace_id, t.node_index
+                                  ORDER BY NOT t.trainable, t.branch_index) = 1 AS first,
+               coalesce(tr.stop_condition IN (SELECT unnest($limits::VARCHAR[])), false)
+                 OR coalesce(tr.is_timeout, false) OR NOT t.trainable
+                 OR coalesce(list_bool_or(list_transform(leaf.semantic_parents,
+                                                         lambda s: s.type = 'compaction_attempt')), false)
+                 AS truncated
+        FROM turns t
+        JOIN {_TRACES} x USING (trace_id)
+        JOIN traces tr USING (trace_id)
+        JOIN nodes leaf ON leaf.trace_id = t.trace_id AND leaf.node_index = t.leaf
+        WINDOW w AS (PARTITION BY t.trace_id, t.branch_index)
+        ORDER BY t.trace_id, t.branch_index, t.pos
+    """
+    db.con.register(_TRACES, traces.to_arrow())
+    try:
+        table = db.sql(query, params)
+    finally:
+        db.con.unregister(_TRACES)
+    if table.num_rows == 0:
+        return None
+    col = lambda name: table.column(name).to_numpy()  # noqa: E731
+    last = col("last").astype(bool)
+    r, v = col("r").astype(np.float64), col("v").astype(np.float64)
+    r[last] += col("outcome")[last]
+    boot = np.where(col("truncated")[last], col("b")[last], 0.0)
+    bad = ~(np.isfinite(r) & np.isfinite(v)) | ~np.isfinite(table.column("b").to_numpy())
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(
+            f"trace {table.column('trace_id')[i]}, node {table.column('node_index')[i]}: "
+            "reward, value or bootstrap is NaN or infinite"
+        )
+    # Index of each turn's branch end: the turns are grouped by branch, the last flags close them.
+    last_idx = np.flatnonzero(last)
+    end = last_idx[np.concatenate([[0], np.cumsum(last[:-1])])]
+    return {
+        "r": r,
+        "v": v,
+        "boot": boot,
+        "last": last,
+        "end": end,
+        "first": col("first").astype(bool),
+        "n_sampled": col("n_sampled").astype(np.int64),
+        "trace_id": table.column("trace_id"),
+        "node_index": table.column("node_index"),
+    }
+
+
+def _stamp(turns: dict, advantage: np.ndarray) -> pa.Table:
+    """Keep each node's row from its first trainable branch and broadcast over its tokens."""
+    keep = np.flatnonzero(turns["first"])
+    counts = turns["n_sampled"][keep]
+    offsets = np.zeros(len(keep) + 1, np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    if offsets[-1] >= 2**31:
+        raise ValueError("more than 2**31 sampled tokens in one credit table: run on fewer traces")
+    flat = np.repeat(advantage[keep].astype(np.float32), counts)
+    values = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat, pa.float32()))
+    index = pa.array(keep)
+    out = pa.Table.from_arrays(
+        [turns["trace_id"].take(index).cast(pa.string()), turns["node_index"].take(index).cast(pa.int32()), values],
+        schema=OUTPUT_SCHEMA,
+    )
+    return out.sort_by([("trace_id", "ascending"), ("node_index", "ascending")])

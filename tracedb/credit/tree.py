@@ -1,1 +1,164 @@
-"""Turn-level returns and GAE along each branch (to be completed)."""
+"""Prefix-tree credit: rollouts of a group that share exact token prefixes form a tree.
+
+Within a group, a *trie node* is a root-to-node sequence of token segments: two message
+nodes (of the same or of different traces) are the same trie node exactly when the
+segment ids (content hashes of their token ids) along their root-to-node paths are equal.
+The group's rollouts hang below one virtual root. A trie node's value is the mean reward
+of the distinct valid traces passing through it, and its advantage mixes how much better
+it is than the group and than its trie parent, shrunk by how many traces support it::
+
+    V(root) = mean reward of the group's valid traces
+    V(n)    = mean reward of the valid traces through n
+    A(n)    = ((V(n) - V(root)) + (V(n) - V(parent(n)))) / sqrt(traces through n)
+
+with ``V(parent) = V(root)`` on the first level. Every message node of a valid trace gets
+its trie node's advantage on each of its sampled tokens, so a prefix shared by several
+rollouts (and a node shared by several branches) gets one value. Excluded traces (failed,
+timed out, unscored: see :func:`tracedb.credit.outcome.trace_rewards`) neither enter the
+means nor receive credit.
+
+Trie nodes are interned exactly, not hashed: level by level (a loop over tree depth, not
+over tokens), each node's trie id is the dense id of the pair (parent's trie id, segment
+id), starting from the group's virtual root. Means are bincounts over distinct
+(trie node, trace) pairs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+
+from tracedb.credit.outcome import trace_rewards
+
+if TYPE_CHECKING:
+    from tracedb.store import Database
+
+NODE_SCHEMA = pa.schema([("trace_id", pa.string()), ("node_index", pa.int32()), ("values", pa.list_(pa.float32()))])
+
+
+def tree(
+    db: Database,
+    *,
+    reward: str | None = None,
+    group_by: str = "group_id",
+    include_failed: bool = False,
+) -> pa.Table:
+    """Prefix-tree credit per node: ``trace_id, node_index, values`` (one value per
+    sampled token, all equal to the node's trie-node advantage).
+
+    ``reward``, ``group_by`` and ``include_failed`` select rewards, groups and valid
+    traces as in :func:`tracedb.credit.outcome.grpo`; a trace without a group is its own
+    group (and so gets zeros). A group whose rewards are all equal gets zeros.
+    """
+    rewards = trace_rewards(db, reward=reward, group_by=group_by, include_failed=include_failed)
+    valid = rewards.filter(pl.col("valid")).with_columns(
+        pl.coalesce(pl.col("group"), pl.lit("trace:") + pl.col("trace_id")).alias("group")
+    )
+    if valid.height == 0:
+        return NODE_SCHEMA.empty_table()
+    valid = valid.sort("trace_id")
+    trace_codes = valid.with_row_index("trace_code").select("trace_id", "trace_code", "group", "reward")
+    group_code = valid.get_column("group").rank("dense").cast(pl.Int64).to_numpy() - 1
+    reward_arr = valid.get_column("reward").cast(pl.Float64).to_numpy()
+
+    con = db.con
+    con.register("_tdb_tree_traces", trace_codes.select("trace_id", "trace_code").to_arrow())
+    try:
+        nodes = con.sql(
+            "WITH n AS ("
+            "  SELECT n.trace_id, n.node_index, n.parent, n.n_sampled, t.trace_code, "
+            "         dense_rank() OVER (ORDER BY n.segment_id) - 1 AS segment_code, "
+            "         row_number() OVER (ORDER BY n.trace_id, n.node_index) - 1 AS row "
+            "  FROM nodes n JOIN _tdb_tree_traces t USING (trace_id)) "
+            "SELECT n.trace_id, n.node_index, n.n_sampled, n.trace_code, n.segment_code, n.row, "
+            "       coalesce(p.row, -1) AS parent_row "
+            "FROM n LEFT JOIN n p ON p.trace_id = n.trace_id AND p.node_index = n.parent "
+            "ORDER BY n.row"
+        ).to_arrow_table()
+    finally:
+        con.unregister("_tdb_tree_traces")
+    if nodes.num_rows == 0:
+        return NODE_SCHEMA.empty_table()
+
+    trace_code = nodes.column("trace_code").to_numpy().astype(np.int64)
+    segment = nodes.column("segment_code").to_numpy().astype(np.int64)
+    parent = nodes.column("parent_row").to_numpy().astype(np.int64)
+    n_groups = int(group_code.max()) + 1
+
+    trie, trie_parent = _intern(parent, segment, group_code[trace_code], n_groups)
+
+    # Distinct (trie node, trace) pairs: a trace counts once under each trie node.
+    n_trie = len(trie_parent)
+    n_traces = len(reward_arr)
+    pairs = np.unique(trie * n_traces + trace_code)
+    pair_trie, pair_trace = pairs // n_traces, pairs % n_traces
+    count = np.bincount(pair_trie, minlength=n_trie).astype(np.float64)
+    total = np.bincount(pair_trie, weights=reward_arr[pair_trace], minlength=n_trie)
+    # The virtual roots (ids 0 .. n_groups-1): every valid trace of the group.
+    count[:n_groups] = np.bincount(group_code, minlength=n_groups)
+    total[:n_groups] = np.bincount(group_code, weights=reward_arr, minlength=n_groups)
+    value = total / np.maximum(count, 1.0)
+
+    # Every node row of a trie node is in one group: its chain starts at that group's root.
+    root_of = np.arange(n_trie)
+    root_of[trie] = group_code[trace_code]
+    v_root = value[root_of]
+    v_parent = value[trie_parent]
+    advantage = ((value - v_root) + (value - v_parent)) / np.sqrt(np.maximum(count, 1.0))
+    advantage[:n_groups] = 0.0
+
+    n_sampled = nodes.column("n_sampled").to_numpy().astype(np.int64)
+    keep = n_sampled > 0
+    node_adv = advantage[trie][keep].astype(np.float32)
+    sizes = n_sampled[keep]
+    offsets = np.zeros(len(sizes) + 1, dtype=np.int32)
+    np.cumsum(sizes, out=offsets[1:])
+    values = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(np.repeat(node_adv, sizes)))
+    mask = pa.array(keep)
+    return pa.table(
+        {
+            "trace_id": nodes.column("trace_id").filter(mask).cast(pa.string()),
+            "node_index": nodes.column("node_index").filter(mask).cast(pa.int32()),
+            "values": values,
+        },
+        schema=NODE_SCHEMA,
+    )
+
+
+def _depths(parent: np.ndarray) -> np.ndarray:
+    """Depth of every node (roots 0) by pointer jumping: log2(max depth) vectorized steps."""
+    depth = (parent >= 0).astype(np.int64)
+    jump = parent.copy()
+    while True:
+        live = jump >= 0
+        if not live.any():
+            return depth
+        target = jump[live]
+        depth[live] += depth[target]
+        jump[live] = jump[target]
+
+
+def _intern(
+    parent: np.ndarray, segment: np.ndarray, group: np.ndarray, n_groups: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Trie id per node row and trie parent per trie id; ids ``0 .. n_groups-1`` are the
+    groups' virtual roots (their own parents). Level by level, a node's trie id is the
+    dense id of (its parent's trie id, its segment)."""
+    depth = _depths(parent)
+    order = np.argsort(depth, kind="stable")
+    bounds = np.flatnonzero(np.diff(depth[order])) + 1
+    trie = np.full(len(parent), -1, dtype=np.int64)
+    trie_parent = [np.arange(n_groups, dtype=np.int64)]
+    next_id = n_groups
+    n_segments = int(segment.max()) + 1
+    for rows in np.split(order, bounds):
+        up = np.where(parent[rows] >= 0, trie[np.maximum(parent[rows], 0)], group[rows])
+        keys, inverse = np.unique(up * n_segments + segment[rows], return_inverse=True)
+        trie[rows] = next_id + inverse.reshape(-1)
+        trie_parent.append(keys // n_segments)
+        next_id += len(keys)
+    return trie, np.concatenate(trie_parent)
+
