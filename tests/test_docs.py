@@ -40,7 +40,7 @@ def test_every_cli_command_is_in_the_readme() -> None:
 def test_python_tour_runs(tmp_path: Path, monkeypatch) -> None:
     shutil.copytree(Path(__file__).parent / "fixtures" / "verifiers-0.4.0", tmp_path / "runs")
     monkeypatch.chdir(tmp_path)
-    (block,) = code_blocks("python")
+    (block,) = code_blocks("python")  # blocks marked `python notest` are fragments
     namespace: dict = {}
     exec(compile(block, "README.md", "exec"), namespace)
     assert namespace["report"].traces == 44

@@ -26,6 +26,9 @@ DbOption = Annotated[
     Path, typer.Option("--db", envvar="TRACEDB_DB", help="Database file (created if missing); env TRACEDB_DB.")
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table.")]
+CreditOption = Annotated[
+    str | None, typer.Option("--credit", help="Credit set whose advantages to use (default: the ingested set).")
+]
 
 
 def _open(db: Path, read_only: bool = False) -> tracedb.Database:
@@ -114,11 +117,16 @@ def branches(
     db: DbOption = Path("tracedb.duckdb"),
     train_once: Annotated[bool, typer.Option(help="Keep a shared node trainable only in its first branch.")] = False,
     tokens: Annotated[bool, typer.Option(help="With --json: include the full per-token arrays.")] = False,
+    credit: CreditOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Show one trace's branches: size, sampled tokens, credit; --json --tokens for the arrays."""
     with _open(db, read_only=True) as database:
-        table = database.branches(trace_ids=[trace_id], train_once=train_once)
+        try:
+            table = database.branches(trace_ids=[trace_id], train_once=train_once, credit=credit)
+        except TraceDBError as e:
+            err.print(f"[red]{e}[/red]")
+            raise typer.Exit(1) from None
     if table.num_rows == 0:
         err.print(f"[red]trace {trace_id!r} is not in {db}[/red]")
         raise typer.Exit(1)
@@ -143,11 +151,12 @@ def branches(
 def trace(
     trace_id: Annotated[str, typer.Argument(help="The trace to print.")],
     db: DbOption = Path("tracedb.duckdb"),
+    credit: CreditOption = None,
 ) -> None:
-    """Print a trace record exactly as it was ingested (JSON)."""
+    """Print a trace record exactly as it was ingested (JSON), with later write-backs."""
     with _open(db, read_only=True) as database:
         try:
-            record = database.trace(trace_id)
+            record = database.trace(trace_id, credit=credit)
         except TraceDBError as e:
             err.print(f"[red]{e}[/red]")
             raise typer.Exit(1) from None
@@ -164,6 +173,7 @@ def export(
     columns: Annotated[str | None, typer.Option(help="Comma-separated token columns to keep.")] = None,
     train_once: Annotated[bool, typer.Option(help="Keep a shared node trainable only in its first branch.")] = False,
     format: Annotated[str | None, typer.Option(help="parquet, arrow or arrows (default: from the suffix).")] = None,
+    credit: CreditOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Export branch views, streaming in bounded memory."""
@@ -177,10 +187,14 @@ def export(
                 trainable=True if trainable_only else None,
                 columns=[c.strip() for c in columns.split(",")] if columns else None,
                 train_once=train_once,
+                credit=credit,
             )
         except ValueError as e:
             err.print(f"[red]{e}[/red]")
             raise typer.Exit(2) from None
+        except TraceDBError as e:
+            err.print(f"[red]{e}[/red]")
+            raise typer.Exit(1) from None
     _emit(result, as_json)
 
 

@@ -67,7 +67,9 @@ def reweight(
         raise ValueError("weights='loss_weights' needs weight_name (which loss_weights stream)")
     if weights != "loss_weights" and weight_name is not None:
         raise ValueError(f"weight_name is for weights='loss_weights', not {weights!r}")
-    if not (math.isfinite(min_weight) and math.isfinite(max_weight) and 0 <= min_weight <= max_weight and max_weight > 0):
+    if not (
+        math.isfinite(min_weight) and math.isfinite(max_weight) and 0 <= min_weight <= max_weight and max_weight > 0
+    ):
         raise ValueError(f"need 0 <= min_weight <= max_weight, max_weight > 0; got {min_weight}, {max_weight}")
     credit = db._credit_name(source)  # None for the default set; a missing named set raises NotFound
 
@@ -106,7 +108,7 @@ def reweight(
     scale = np.divide(length, total, out=np.ones(n_traces), where=total > 0)
     out = (adv * (np.where(total[token_trace] > 0, w, 1.0) * scale[token_trace])).astype(np.float32)
 
-    offsets = np.zeros(len(n_sampled) + 1, dtype=np.int32)
+    offsets = np.zeros(len(n_sampled) + 1, dtype=np.int64)
     np.cumsum(n_sampled, out=offsets[1:])
     return pa.table(
         {

@@ -60,12 +60,12 @@ def tree(
     if valid.height == 0:
         return NODE_SCHEMA.empty_table()
     valid = valid.sort("trace_id")
-    trace_codes = valid.with_row_index("trace_code").select("trace_id", "trace_code", "group", "reward")
+    trace_codes = valid.with_row_index("trace_code").select("trace_id", "trace_code")
     group_code = valid.get_column("group").rank("dense").cast(pl.Int64).to_numpy() - 1
     reward_arr = valid.get_column("reward").cast(pl.Float64).to_numpy()
 
     con = db.con
-    con.register("_tdb_tree_traces", trace_codes.select("trace_id", "trace_code").to_arrow())
+    con.register("_tdb_tree_traces", trace_codes.to_arrow())
     try:
         nodes = con.sql(
             "WITH n AS ("
@@ -114,7 +114,7 @@ def tree(
     keep = n_sampled > 0
     node_adv = advantage[trie][keep].astype(np.float32)
     sizes = n_sampled[keep]
-    offsets = np.zeros(len(sizes) + 1, dtype=np.int32)
+    offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
     np.cumsum(sizes, out=offsets[1:])
     values = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(np.repeat(node_adv, sizes)))
     mask = pa.array(keep)
@@ -141,9 +141,7 @@ def _depths(parent: np.ndarray) -> np.ndarray:
         jump[live] = jump[target]
 
 
-def _intern(
-    parent: np.ndarray, segment: np.ndarray, group: np.ndarray, n_groups: int
-) -> tuple[np.ndarray, np.ndarray]:
+def _intern(parent: np.ndarray, segment: np.ndarray, group: np.ndarray, n_groups: int) -> tuple[np.ndarray, np.ndarray]:
     """Trie id per node row and trie parent per trie id; ids ``0 .. n_groups-1`` are the
     groups' virtual roots (their own parents). Level by level, a node's trie id is the
     dense id of (its parent's trie id, its segment)."""
@@ -161,4 +159,3 @@ def _intern(
         trie_parent.append(keys // n_segments)
         next_id += len(keys)
     return trie, np.concatenate(trie_parent)
-
