@@ -123,10 +123,10 @@ def _apply(db: Database, stage: pa.Table, stream: str, credit: str | None, name:
         what = f"loss_weights[{name!r}]" if stream == "loss_weights" else stream
         bad = db._row(
             f"SELECT s.trace_id, s.node_index, n.trace_id IS NULL, {size}, len(s.values), "
-            "  list_bool_or(list_transform(s.values, lambda x: isnan(x) OR isinf(x))) "
+            "  list_bool_or(list_transform(s.values, lambda x: x IS NULL OR isnan(x) OR isinf(x))) "
             "FROM _tdb_stage s LEFT JOIN nodes n USING (trace_id, node_index) "
             f"WHERE n.trace_id IS NULL OR (s.values IS NOT NULL AND (len(s.values) <> {size} "
-            "  OR list_bool_or(list_transform(s.values, lambda x: isnan(x) OR isinf(x))))) LIMIT 1"
+            "  OR list_bool_or(list_transform(s.values, lambda x: x IS NULL OR isnan(x) OR isinf(x))))) LIMIT 1"
         )
         if bad is not None:
             trace_id, node, missing, expected, got, nonfinite = bad
@@ -135,7 +135,9 @@ def _apply(db: Database, stage: pa.Table, stream: str, credit: str | None, name:
                 what_missing = f"node {node}" if known else "trace"
                 raise WriteError(f"trace {trace_id}: {what_missing} not in the database; nothing written")
             if nonfinite and got == expected:
-                raise WriteError(f"trace {trace_id}, node {node}: {what} holds NaN or infinity; nothing written")
+                raise WriteError(
+                    f"trace {trace_id}, node {node}: {what} holds a null, NaN or infinity; nothing written"
+                )
             raise WriteError(
                 f"trace {trace_id}, node {node}: {what} needs {expected} values "
                 f"({'tokens' if stream == 'loss_weights' else 'sampled tokens'}), got {got}; nothing written"
@@ -419,6 +421,10 @@ def clear(
     _check_stream(stream, credit, name)
     where = "" if trace_ids is None else "WHERE trace_id IN (SELECT unnest(?::VARCHAR[]))"
     params = [] if trace_ids is None else [list(trace_ids)]
+    if trace_ids is not None:
+        missing = set(trace_ids) - db._existing("traces", "trace_id", trace_ids)
+        if missing:
+            raise NotFound(f"trace(s) {sorted(missing)} not in the database; nothing cleared")
     rows = db.sql(f"SELECT trace_id, node_index FROM nodes {where}", params)
     stage = rows.append_column("values", pa.nulls(rows.num_rows, pa.list_(pa.float32())))
     with db._transaction():

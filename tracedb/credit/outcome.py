@@ -61,6 +61,9 @@ def _baseline_table(df: pl.DataFrame, advantage: pl.Expr) -> pa.Table:
     valid = df.filter(pl.col("valid"))
     # A trace without a group is its own group.
     valid = valid.with_columns(pl.coalesce(pl.col("group"), pl.lit("trace:") + pl.col("trace_id")).alias("group"))
+    # Equal rewards carry no gradient: exactly zero, not the rounding residue of r - mean.
+    flat = pl.col("reward").min().over("group") == pl.col("reward").max().over("group")
+    advantage = pl.when(flat).then(pl.lit(0.0)).otherwise(advantage)
     out = valid.with_columns(advantage.alias("value")).select("trace_id", "value")
     return out.to_arrow()
 
