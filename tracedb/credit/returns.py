@@ -13,7 +13,7 @@ tokens (``n_sampled > 0``), in path order. Each turn ``t`` has a reward ``r_t`` 
 
 A field name is a ``nodes`` column when one has that name, else a key of the node's record
 that tracedb keeps in ``nodes.extra`` (``"value": 0.3``). A node without the field, or with
-a null or non-numeric one, reads 0.0.
+a null or non-numeric one, reads 0.0; an infinite or NaN one is refused (ValueError).
 
 **Termination** (as in standard GAE, bootstrap only on truncation). A branch is
 *truncated* when its trace hit a limit (``stop_condition`` in :data:`LIMITS`, or
@@ -39,7 +39,7 @@ branch; the recurrences ``y_t = x_t + c y_{t+1}`` are then solved for all branch
 a segmented reverse scan with recursive doubling (``log2`` of the longest branch numpy
 passes, no loop per branch or turn). The doubling only ever multiplies by ``c**d <= 1``, so
 long branches with a small ``c`` cannot overflow; ``c**d`` underflowing to 0 is the exact
-limit, unlike rescaling by ``c**-t``.
+limit, unlike rescaling by ``c**-t``. Sums are float64; the stamped values float32.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from tracedb.credit.outcome import trace_rewards
 
@@ -148,10 +149,12 @@ def _reverse_scan(x: np.ndarray, end: np.ndarray, c: float) -> np.ndarray:
 
 def _field(name: str | None, columns: set[str], key: str, params: dict[str, object]) -> str:
     """SQL reading node field ``name`` as DOUBLE (0.0 when absent) from ``n`` (a nodes row)."""
+    from tracedb.store import quote_identifier
+
     if name is None:
         return "0.0::DOUBLE"
     if name in columns:
-        return f'coalesce(TRY_CAST(n."{name.replace(chr(34), chr(34) * 2)}" AS DOUBLE), 0.0)'
+        return f"coalesce(TRY_CAST(n.{quote_identifier(name)} AS DOUBLE), 0.0)"
     params[key] = name
     return f"coalesce(TRY_CAST(json_extract_string(n.extra, '$.' || to_json(${key}::VARCHAR)) AS DOUBLE), 0.0)"
 
@@ -186,32 +189,29 @@ def _turns(
     r_sql = _field(reward_field, columns, "reward_field", params)
     v_sql = _field(value_field, columns, "value_field", params)
     b_sql = _field(bootstrap_field, columns, "bootstrap_field", params) if bootstrap_field else v_sql
+    # Per branch: its trace's outcome and whether it was cut short; then its turns in order.
     query = f"""
-        WITH paths AS (
-            SELECT trace_id, branch_index, trainable, leaf,
+        WITH br AS (
+            SELECT b.trace_id, b.branch_index, b.trainable, b.path, x.outcome,
+                   coalesce(tr.stop_condition IN (SELECT unnest($limits::VARCHAR[])), false)
+                     OR coalesce(tr.is_timeout, false) OR NOT b.trainable
+                     OR coalesce(list_bool_or(list_transform(leaf.semantic_parents,
+                                                             lambda s: s.type = 'compaction_attempt')), false)
+                     AS truncated
+            FROM branches b
+            JOIN {_TRACES} x USING (trace_id)
+            JOIN traces tr USING (trace_id)
+            JOIN nodes leaf ON leaf.trace_id = b.trace_id AND leaf.node_index = b.leaf
+        ), p AS (
+            SELECT trace_id, branch_index, trainable, outcome, truncated,
                    unnest(path) AS node_index, generate_subscripts(path, 1) AS pos
-            FROM branches SEMI JOIN {_TRACES} USING (trace_id)
-        ), turns AS (
-            SELECT p.trace_id, p.branch_index, p.trainable, p.leaf, p.node_index, p.pos, n.n_sampled,
-                   {r_sql} AS r, {v_sql} AS v, {b_sql} AS b
-            FROM paths p JOIN nodes n USING (trace_id, node_index)
-            WHERE n.n_sampled > 0
+            FROM br
         )
-        SELECT t.trace_id, t.node_index, t.n_sampled, t.r, t.v, t.b, x.outcome,
-               t.pos = max(t.pos) OVER w AS last,
-               row_number() OVER (PARTITION BY t.trace_id, t.node_index
-                                  ORDER BY NOT t.trainable, t.branch_index) = 1 AS first,
-               coalesce(tr.stop_condition IN (SELECT unnest($limits::VARCHAR[])), false)
-                 OR coalesce(tr.is_timeout, false) OR NOT t.trainable
-                 OR coalesce(list_bool_or(list_transform(leaf.semantic_parents,
-                                                         lambda s: s.type = 'compaction_attempt')), false)
-                 AS truncated
-        FROM turns t
-        JOIN {_TRACES} x USING (trace_id)
-        JOIN traces tr USING (trace_id)
-        JOIN nodes leaf ON leaf.trace_id = t.trace_id AND leaf.node_index = t.leaf
-        WINDOW w AS (PARTITION BY t.trace_id, t.branch_index)
-        ORDER BY t.trace_id, t.branch_index, t.pos
+        SELECT p.trace_id, p.branch_index, p.trainable, p.outcome, p.truncated, p.node_index, n.n_sampled,
+               {r_sql} AS r, {v_sql} AS v, {b_sql} AS b
+        FROM p JOIN nodes n USING (trace_id, node_index)
+        WHERE n.n_sampled > 0
+        ORDER BY p.trace_id, p.branch_index, p.pos
     """
     db.con.register(_TRACES, traces.to_arrow())
     try:
@@ -221,17 +221,24 @@ def _turns(
     if table.num_rows == 0:
         return None
     col = lambda name: table.column(name).to_numpy()  # noqa: E731
-    last = col("last").astype(bool)
+    # Rows come grouped by trace (in trace_id order), then by branch, then along the path.
+    tid = table.column("trace_id").combine_chunks()
+    changed = pc.not_equal(tid.slice(1), tid.slice(0, len(tid) - 1)).to_numpy(zero_copy_only=False)
+    trace_rank = np.concatenate([[0], np.cumsum(changed)])
+    branch, node = col("branch_index"), col("node_index")
+    last = np.append(changed | (branch[1:] != branch[:-1]), True)
+    # A node's row from its first trainable branch (else its first branch) is the one kept.
+    order = np.lexsort((branch, ~col("trainable").astype(bool), node, trace_rank))
+    head = np.ones(len(order), bool)
+    head[1:] = (trace_rank[order][1:] != trace_rank[order][:-1]) | (node[order][1:] != node[order][:-1])
+
     r, v = col("r").astype(np.float64), col("v").astype(np.float64)
     r[last] += col("outcome")[last]
     boot = np.where(col("truncated")[last], col("b")[last], 0.0)
-    bad = ~(np.isfinite(r) & np.isfinite(v)) | ~np.isfinite(table.column("b").to_numpy())
+    bad = ~(np.isfinite(r) & np.isfinite(v)) | ~np.isfinite(col("b"))
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        raise ValueError(
-            f"trace {table.column('trace_id')[i]}, node {table.column('node_index')[i]}: "
-            "reward, value or bootstrap is NaN or infinite"
-        )
+        raise ValueError(f"trace {tid[i]}, node {node[i]}: reward, value or bootstrap is NaN or infinite")
     # Index of each turn's branch end: the turns are grouped by branch, the last flags close them.
     last_idx = np.flatnonzero(last)
     end = last_idx[np.concatenate([[0], np.cumsum(last[:-1])])]
@@ -241,16 +248,17 @@ def _turns(
         "boot": boot,
         "last": last,
         "end": end,
-        "first": col("first").astype(bool),
+        "keep": order[head],  # one row per node, by trace id then node index
         "n_sampled": col("n_sampled").astype(np.int64),
-        "trace_id": table.column("trace_id"),
-        "node_index": table.column("node_index"),
+        "trace_id": tid,
+        "node_index": node,
     }
 
 
 def _stamp(turns: dict, advantage: np.ndarray) -> pa.Table:
-    """Keep each node's row from its first trainable branch and broadcast over its tokens."""
-    keep = np.flatnonzero(turns["first"])
+    """Keep each node's row from its first trainable branch and broadcast over its tokens,
+    ordered by trace id then node index."""
+    keep = turns["keep"]
     counts = turns["n_sampled"][keep]
     offsets = np.zeros(len(keep) + 1, np.int64)
     np.cumsum(counts, out=offsets[1:])
@@ -258,9 +266,6 @@ def _stamp(turns: dict, advantage: np.ndarray) -> pa.Table:
         raise ValueError("more than 2**31 sampled tokens in one credit table: run on fewer traces")
     flat = np.repeat(advantage[keep].astype(np.float32), counts)
     values = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat, pa.float32()))
-    index = pa.array(keep)
-    out = pa.Table.from_arrays(
-        [turns["trace_id"].take(index).cast(pa.string()), turns["node_index"].take(index).cast(pa.int32()), values],
-        schema=OUTPUT_SCHEMA,
-    )
-    return out.sort_by([("trace_id", "ascending"), ("node_index", "ascending")])
+    trace_id = turns["trace_id"].take(pa.array(keep)).cast(pa.string())
+    node_index = pa.array(turns["node_index"][keep].astype(np.int32))
+    return pa.Table.from_arrays([trace_id, node_index, values], schema=OUTPUT_SCHEMA)
