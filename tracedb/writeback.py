@@ -98,9 +98,17 @@ def write_nodes(
 
     Compact streams need ``len(values) == node's sampled tokens``; ``loss_weights``
     (with ``name``) needs ``len(values) == node's tokens``. A null clears the node.
+    Instead of ``values`` a row may give ``value``: one number for every sampled token of
+    the node (a named credit set stores it once).
     """
     _check_stream(stream, credit, name)
     table = as_arrow(data)
+    if "value" in table.column_names and "values" not in table.column_names:
+        _require(table, ("trace_id", "node_index", "value"), "per-node")
+        if stream == "loss_weights":
+            raise WriteError("loss_weights are per token: give values, not a value")
+        with db._transaction():
+            return _apply_scalars(db, table, stream, _credit(db, credit))
     _require(table, ("trace_id", "node_index", "values"), "per-node")
     stage = pa.table(
         {
@@ -194,6 +202,87 @@ def _apply(db: Database, stage: pa.Table, stream: str, credit: str | None, name:
         )
     con.execute("DROP TABLE _tdb_write")
     return int(count)
+
+
+def _apply_scalars(db: Database, table: pa.Table, stream: str, credit: str | None) -> int:
+    """Per-node constants: valid by construction once the node exists and the value is finite."""
+    stage = pa.table(
+        {
+            "trace_id": table.column("trace_id").cast(pa.string()),
+            "node_index": table.column("node_index").cast(pa.int32()),
+            "value": table.column("value").cast(pa.float64()),
+        }
+    )
+    if stage.num_rows == 0:
+        return 0
+    con = db.con
+    con.register("_tdb_scalars", stage)
+    try:
+        bad = db._row(
+            "SELECT s.trace_id, s.node_index, n.trace_id IS NULL FROM _tdb_scalars s "
+            "LEFT JOIN nodes n USING (trace_id, node_index) "
+            "WHERE n.trace_id IS NULL OR isnan(s.value) OR isinf(s.value) LIMIT 1"
+        )
+        if bad is not None:
+            trace_id, node, missing = bad
+            if missing:
+                raise WriteError(f"trace {trace_id}: node {node} not in the database; nothing written")
+            raise WriteError(f"trace {trace_id}, node {node}: {stream} value is NaN or infinite; nothing written")
+        dup = db._row(
+            "SELECT trace_id, node_index FROM _tdb_scalars GROUP BY ALL "
+            "HAVING count(DISTINCT coalesce(value::VARCHAR, 'NULL')) > 1 LIMIT 1"
+        )
+        if dup is not None:
+            raise WriteError(
+                f"trace {dup[0]}, node {dup[1]}: two different {stream} values for one node; nothing written"
+            )
+        if credit is not None:
+            con.execute(
+                "DELETE FROM credit WHERE credit_set = ? AND (trace_id, node_index) IN "
+                "(SELECT (trace_id, node_index) FROM _tdb_scalars)",
+                [credit],
+            )
+            con.execute(
+                "INSERT INTO credit (credit_set, trace_id, node_index, value) "
+                "SELECT DISTINCT ?, trace_id, node_index, value::FLOAT FROM _tdb_scalars WHERE value IS NOT NULL",
+                [credit],
+            )
+        else:
+            bit = BIT[stream]
+            con.execute(
+                f'UPDATE nodes SET "{stream}" = CASE WHEN w.value IS NULL THEN NULL '
+                "  ELSE list_resize([]::FLOAT[], nodes.n_sampled, w.value::FLOAT) END, "
+                f"  present = CASE WHEN w.value IS NULL THEN present & ~{bit} ELSE present | {bit} END "
+                "FROM (SELECT DISTINCT * FROM _tdb_scalars) w "
+                "WHERE nodes.trace_id = w.trace_id AND nodes.node_index = w.node_index"
+            )
+        return int(db._scalar("SELECT count(DISTINCT (trace_id, node_index)) FROM _tdb_scalars"))
+    finally:
+        con.unregister("_tdb_scalars")
+
+
+def constant_rows(table: pa.Table) -> pa.Table | None:
+    """``(trace_id, node_index, value)`` when every non-empty ``values`` list is one repeated
+    number (as outcome- and turn-level credit is), else None. Empty and null lists keep
+    their meaning, so they also return None."""
+    col = _values_column(table).combine_chunks()
+    if col.null_count:
+        return None
+    offsets = col.offsets.to_numpy()
+    lengths = np.diff(offsets)
+    if (lengths == 0).any():
+        return None
+    flat = col.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]]
+    first = flat[offsets[:-1] - offsets[0]]
+    if not np.array_equal(flat, np.repeat(first, lengths), equal_nan=False):
+        return None
+    return pa.table(
+        {
+            "trace_id": table.column("trace_id"),
+            "node_index": table.column("node_index"),
+            "value": pa.array(first.astype(np.float64)),
+        }
+    )
 
 
 # --------------------------------------------------------------------------- traces

@@ -75,7 +75,7 @@ def run(
 ) -> dict[str, Any]:
     """Compute ``algorithm`` and stamp it as credit set ``name`` (default: the algorithm's
     name). Returns the set's name, algorithm, parameters and what was written."""
-    from tracedb.writeback import create_credit_set, write_nodes, write_traces
+    from tracedb.writeback import constant_rows, create_credit_set, write_nodes, write_traces
 
     algo = _lookup(algorithm)
     name = name or algorithm
@@ -86,7 +86,9 @@ def run(
         if algo.layout == "trace":
             nodes = write_traces(db, table, credit=name)
         else:
-            nodes = write_nodes(db, table, credit=name)
+            # Per-node constants (turn-level and prefix credit) are stored once per node.
+            scalars = constant_rows(table) if table.num_rows else None
+            nodes = write_nodes(db, scalars if scalars is not None else table, credit=name)
     return {"name": name, "algorithm": algorithm, "params": resolved, "rows": table.num_rows, "nodes": nodes}
 
 

@@ -1,0 +1,83 @@
+"""Per-node constants: ``write_nodes`` with ``value`` and the compaction of constant lists."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from tracedb.writeback import WriteError, constant_rows
+
+
+def sampled_nodes(db, limit: int = 4) -> list[tuple[str, int, int]]:
+    return [
+        tuple(r.values())
+        for r in db.sql(
+            "SELECT trace_id, node_index, n_sampled FROM nodes WHERE n_sampled > 0 ORDER BY ALL LIMIT ?", [limit]
+        ).to_pylist()
+    ]
+
+
+@pytest.mark.parametrize("credit", [None, "s"])
+def test_value_broadcasts_over_sampled_tokens(fixture_db, credit) -> None:
+    if credit:
+        fixture_db.create_credit_set(credit)
+    nodes = sampled_nodes(fixture_db)
+    written = fixture_db.write_nodes(
+        [{"trace_id": t, "node_index": i, "value": 0.25 * k} for k, (t, i, _) in enumerate(nodes)], credit=credit
+    )
+    assert written == len(nodes)
+    for k, (t, i, n) in enumerate(nodes):
+        record = fixture_db.trace(t, credit=credit)
+        assert record["nodes"][i]["advantages"] == [0.25 * k] * n  # zero stays zero (k = 0)
+
+
+def test_value_rows_are_checked_whole(fixture_db) -> None:
+    (t, i, _), *_ = sampled_nodes(fixture_db)
+    before = fixture_db.trace(t)
+    with pytest.raises(WriteError, match="node 999 not in the database"):
+        fixture_db.write_nodes(
+            [{"trace_id": t, "node_index": i, "value": 1.0}, {"trace_id": t, "node_index": 999, "value": 1.0}]
+        )
+    with pytest.raises(WriteError, match="NaN or infinite"):
+        fixture_db.write_nodes([{"trace_id": t, "node_index": i, "value": float("inf")}])
+    with pytest.raises(WriteError, match="two different"):
+        fixture_db.write_nodes(
+            [{"trace_id": t, "node_index": i, "value": 1.0}, {"trace_id": t, "node_index": i, "value": 2.0}]
+        )
+    with pytest.raises(WriteError, match="per token"):
+        fixture_db.write_nodes([{"trace_id": t, "node_index": i, "value": 1.0}], stream="loss_weights", name="w")
+    assert fixture_db.trace(t) == before
+
+
+def test_null_value_clears(fixture_db) -> None:
+    (t, i, _), *_ = sampled_nodes(fixture_db)
+    fixture_db.write_nodes([{"trace_id": t, "node_index": i, "value": 0.0}])
+    fixture_db.write_nodes(pa.table({"trace_id": [t], "node_index": [i], "value": pa.nulls(1, pa.float64())}))
+    assert "advantages" not in fixture_db.trace(t)["nodes"][i]
+
+
+def test_constant_rows() -> None:
+    table = pa.table(
+        {
+            "trace_id": ["a", "a", "b"],
+            "node_index": [1, 3, 2],
+            "values": pa.array([[0.5, 0.5], [-1.0], [2.0, 2.0, 2.0]], pa.list_(pa.float32())),
+        }
+    )
+    rows = constant_rows(table)
+    assert rows.column("value").to_pylist() == [0.5, -1.0, 2.0]
+    assert rows.column("node_index").to_pylist() == [1, 3, 2]
+    varying = table.set_column(2, "values", pa.array([[0.5, 0.25], [-1.0], [2.0]], pa.list_(pa.float32())))
+    assert constant_rows(varying) is None
+    empty = table.set_column(2, "values", pa.array([[0.5], [], [2.0]], pa.list_(pa.float32())))
+    assert constant_rows(empty) is None  # an empty list is not "no value"
+    nulls = table.set_column(2, "values", pa.array([[0.5], None, [2.0]], pa.list_(pa.float32())))
+    assert constant_rows(nulls) is None
+    assert (
+        np.isnan(np.float32("nan"))
+        and constant_rows(
+            table.set_column(2, "values", pa.array([[np.nan, np.nan], [1.0], [2.0]], pa.list_(pa.float32())))
+        )
+        is None
+    )
