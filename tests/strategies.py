@@ -92,18 +92,31 @@ ABSENT = object()
 def message_nodes(draw: st.DrawFn, n_nodes: int, *, ragged: bool) -> list[dict[str, Any]]:
     """``n_nodes`` verifiers ``MessageNode`` records forming a random forest."""
     nodes: list[dict[str, Any]] = []
+    attempts: list[int] = []  # nodes carrying a compaction_attempt link
     for i in range(n_nodes):
         node: dict[str, Any] = {}
         how = draw(st.sampled_from(["prev", "prev", "any", "root"])) if i else "root"
+        if how == "prev" and attempts and attempts[-1] == i - 1:
+            # after a compaction attempt the rollout usually resumes from an earlier node,
+            # leaving the attempt a leaf that shares its ancestors with later branches
+            how = "retry" if i >= 2 and draw(st.integers(0, 3)) else how
         if how == "root":
             if draw(st.integers(0, 4)) == 0:
                 node["parent"] = None  # written out explicitly: same as absent
+        elif how == "retry":
+            node["parent"] = draw(st.integers(0, i - 2))
         else:
             node["parent"] = i - 1 if how == "prev" else draw(st.integers(0, i - 1))
         links = []
         if i:
             for _ in range(draw(st.integers(0, 2))):
-                links.append({"node": draw(st.integers(0, i - 1)), "type": draw(st.sampled_from(LINK_TYPES))})
+                kind = draw(st.sampled_from(LINK_TYPES + ("compaction_attempt",)))
+                target = draw(st.integers(0, i - 1))
+                if kind == "compaction" and attempts and draw(st.booleans()):
+                    target = draw(st.sampled_from(attempts))  # accept an earlier compaction attempt
+                links.append({"node": target, "type": kind})
+        if any(link["type"] == "compaction_attempt" for link in links):
+            attempts.append(i)
         if links or draw(st.integers(0, 5)):
             node["semantic_parents"] = links
         sampled = draw(st.booleans())
@@ -158,14 +171,14 @@ def traces(draw: st.DrawFn, trace_id: str, *, ragged: bool, min_nodes: int = 0) 
 
 @st.composite
 def episodes(draw: st.DrawFn, *, ragged: bool = False) -> list[dict[str, Any]]:
-    """One to three episodes (lines) of one to three traces each.
+    """One or two episodes (lines) of one to three traces each.
 
     The first trace always has a node, so a selection never comes out without branches
     (empty views are tested on their own); later traces may have no nodes at all.
     """
     salt = draw(st.uuids()).hex[:8]
     out = []
-    for e in range(draw(st.integers(1, 3))):
+    for e in range(draw(st.integers(1, 2))):
         episode = copy.deepcopy(EPISODE_TEMPLATE)
         episode["id"] = f"ep-{salt}-{e}"
         if draw(st.booleans()):

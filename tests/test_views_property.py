@@ -286,28 +286,30 @@ def view_problems(db: tracedb.Database, eps: list[dict[str, Any]]) -> dict[str, 
     return problems
 
 
-def test_reference_train_once_trains_each_node_once() -> None:
-    """The train_once reference itself: over a trace's branches every node that has
-    sampled tokens keeps them in exactly one branch, its first trainable one."""
+def test_train_once_prefers_the_first_trainable_branch(fresh: Any) -> None:
+    """An untrainable branch (index 0) shares the root with two trainable ones: the
+    root's sampled token trains in branch 1, the attempt's own token in branch 0."""
+    attempt = [{"node": 0, "type": "compaction_attempt"}]
     nodes = [
-        {"token_ids": [1, 2], "mask": [False, True]},
-        {
-            "parent": 0,
-            "token_ids": [3],
-            "mask": [True],
-            "semantic_parents": [{"node": 0, "type": "compaction_attempt"}],
-        },
-        {"parent": 0, "token_ids": [4], "mask": [True]},
-        {"parent": 2, "token_ids": [5], "mask": [True]},
-        {"parent": 2, "token_ids": [6], "mask": [True]},
+        _node(None, [1, 2], [False, True], logprobs=[-0.5]),
+        _node(0, [3], [True], logprobs=[-0.25], semantic_parents=attempt),
+        _node(0, [4], [True], logprobs=[-0.125]),
+        _node(2, [5], [True], logprobs=[-1.0]),
+        _node(2, [6], [True], logprobs=[-2.0]),
     ]
-    rows = reference_branches({"id": "t", "nodes": nodes}, train_once=True)
+    eps = [_episode("ep-once", [_trace("t-once", nodes)])]
+    rows = reference_branches(eps[0]["traces"][0], train_once=True)
     assert [(r["branch_index"], r["trainable"]) for r in rows] == [(0, False), (1, True), (2, True)]
-    assert [r["sampled_mask"] for r in rows] == [
-        [False, False, True],  # untrainable: node 0 trains in branch 1, node 1 only lives here
+    masks = [
+        [False, False, True],  # untrainable: the root trains in branch 1; node 1 lives only here
         [False, True, True, True],
         [False, False, False, True],
     ]
+    assert [r["sampled_mask"] for r in rows] == masks
+    db = load(fresh, eps)
+    assert [r["sampled_mask"] for r in rows_of(db.branches(train_once=True))] == masks
+    assert [r["sampled_mask"] for r in sql_view(db, train_once=True)] == masks
+    assert [r["sampled_mask"] for r in rows_of(db.branches(train_once=True, trainable=True))] == masks[1:]
 
 
 @SETTINGS
