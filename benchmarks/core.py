@@ -4,7 +4,7 @@ Every timed figure is taken ``repeat`` times; each repeat runs the peer and trac
 back to back, alternating which goes first, with a ``gc.collect()`` before each timed
 call so neither side pays for the other's garbage. Figures are medians (and minima).
 
-Correctness is checked on the first repeat: the warm branch view is compared, branch by
+Correctness is checked on the first repeat: the first view served is compared, branch by
 branch and token by token (float streams at float32 precision), with the arrays
 verifiers' ``Branch`` properties return for every trace; every other tracedb view taken in
 any repeat must equal it, and so must the SQL macro view and the Parquet export.
@@ -18,10 +18,10 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -55,6 +55,16 @@ class Metric:
     tracedb: list[float] = field(default_factory=list)
     unit: str = "s"
     notes: dict[str, Any] = field(default_factory=dict)
+    peer_cpu: list[float] = field(default_factory=list)
+    tracedb_cpu: list[float] = field(default_factory=list)
+
+    def add(self, peer: Sample | None, ours: Sample | None) -> None:
+        if peer is not None:
+            self.peer.append(peer.wall)
+            self.peer_cpu.append(peer.cpu)
+        if ours is not None:
+            self.tracedb.append(ours.wall)
+            self.tracedb_cpu.append(ours.cpu)
 
     @property
     def ratio(self) -> float | None:
@@ -77,17 +87,21 @@ class Metric:
         return f">= {self.target:g}x" if self.kind == "speedup" else f"<= {self.target:.0%}"
 
     def to_dict(self) -> dict[str, Any]:
-        def side(values: list[float]) -> dict[str, Any] | None:
+        def side(values: list[float], cpu: list[float]) -> dict[str, Any] | None:
             if not values:
                 return None
-            return {"median": statistics.median(values), "min": min(values), "samples": values}
+            out = {"median": statistics.median(values), "min": min(values), "samples": values}
+            if cpu:
+                out["cpu_median"] = statistics.median(cpu)
+                out["cpu_samples"] = cpu
+            return out
 
         return {
             "label": self.label,
             "unit": self.unit,
             "kind": self.kind,
-            "peer": side(self.peer),
-            "tracedb": side(self.tracedb),
+            "peer": side(self.peer, self.peer_cpu),
+            "tracedb": side(self.tracedb, self.tracedb_cpu),
             "ratio": self.ratio,
             "target": self.target_text(),
             "passed": self.passed,
@@ -154,14 +168,26 @@ def db_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in (path, Path(str(path) + ".wal")) if p.exists())
 
 
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+@dataclass
+class Sample:
+    """One timed call: wall seconds, and CPU seconds of the whole process (all threads)."""
+
+    wall: float
+    cpu: float
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Sample, Any]:
     gc.collect()
+    cpu = time.process_time()
     start = time.perf_counter()
     out = fn()
-    return time.perf_counter() - start, out
+    wall = time.perf_counter() - start
+    return Sample(wall, time.process_time() - cpu), out
 
 
-def pair(peer: Callable[[], Any], ours: Callable[[], Any], peer_first: bool) -> tuple[tuple[float, Any], tuple[float, Any]]:
+def pair(
+    peer: Callable[[], Any], ours: Callable[[], Any], peer_first: bool
+) -> tuple[tuple[Sample, Any], tuple[Sample, Any]]:
     """Time both sides back to back, in the given order."""
     if peer_first:
         p = timed(peer)
@@ -268,6 +294,36 @@ def same_view(name: str, got: pa.Table, reference: pa.Table) -> None:
 # ------------------------------------------------------------------ facts
 
 
+def _busy_seconds() -> float | None:
+    """CPU seconds the whole machine has spent busy since boot (``/proc/stat``)."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
+    except (OSError, ValueError):
+        return None
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class OtherLoad:
+    """How much CPU other processes took while the benchmark ran."""
+
+    def __init__(self) -> None:
+        self.busy = _busy_seconds()
+        self.own = time.process_time()
+        self.wall = time.perf_counter()
+        self.load = os.getloadavg()
+
+    def result(self) -> dict[str, Any]:
+        busy = _busy_seconds()
+        wall = time.perf_counter() - self.wall
+        out: dict[str, Any] = {"load_average_before": self.load, "load_average_after": os.getloadavg()}
+        if busy is not None and self.busy is not None and wall > 0:
+            others = max(0.0, busy - self.busy - (time.process_time() - self.own))
+            out["other_cpu_seconds"] = round(others, 1)
+            out["other_cpu_share"] = round(others / (wall * (os.cpu_count() or 1)), 3)
+        return out
+
+
 def machine() -> dict[str, Any]:
     cpu_model = None
     memory = None
@@ -316,6 +372,7 @@ def machine() -> dict[str, Any]:
 def run(files: WorkloadFiles, workdir: Path, repeat: int, *, log: Callable[[str], None]) -> dict[str, Any]:
     """Measure everything; returns the results (see :func:`render` for the table)."""
     started = time.perf_counter()
+    other_load = OtherLoad()
     rundir = workdir / "run"
     rundir.mkdir(parents=True, exist_ok=True)
     bench_db = rundir / "tracedb.duckdb"
@@ -345,12 +402,8 @@ def run(files: WorkloadFiles, workdir: Path, repeat: int, *, log: Callable[[str]
     m = {
         "ingest": Metric("ingest", "ingest: read_episodes vs ingest+close", "speedup", 5.0),
         "warm_views": Metric("warm_views", "warm views: Branch walk vs db.branches", "speedup", 10.0),
-        "warm_views_cold_cache": Metric(
-            "warm_views_cold_cache", "  same, warm DuckDB, cold cache", "speedup", None
-        ),
-        "views_from_file": Metric(
-            "views_from_file", "views from file: read+walk vs open+branches", "speedup", 50.0
-        ),
+        "warm_views_cold_cache": Metric("warm_views_cold_cache", "  same, warm DuckDB, cold cache", "speedup", None),
+        "views_from_file": Metric("views_from_file", "views from file: read+walk vs open+branches", "speedup", 50.0),
         "storage": Metric("storage", "storage: traces.jsonl vs database", "fraction", 0.25, unit="MB"),
         "sql_macro_view": Metric("sql_macro_view", "SQL branch_tokens() vs Branch walk", "speedup", None),
         "export_parquet": Metric("export_parquet", "export to Parquet (4 columns)", "info", None),
@@ -377,12 +430,11 @@ def run(files: WorkloadFiles, workdir: Path, repeat: int, *, log: Callable[[str]
         # 1. ingest
         remove_db(scratch)
         (tp, episodes), (tt, ingested) = pair(
-            lambda: peer_read(files.dir), lambda: tracedb_ingest(files.jsonl, scratch), peer_first
+            partial(peer_read, files.dir), partial(tracedb_ingest, files.jsonl, scratch), peer_first
         )
         if not ingested.ok or ingested.traces != report.traces:
             raise CorrectnessError(f"ingest run {r + 1}: {ingested}")
-        m["ingest"].peer.append(tp)
-        m["ingest"].tracedb.append(tt)
+        m["ingest"].add(tp, tt)
         remove_db(scratch)
 
         # 2. warm views: the peer walks the episodes it just loaded; tracedb serves the
@@ -390,33 +442,33 @@ def run(files: WorkloadFiles, workdir: Path, repeat: int, *, log: Callable[[str]
         warm = tracedb.connect(bench_db, read_only=True)
         try:
             served = warm.branches(columns=COLUMNS)
-            (tp, walked), (tt, table) = pair(
-                lambda: peer_walk(episodes), lambda: warm.branches(columns=COLUMNS), peer_first
-            )
-            m["warm_views"].peer.append(tp)
-            m["warm_views"].tracedb.append(tt)
             if reference is None:
                 log("verifying tracedb's views against verifiers' Branch arrays")
-                reference = table.sort_by([(k, "ascending") for k in KEYS])
+                reference = served.sort_by([(k, "ascending") for k in KEYS])
                 correctness.update(verify_against_peer(reference, episodes))
-                if walked != (correctness["branches"], correctness["tokens"]):
-                    raise CorrectnessError(f"peer walk saw {walked}, verification saw {correctness}")
-            check("first warm view", served)
+            check("first view", served)
+            # Not kept alive across the timed call: on this kind of VM, fresh memory for a
+            # second 100 MB view costs several times the view itself (first-touch faults).
+            del served
+            (tp, walked), (tt, table) = pair(
+                partial(peer_walk, episodes), partial(warm.branches, columns=COLUMNS), peer_first
+            )
+            m["warm_views"].add(tp, tt)
+            if walked != (correctness["branches"], correctness["tokens"]):
+                raise CorrectnessError(f"peer walk saw {walked}, verification saw {correctness}")
             check("warm view", table)
-            del served, table
+            del table
 
             # warm DuckDB, cold decode cache
             warm._cache = None
-            tc, table = timed(lambda: warm.branches(columns=COLUMNS))
-            m["warm_views_cold_cache"].peer.append(tp)
-            m["warm_views_cold_cache"].tracedb.append(tc)
+            tc, table = timed(partial(warm.branches, columns=COLUMNS))
+            m["warm_views_cold_cache"].add(tp, tc)
             check("cold-cache view", table)
             del table
 
             # SQL macro view, against the same peer walk
-            ts, table = timed(lambda: warm.sql("SELECT * FROM branch_tokens()"))
-            m["sql_macro_view"].peer.append(tp)
-            m["sql_macro_view"].tracedb.append(ts)
+            ts, table = timed(partial(warm.sql, "SELECT * FROM branch_tokens()"))
+            m["sql_macro_view"].add(tp, ts)
             if r == 0:
                 same_view("SQL branch_tokens()", table, reference)
                 views_checked += 1
@@ -424,8 +476,8 @@ def run(files: WorkloadFiles, workdir: Path, repeat: int, *, log: Callable[[str]
 
             # export to Parquet
             parquet.unlink(missing_ok=True)
-            te, exported = timed(lambda: warm.export(parquet, columns=COLUMNS))
-            m["export_parquet"].tracedb.append(te)
+            te, exported = timed(partial(warm.export, parquet, columns=COLUMNS))
+            m["export_parquet"].add(None, te)
             m["export_parquet"].notes = {
                 "rows": exported["rows"],
                 "tokens": exported["tokens"],
@@ -442,10 +494,9 @@ def run(files: WorkloadFiles, workdir: Path, repeat: int, *, log: Callable[[str]
 
         # 3. views from the database file vs read_episodes + walk
         (tp, walked), (tt, table) = pair(
-            lambda: peer_read_walk(files.dir), lambda: tracedb_from_file(bench_db), peer_first
+            partial(peer_read_walk, files.dir), partial(tracedb_from_file, bench_db), peer_first
         )
-        m["views_from_file"].peer.append(tp)
-        m["views_from_file"].tracedb.append(tt)
+        m["views_from_file"].add(tp, tt)
         check("view from file", table)
         if walked != (correctness["branches"], correctness["tokens"]):
             raise CorrectnessError(f"peer read+walk saw {walked}, expected {correctness}")
@@ -482,6 +533,7 @@ def run(files: WorkloadFiles, workdir: Path, repeat: int, *, log: Callable[[str]
         "metrics": metrics,
         "correctness": correctness,
         "all_targets_met": all(targets),
+        "other_load": other_load.result(),
         "seconds": round(time.perf_counter() - started, 1),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
@@ -517,7 +569,9 @@ def render(results: dict[str, Any]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for n, row in enumerate(rows):
-        cells = [row[0].ljust(widths[0])] + [c.rjust(w) if i < 4 else c.ljust(w) for i, (c, w) in enumerate(zip(row[1:], widths[1:]), 1)]
+        cells = [row[0].ljust(widths[0])] + [
+            c.rjust(w) if i < 4 else c.ljust(w) for i, (c, w) in enumerate(zip(row[1:], widths[1:]), 1)
+        ]
         lines.append("  ".join(cells).rstrip())
         if n == 0:
             lines.append("-" * len(lines[0]))
@@ -543,6 +597,20 @@ def render(results: dict[str, Any]) -> str:
         f"machine: {mach['cpu_count']} cpus, {(mach['memory_bytes'] or 0) / 2**30:.0f} GiB, python {mach['python']}, "
         f"duckdb {mach['packages']['duckdb']}; {results['repeat']} repeats, {results['seconds']:.0f}s",
     ]
+    cpu_ratios = []
+    for key, d in results["metrics"].items():
+        if d["kind"] == "speedup" and d["peer"] and d["tracedb"] and d["tracedb"].get("cpu_median"):
+            cpu_ratios.append(f"{key} {d['peer']['cpu_median'] / d['tracedb']['cpu_median']:.1f}x")
+    if cpu_ratios:
+        lines.append(
+            "cpu-time ratios (process CPU, all threads; less sensitive to other load): " + ", ".join(cpu_ratios)
+        )
+    share = results["other_load"].get("other_cpu_share")
+    if share is not None and share > 0.05:
+        lines.append(
+            f"note: other processes used {share:.0%} of the machine's {mach['cpu_count']} cpus during the run "
+            f"({results['other_load']['other_cpu_seconds']:.0f} cpu-seconds): figures are noisier than usual"
+        )
     return "\n".join(lines)
 
 
