@@ -168,3 +168,40 @@ def test_demo_and_entry_point(tmp_path: Path) -> None:
     assert (tmp_path / "demo.parquet").exists()
     with tracedb.connect(tmp_path / "demo.duckdb", read_only=True) as db:
         assert db.stats()["traces"] == 8
+
+
+def test_credit_commands(db_path: Path) -> None:
+    listing = json.loads(invoke("credit", "--list", "--db", db_path, "--json").stdout)
+    assert {a["algorithm"] for a in listing} == {"grpo", "rloo", "returns", "gae", "tree", "reweight"}
+    grpo = next(a for a in listing if a["algorithm"] == "grpo")
+    assert grpo["params"]["scale_std"] is False
+    result = invoke(
+        "credit", "grpo", "--name", "g", "-p", "scale_std=true", "-p", "eps=0.001", "--db", db_path, "--json"
+    )
+    assert result.exit_code == 0, result.output
+    stamped = json.loads(result.stdout)
+    assert stamped["name"] == "g" and stamped["params"]["scale_std"] is True and stamped["params"]["eps"] == 0.001
+    assert stamped["nodes"] > 0
+    again = invoke("credit", "grpo", "--name", "g", "--db", db_path)
+    assert again.exit_code == 1 and "replace" in again.stderr
+    assert invoke("credit", "grpo", "--name", "g", "--replace", "--db", db_path).exit_code == 0
+    sets = json.loads(invoke("credit-sets", "--db", db_path, "--json").stdout)
+    assert [s["name"] for s in sets] == ["default", "g"]
+    assert json.loads(sets[1]["params"])["scale_std"] is False  # the replacement's parameters
+    unknown = invoke("credit", "nope", "--db", db_path)
+    assert unknown.exit_code == 1 and "unknown credit algorithm" in unknown.stderr
+    bad_param = invoke("credit", "grpo", "--name", "h", "-p", "no_such=1", "--db", db_path)
+    assert bad_param.exit_code == 1 and "no_such" in bad_param.stderr
+    malformed = invoke("credit", "grpo", "-p", "novalue", "--db", db_path)
+    assert malformed.exit_code == 2
+
+
+def test_export_and_branches_with_a_credit_set(tmp_path: Path, db_path: Path) -> None:
+    invoke("credit", "rloo", "--name", "r", "--db", db_path)
+    out = tmp_path / "r.parquet"
+    invoke("export", out, "--db", db_path, "--credit", "r", "--columns", "advantages")
+    with tracedb.connect(db_path, read_only=True) as db:
+        expected = db.branches(credit="r", columns=["advantages"])
+    assert pq.read_table(out).column("advantages").to_pylist() == expected.column("advantages").to_pylist()
+    missing = invoke("export", out, "--db", db_path, "--credit", "no-such-set")
+    assert missing.exit_code == 1 and "no-such-set" in missing.stderr
