@@ -1,8 +1,10 @@
 """``python -m benchmarks``: tracedb against verifiers v1, side by side in one run.
 
-Prints the table and writes ``benchmarks/results.json``. Exits 0 whether or not the
-targets are met (the table reports PASS/MISS); 2 when tracedb's answers differ from
-verifiers' (the figures would mean nothing); 1 on any other error.
+Prints the table and writes ``benchmarks/results.json``. ``--suite credit`` (or
+``python -m benchmarks credit``) runs the credit-stamping suite instead (``benchmarks/credit.py``,
+writing ``results-credit.json``). Exits 0 whether or not the targets are met (the table
+reports PASS/MISS); 2 when tracedb's answers differ from verifiers' (the figures would mean
+nothing); 1 on any other error.
 """
 
 from __future__ import annotations
@@ -19,16 +21,29 @@ FULL = {"traces": 256, "tokens": 30_000, "repeat": 5}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["core"], ["credit"]):  # `python -m benchmarks credit` = `--suite credit`
+        argv = ["--suite", *argv]
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
+    p.add_argument("--suite", choices=["core", "credit"], default="core", help="which suite to run (default core)")
     p.add_argument("--workdir", type=Path, default=Path("out/bench"), help="workload cache and scratch databases")
     p.add_argument("--traces", type=int, help=f"traces, in groups of 8 (default {FULL['traces']})")
     p.add_argument("--tokens", type=int, help=f"tokens per trace (default {FULL['tokens']})")
-    p.add_argument("--repeat", type=int, help=f"runs per figure; medians are reported (default {FULL['repeat']})")
+    p.add_argument(
+        "--repeat", type=int, help=f"runs per figure; medians are reported (default {FULL['repeat']}; credit 11)"
+    )
     p.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test (16 traces, 3k tokens, 1 run)")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
-    p.add_argument("--results", type=Path, default=RESULTS, help=f"where to write results (default {RESULTS})")
+    p.add_argument("--results", type=Path, help=f"results file (default {RESULTS}; credit: results-credit.json)")
     args = p.parse_args(argv)
-    defaults = QUICK if args.quick else FULL
+    if args.suite == "credit":
+        from benchmarks import credit
+
+        args.results = args.results or credit.RESULTS
+        defaults = credit.QUICK if args.quick else credit.FULL
+    else:
+        args.results = args.results or RESULTS
+        defaults = QUICK if args.quick else FULL
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -43,8 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     def log(message: str) -> None:
         print(f"[bench] {message}", file=sys.stderr, flush=True)
 
-    from benchmarks.core import CorrectnessError, render, run, write_results
+    from benchmarks.core import CorrectnessError, write_results
     from benchmarks.workload import build
+
+    if args.suite == "credit":
+        from benchmarks.credit import render, run
+    else:
+        from benchmarks.core import render, run
 
     files = build(Workload(traces=args.traces, tokens=args.tokens, seed=args.seed), args.workdir, log=log)
     try:

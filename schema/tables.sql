@@ -109,12 +109,13 @@ CREATE TABLE IF NOT EXISTS credit_sets (
 
 -- One row per assigned node of a named set; no row = never assigned (None, not zero).
 -- A constant over the node's sampled tokens is stored once in `value`; otherwise the
--- compact list is in `advantages`.
+-- compact list is in `advantages`. (credit_set, trace_id, node_index) is unique: the
+-- write path (tracedb/writeback.py) deletes before it inserts distinct rows, so the
+-- table carries no index to maintain on every stamp.
 CREATE TABLE IF NOT EXISTS credit (
     credit_set VARCHAR NOT NULL,
     trace_id   VARCHAR NOT NULL,
     node_index INTEGER NOT NULL,
     value      FLOAT,
-    advantages FLOAT[],
-    PRIMARY KEY (credit_set, trace_id, node_index)
+    advantages FLOAT[]
 );
