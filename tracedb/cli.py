@@ -8,10 +8,8 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
-import tracedb
+from tracedb.cli_common import DbOption, JsonOption, emit, err, open_db, out
 from tracedb.errors import TraceDBError
 
 app = typer.Typer(
@@ -19,42 +17,10 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
-out = Console(soft_wrap=True)
-err = Console(stderr=True, soft_wrap=True)
 
-DbOption = Annotated[
-    Path, typer.Option("--db", envvar="TRACEDB_DB", help="Database file (created if missing); env TRACEDB_DB.")
-]
-JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table.")]
 CreditOption = Annotated[
     str | None, typer.Option("--credit", help="Credit set whose advantages to use (default: the ingested set).")
 ]
-
-
-def _open(db: Path, read_only: bool = False) -> tracedb.Database:
-    if read_only and not db.exists():
-        err.print(f"[red]no database at {db}[/red]")
-        raise typer.Exit(2)
-    try:
-        return tracedb.connect(db, read_only=read_only)
-    except TraceDBError as e:
-        err.print(f"[red]{e}[/red]")
-        raise typer.Exit(2) from None
-
-
-def _emit(data: Any, as_json: bool, title: str | None = None) -> None:
-    """Shared output: JSON for scripts, a table for people."""
-    if as_json:
-        sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
-        return
-    rows = data if isinstance(data, list) else [{"key": k, "value": v} for k, v in data.items()]
-    table = Table(title=title)
-    if rows:
-        for column in rows[0]:
-            table.add_column(str(column))
-        for row in rows:
-            table.add_row(*("" if v is None else str(v) for v in row.values()))
-    out.print(table)
 
 
 @app.command()
@@ -69,14 +35,14 @@ def ingest(
     as_json: JsonOption = False,
 ) -> None:
     """Ingest verifiers traces. Exits 1 when any record was rejected (they are kept in `rejects`)."""
-    with _open(db) as database:
+    with open_db(db) as database:
         try:
             report = database.ingest(paths, strict=strict, allow_ragged=allow_ragged, progress=progress and not as_json)
         except (TraceDBError, FileNotFoundError) as e:
             err.print(f"[red]{e}[/red]")
             raise typer.Exit(1) from None
     if as_json:
-        _emit(report.to_dict(), True)
+        emit(report.to_dict(), True)
     else:
         out.print(str(report))
         for reject in report.rejected[:20]:
@@ -96,7 +62,7 @@ def sql(
 ) -> None:
     """Run SQL against the database; tracedb's macros (branch_tokens(), node_credit(), ...) are there."""
     text = sys.stdin.read() if query == "-" else query
-    with _open(db) as database:
+    with open_db(db) as database:
         try:
             table = database.sql(text)
         except Exception as e:  # DuckDB's own message says what is wrong with the query
@@ -104,9 +70,9 @@ def sql(
             raise typer.Exit(1) from None
     rows = table.to_pylist()
     if as_json:
-        _emit(rows, True)
+        emit(rows, True)
         return
-    _emit(rows[:limit], False)
+    emit(rows[:limit], False)
     if len(rows) > limit:
         err.print(f"{len(rows)} rows, {limit} shown (--limit)")
 
@@ -121,7 +87,7 @@ def branches(
     as_json: JsonOption = False,
 ) -> None:
     """Show one trace's branches: size, sampled tokens, credit; --json --tokens for the arrays."""
-    with _open(db, read_only=True) as database:
+    with open_db(db, read_only=True) as database:
         try:
             table = database.branches(trace_ids=[trace_id], train_once=train_once, credit=credit)
         except TraceDBError as e:
@@ -144,7 +110,7 @@ def branches(
             row["loss_weights"] = dict(row["loss_weights"])
             summary = row
         rows.append(summary)
-    _emit(rows, as_json, title=f"trace {trace_id}")
+    emit(rows, as_json, title=f"trace {trace_id}")
 
 
 @app.command()
@@ -154,7 +120,7 @@ def trace(
     credit: CreditOption = None,
 ) -> None:
     """Print a trace record exactly as it was ingested (JSON), with later write-backs."""
-    with _open(db, read_only=True) as database:
+    with open_db(db, read_only=True) as database:
         try:
             record = database.trace(trace_id, credit=credit)
         except TraceDBError as e:
@@ -177,7 +143,7 @@ def export(
     as_json: JsonOption = False,
 ) -> None:
     """Export branch views, streaming in bounded memory."""
-    with _open(db, read_only=True) as database:
+    with open_db(db, read_only=True) as database:
         try:
             result = database.export(
                 path,
@@ -195,24 +161,24 @@ def export(
         except TraceDBError as e:
             err.print(f"[red]{e}[/red]")
             raise typer.Exit(1) from None
-    _emit(result, as_json)
+    emit(result, as_json)
 
 
 @app.command()
 def stats(db: DbOption = Path("tracedb.duckdb"), as_json: JsonOption = False) -> None:
     """Episodes, traces, nodes, branches, tokens, bytes and the dedup ratio."""
-    with _open(db, read_only=True) as database:
-        _emit(database.stats(), as_json, title=str(db))
+    with open_db(db, read_only=True) as database:
+        emit(database.stats(), as_json, title=str(db))
 
 
 @app.command()
 def rejects(db: DbOption = Path("tracedb.duckdb"), as_json: JsonOption = False) -> None:
     """Records that ingest rejected, with where and why."""
-    with _open(db, read_only=True) as database:
+    with open_db(db, read_only=True) as database:
         rows = database.sql(
             "SELECT source, line, trace_id, node, field, reason FROM rejects ORDER BY rejected_at, source, line"
         ).to_pylist()
-    _emit(rows, as_json, title="rejects")
+    emit(rows, as_json, title="rejects")
 
 
 def _param(text: str) -> tuple[str, Any]:
@@ -247,23 +213,23 @@ def credit(
             {"algorithm": a.name, "layout": a.layout, "params": a.params(), "summary": a.summary}
             for a in credit_lib.algorithms().values()
         ]
-        _emit(rows, as_json, title="credit algorithms")
+        emit(rows, as_json, title="credit algorithms")
         return
     params = dict(_param(p) for p in param or [])
-    with _open(db) as database:
+    with open_db(db) as database:
         try:
             result = credit_lib.run(database, algorithm, name, replace=replace, **params)
         except (TraceDBError, ValueError, TypeError) as e:
             err.print(f"[red]{e}[/red]")
             raise typer.Exit(1) from None
-    _emit(result, as_json)
+    emit(result, as_json)
 
 
 @app.command("credit-sets")
 def credit_sets(db: DbOption = Path("tracedb.duckdb"), as_json: JsonOption = False) -> None:
     """The credit sets side by side: algorithm, parameters, creation time, assigned nodes."""
-    with _open(db, read_only=True) as database:
-        _emit(database.credit_sets().to_pylist(), as_json, title="credit sets")
+    with open_db(db, read_only=True) as database:
+        emit(database.credit_sets().to_pylist(), as_json, title="credit sets")
 
 
 @app.command()
@@ -282,10 +248,10 @@ def demo(
     if not data.exists():
         write_sample(data, groups=groups, group_size=group_size, tokens_per_trace=tokens, advantages=True)
         out.print(f"wrote sample rollouts to {data}")
-    with _open(db) as database:
+    with open_db(db) as database:
         report = database.ingest(data, progress=True)
         out.print(str(report))
-        _emit(database.stats(), False, title="stats")
+        emit(database.stats(), False, title="stats")
         view = database.branches(trainable=True)
         out.print(
             f"branch views: {view.num_rows} trainable branches, "
@@ -298,9 +264,14 @@ def demo(
             "FROM branch_stats() s JOIN traces t USING (trace_id) "
             "JOIN branches b USING (trace_id, branch_index) GROUP BY 1 ORDER BY 1"
         )
-        _emit(per_group.to_pylist(), False, title="SQL: per group, from branch_stats()")
+        emit(per_group.to_pylist(), False, title="SQL: per group, from branch_stats()")
         exported = database.export(db.with_suffix(".parquet"), trainable=True)
         out.print(f"exported {exported['rows']} branches to {exported['path']} ({exported['bytes']} bytes)")
+
+
+from tracedb.cec_cli import app as cec_app  # noqa: E402  (mounted after the commands above)
+
+app.add_typer(cec_app, name="cec")
 
 
 def main() -> None:  # pragma: no cover - console entry point

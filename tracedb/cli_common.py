@@ -1,0 +1,57 @@
+"""What every tracedb command shares: the --db and --json options, opening the database,
+and printing results (JSON for scripts, a table for people)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+import tracedb
+from tracedb.errors import TraceDBError
+
+out = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
+
+DbOption = Annotated[
+    Path, typer.Option("--db", envvar="TRACEDB_DB", help="Database file (created if missing); env TRACEDB_DB.")
+]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table.")]
+
+
+def open_db(db: Path, read_only: bool = False) -> tracedb.Database:
+    """Open the database or exit 2 with the reason."""
+    if read_only and not db.exists():
+        err.print(f"[red]no database at {db}[/red]")
+        raise typer.Exit(2)
+    try:
+        return tracedb.connect(db, read_only=read_only)
+    except TraceDBError as e:
+        err.print(f"[red]{e}[/red]")
+        raise typer.Exit(2) from None
+
+
+def emit(data: Any, as_json: bool, title: str | None = None) -> None:
+    """Print rows (or a dict) as JSON or as a table."""
+    if as_json:
+        sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+        return
+    rows = data if isinstance(data, list) else [{"key": k, "value": v} for k, v in data.items()]
+    table = Table(title=title)
+    if rows:
+        for column in rows[0]:
+            table.add_column(str(column))
+        for row in rows:
+            table.add_row(*("" if v is None else str(v) for v in row.values()))
+    out.print(table)
+
+
+def fail(e: Exception, code: int = 1) -> typer.Exit:
+    """Report an error and return the Exit to raise."""
+    err.print(f"[red]{e}[/red]")
+    return typer.Exit(code)

@@ -1,0 +1,107 @@
+"""Counterfactual edit credit (CEC) for software agents.
+
+A repository-repair rollout ends in a patch that the tests score once. CEC picks one
+*surviving* block of edits without looking at any verdict, verifies the final artifact
+with that block's paths put back to their pre-block contents (one extra verifier run),
+and turns the signed utility difference ``D`` into an additive advantage on the sampled
+tokens of the turns that produced the block. Four arms are stamped side by side as
+named credit sets: ``cec-O`` (terminal advantage only), ``cec-B`` (``D`` broadcast over
+every sampled token), ``cec-M`` (``D`` localized on the block's turns) and ``cec-E``
+(the terminal advantage concentrated on the block's turns, no counterfactual query).
+The user documentation, with every decision the method leaves open, is ``docs/cec.md``.
+
+Pieces, from pure rules to the database:
+
+- rules: :func:`is_test_path`, :func:`edit_blocks` (blocks and eligibility from per-turn
+  snapshots), :func:`select_block` (verifier-blind SHA-256 choice), :func:`utility`,
+  :func:`coefficients`, :func:`edit_focus`, :func:`quantile`;
+- records: :class:`TurnRecord`, :class:`TraceRecord`, :class:`VerificationRecord`
+  (JSONL, one object per line with ``kind``), :func:`ingest` into ``cec_turns``,
+  ``cec_traces``, ``cec_verifications`` with the rejection rules of trace ingest;
+- :func:`plan` (per trace: blocks, selection, utilities, ``D``, coefficients, into
+  ``cec_selection``), :func:`queries` (the interventions a harness should run),
+  :func:`stamp` (plan + the four credit sets, one transaction), :func:`check` (the
+  coefficient identities on the stored credit) and :func:`report` (signal availability).
+
+The harness side (git snapshots and the intervention patch) is :mod:`tracedb.credit.cec_git`.
+The tables are created by ``schema/cec.sql``, which this module installs itself,
+idempotently, before it touches any ``cec_*`` table.
+"""
+
+from __future__ import annotations
+
+from tracedb.credit.cec_plan import CheckReport, check, plan, queries, report, report_rows, stamp
+from tracedb.credit.cec_records import (
+    CecIngestReport,
+    TraceRecord,
+    TurnRecord,
+    VerificationRecord,
+    ingest,
+    install,
+    parse_record,
+)
+from tracedb.credit.cec_rules import (
+    ARMS,
+    CEC_SCHEMA_VERSION,
+    CREDIT_SETS,
+    DEFAULT_CAP,
+    DEFAULT_LAM,
+    F32_EPS,
+    PASSING,
+    TEST_PATH_PATTERNS,
+    Block,
+    CecError,
+    Turn,
+    Utility,
+    block_digest,
+    coefficients,
+    contrast,
+    edit_blocks,
+    edit_focus,
+    is_test_path,
+    quantile,
+    select_block,
+    selection_key,
+    utility,
+    utility_parts,
+)
+
+__all__ = [
+    "ARMS",
+    "Block",
+    "CEC_SCHEMA_VERSION",
+    "CREDIT_SETS",
+    "CecError",
+    "CecIngestReport",
+    "CheckReport",
+    "DEFAULT_CAP",
+    "DEFAULT_LAM",
+    "F32_EPS",
+    "PASSING",
+    "TEST_PATH_PATTERNS",
+    "TraceRecord",
+    "Turn",
+    "TurnRecord",
+    "Utility",
+    "VerificationRecord",
+    "block_digest",
+    "check",
+    "coefficients",
+    "contrast",
+    "edit_blocks",
+    "edit_focus",
+    "ingest",
+    "install",
+    "is_test_path",
+    "parse_record",
+    "plan",
+    "quantile",
+    "queries",
+    "report",
+    "report_rows",
+    "select_block",
+    "selection_key",
+    "stamp",
+    "utility",
+    "utility_parts",
+]
