@@ -12,8 +12,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import queue
-import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -40,8 +38,9 @@ if TYPE_CHECKING:
     from tracedb.store import Database
 
 BATCH_TOKENS = 2_000_000
-"""Hand buffered rows to the writer after this many tokens; with the writer's queue of
-two this bounds ingest memory to a few batches whatever the input size."""
+"""Write buffered rows to DuckDB after this many tokens, which bounds ingest memory
+whatever the input size. (A writer thread overlapping DuckDB with parsing was measured
+and dropped: both halves are Python-bound and only took turns on the GIL.)"""
 
 
 @dataclass
@@ -472,10 +471,8 @@ def ingest(
     seen: set[str] = set()
     con = db.con
     bar = _progress(files) if progress else None
-    writer = _Writer(db, report, seen)
     con.execute("BEGIN TRANSACTION")
     try:
-        writer.start()
         batch = _Batch()
         for path in files:
             source = str(path)
@@ -497,14 +494,12 @@ def ingest(
                 batch.pending.append((line, source, number))
                 batch.tokens += sum(len(n.token_ids) for t in line.traces for n in t.nodes)
                 if batch.tokens >= BATCH_TOKENS:
-                    writer.put(batch)
+                    _flush(db, batch, report, seen)
                     batch = _Batch()
-        writer.put(batch)
-        writer.finish()
+        _flush(db, batch, report, seen)
         _record_rejects(db, rejects)
         con.execute("COMMIT")
     except BaseException:
-        writer.abandon()
         con.execute("ROLLBACK")
         raise
     finally:
@@ -513,45 +508,6 @@ def ingest(
     db._changed()
     report.seconds = time.perf_counter() - started
     return report
-
-
-class _Writer(threading.Thread):
-    """Writes batches to DuckDB on a second thread while the caller parses the next.
-
-    DuckDB releases the GIL while it inserts, so parsing and writing overlap. Only this
-    thread touches the connection until :meth:`finish` returns.
-    """
-
-    def __init__(self, db: Database, report: IngestReport, seen: set[str]) -> None:
-        super().__init__(name="tracedb-ingest-writer", daemon=True)
-        self.db, self.report, self.seen = db, report, seen
-        self.queue: queue.Queue[_Batch | None] = queue.Queue(maxsize=2)
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        while (batch := self.queue.get()) is not None:
-            if self.error is None:
-                try:
-                    _flush(self.db, batch, self.report, self.seen)
-                except BaseException as e:  # handed to the caller in put/finish
-                    self.error = e
-
-    def put(self, batch: _Batch) -> None:
-        if self.error is not None:
-            raise self.error
-        self.queue.put(batch)
-
-    def finish(self) -> None:
-        self.queue.put(None)
-        self.join()
-        if self.error is not None:
-            raise self.error
-
-    def abandon(self) -> None:
-        if self.is_alive():
-            self.error = self.error or RuntimeError("ingest abandoned")
-            self.queue.put(None)
-            self.join()
 
 
 class _Bar:
