@@ -233,6 +233,50 @@ def credit_sets(db: DbOption = Path("tracedb.duckdb"), as_json: JsonOption = Fal
 
 
 @app.command()
+def serve(
+    db: DbOption = Path("tracedb.duckdb"),
+    host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TRACEDB_TOKEN", help="Bearer token that enables writes; env TRACEDB_TOKEN. None: read-only."
+        ),
+    ] = None,
+    allow_sql: Annotated[bool, typer.Option("--allow-sql", help="Enable POST /sql (one read-only SELECT).")] = False,
+    tokenizer: Annotated[
+        Path | None, typer.Option(help="Local Hugging Face tokenizer.json: the viewer shows decoded tokens.")
+    ] = None,
+    max_body_mb: Annotated[int, typer.Option(help="Refuse request bodies larger than this many MiB (413).")] = 256,
+    sql_row_limit: Annotated[int, typer.Option(help="Rows POST /sql returns at most.")] = 1000,
+    sql_timeout: Annotated[float, typer.Option(help="Seconds a POST /sql query may run.")] = 5.0,
+) -> None:
+    """Serve the REST API (branch lookup as JSON or Arrow, listings, writes) and the web trace viewer."""
+    import uvicorn
+
+    from api import create_app
+
+    try:
+        application = create_app(
+            db,
+            token=token,
+            allow_sql=allow_sql,
+            tokenizer=tokenizer,
+            max_body_bytes=max_body_mb * 1024 * 1024,
+            sql_row_limit=sql_row_limit,
+            sql_timeout_s=sql_timeout,
+        )
+    except (TraceDBError, FileNotFoundError, ValueError) as e:
+        err.print(f"[red]{e}[/red]")
+        raise typer.Exit(2) from None
+    err.print(f"tracedb serving {db} on http://{host}:{port} (writes {'on' if token else 'off'})")
+    try:
+        uvicorn.run(application, host=host, port=port, log_level="info")
+    finally:
+        application.state.backend.close()
+
+
+@app.command()
 def demo(
     db: DbOption = Path("tracedb-demo.duckdb"),
     data: Annotated[Path, typer.Option(help="Where the generated sample traces.jsonl goes.")] = Path(

@@ -1,0 +1,83 @@
+"""The FastAPI app: ``create_app(db_path, ...)`` wires the routers, checks and limits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
+
+import tracedb
+
+from . import errors
+from .backend import Backend
+from .routes import branches, groups, health, sql, traces, viewer, writes
+
+HERE = Path(__file__).resolve().parent
+MAX_BODY_BYTES = 256 * 1024 * 1024
+
+
+def load_tokenizer(tokenizer: Any) -> Any:
+    """A ``tokenizers.Tokenizer`` from a local tokenizer.json path (never a hub download)."""
+    if tokenizer is None or not isinstance(tokenizer, str | Path):
+        return tokenizer
+    from tokenizers import Tokenizer
+
+    path = Path(tokenizer)
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer file not found: {path}")
+    return Tokenizer.from_file(str(path))
+
+
+def create_app(
+    db_path: str | Path,
+    *,
+    token: str | None = None,
+    allow_sql: bool = False,
+    tokenizer: Any = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    sql_row_limit: int = 1000,
+    sql_timeout_s: float = 5.0,
+    view_cache_tokens: int = 8_000_000,
+) -> FastAPI:
+    """The REST service and web viewer over the tracedb database at ``db_path``.
+
+    ``token`` enables writes (bearer auth; without one every write is refused, 403).
+    ``allow_sql`` enables ``POST /sql`` (one read-only SELECT, ``sql_row_limit`` rows,
+    ``sql_timeout_s`` seconds). ``tokenizer`` is a local Hugging Face ``tokenizer.json``
+    path (or a loaded ``tokenizers.Tokenizer``) for the viewer's decoded tokens.
+    Bodies over ``max_body_bytes`` are refused with 413. Branch views of recently asked
+    traces are kept up to ``view_cache_tokens`` tokens (0: no cache) until the next
+    write. Each server thread reads on its own cursor. The database is opened now and
+    stays open for the app's life (test clients may run the lifespan once per request);
+    ``app.state.backend.close()`` closes it, as ``tracedb serve`` does when uvicorn
+    returns.
+    """
+    if token is not None and not token:
+        raise ValueError("an empty token would let anyone write; pass None to disable writes")
+    backend = Backend(
+        db_path,
+        allow_sql=allow_sql,
+        sql_row_limit=sql_row_limit,
+        sql_timeout_s=sql_timeout_s,
+        tokenizer=load_tokenizer(tokenizer),
+        view_cache_tokens=view_cache_tokens,
+    )
+
+    app = FastAPI(
+        title="tracedb",
+        version=tracedb.__version__,
+        description="Branch lookup (JSON or Arrow IPC), trace listing, authenticated writes and a trace viewer "
+        "over a tracedb database of verifiers v1 rollouts.",
+        docs_url=None,  # Swagger UI and ReDoc load from a CDN; the schema is at /openapi.json
+        redoc_url=None,
+    )
+    app.state.backend = backend
+    app.state.token = token
+    errors.install(app)
+    app.add_middleware(errors.BodyLimit, max_bytes=max_body_bytes)
+    for module in (health, traces, branches, groups, writes, sql, viewer):
+        app.include_router(module.router)
+    app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
+    return app

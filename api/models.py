@@ -1,0 +1,227 @@
+"""Pydantic models of every request and response body: the OpenAPI schema comes from here.
+
+Token routes build their JSON directly (numpy through orjson, far faster than model
+validation for 32k-token arrays); their models still describe exactly what is sent, and
+the schema fuzz test checks responses against them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+Floats = list[float]
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+    tracedb_version: str
+    schema_version: int
+    database: str
+    traces: int
+    writes_enabled: bool = Field(description="A bearer token is configured (--token / TRACEDB_TOKEN).")
+    sql_enabled: bool = Field(description="The server was started with --allow-sql.")
+
+
+class TraceRow(BaseModel):
+    """One trace in a listing."""
+
+    trace_id: str
+    episode_id: str | None
+    group_id: str | None
+    reward: float | None = Field(description="Weighted sum of scored rewards; null when nothing was scored.")
+    ok: bool | None
+    stop_condition: str | None
+    n_nodes: int
+    n_branches: int
+    n_tokens: int = Field(description="Tokens over all nodes, each node once.")
+    n_sampled: int = Field(description="Sampled (trainable) tokens over all nodes.")
+
+
+class TracePage(BaseModel):
+    traces: list[TraceRow]
+    next_cursor: str | None = Field(description="Pass as ?cursor= for the next page; null on the last page.")
+
+
+class SemanticLink(BaseModel):
+    node: int
+    type: str
+
+
+class NodeTokens(BaseModel):
+    """A node's tokens and streams in full layout (one value per token, 0.0 off-sample)."""
+
+    token_ids: list[int]
+    sampled_mask: list[bool]
+    logprobs: Floats
+    advantages: Floats | None = Field(description="Null when the node holds none in this credit set.")
+    reference_logprobs: Floats | None
+    trainer_logprobs: Floats | None
+    entropies: Floats | None
+    loss_weights: dict[str, Floats]
+    pieces: list[str] | None = Field(None, description="Decoded text per token (viewer, with --tokenizer).")
+
+
+class NodeInfo(BaseModel):
+    node_index: int
+    parent: int | None
+    role: str | None
+    sampled: bool | None
+    n_tokens: int
+    n_sampled: int
+    has_logprobs: bool
+    streams: list[str] = Field(
+        description="Optional streams the node holds: advantages (in the chosen credit set), "
+        "reference_logprobs, trainer_logprobs, entropies."
+    )
+    loss_weight_names: list[str]
+    semantic_parents: list[SemanticLink]
+    message: dict[str, Any] | None = Field(None, description="Only with ?messages=true.")
+    tokens: NodeTokens | None = Field(None, description="Only with ?tokens=true.")
+
+
+class TraceDetail(BaseModel):
+    trace_id: str
+    episode_id: str | None
+    group_id: str | None
+    position: int | None
+    reward: float | None
+    ok: bool | None
+    is_completed: bool | None
+    is_timeout: bool | None
+    stop_condition: str | None
+    n_nodes: int
+    n_branches: int
+    n_tokens: int
+    n_sampled: int
+    source: str | None
+    line: int | None
+    ingested_at: str | None
+    credit: str = Field(description="The credit set the node list reports advantages from.")
+    nodes: list[NodeInfo]
+
+
+class BranchSummary(BaseModel):
+    branch_index: int
+    trainable: bool
+    leaf: int
+    path: list[int] = Field(description="Node indices from the root to the leaf.")
+    n_tokens: int
+    n_sampled: int
+    credit_assigned: bool = Field(description="Some node on the path holds advantages (the view's are not null).")
+    credit_status: Literal["none", "partial", "full"] = Field(
+        description="full: every node with sampled tokens holds advantages; none: no node does."
+    )
+    credited_nodes: int
+    sampled_nodes: int
+
+
+class BranchList(BaseModel):
+    trace_id: str
+    credit: str
+    branches: list[BranchSummary]
+
+
+class BranchView(BaseModel):
+    """One branch's token view, the fields and null rules of ``db.branches()``; token
+    fields not asked for with ?fields= are absent."""
+
+    trace_id: str
+    branch_index: int
+    trainable: bool
+    token_ids: list[int] | None = None
+    sampled_mask: list[bool] | None = None
+    logprobs: Floats | None = None
+    advantages: Floats | None = Field(None, description="Null when no node on the path holds advantages.")
+    reference_logprobs: Floats | None = None
+    trainer_logprobs: Floats | None = None
+    entropies: Floats | None = None
+    loss_weights: dict[str, Floats] | None = None
+
+
+class GroupTrace(TraceRow):
+    credited_nodes: int
+    sampled_nodes: int
+    credit_status: Literal["none", "partial", "full"]
+
+
+class GroupDetail(BaseModel):
+    group_id: str
+    credit: str
+    n_traces: int
+    reward_mean: float | None
+    reward_std: float | None = Field(description="Population std of the scored rewards.")
+    zero_variance: bool = Field(description="Every scored member has the same reward: no group-relative gradient.")
+    traces: list[GroupTrace]
+
+
+class CreditSet(BaseModel):
+    name: str
+    algorithm: str
+    params: Any = None
+    description: str | None
+    created_at: str | None
+    assigned_nodes: int
+
+
+class CreditSetCreate(BaseModel):
+    name: str = Field(min_length=1, max_length=200)
+    algorithm: str = Field("manual", max_length=200)
+    params: dict[str, Any] = Field(default_factory=dict)
+    description: str | None = Field(None, max_length=10_000)
+    replace: bool = False
+
+
+class AdvantagesWrite(BaseModel):
+    values: Floats | None = Field(
+        description="One value per sampled token of the node (compact layout); null clears the node."
+    )
+
+
+class WriteResult(BaseModel):
+    trace_id: str
+    node_index: int
+    credit: str
+    nodes_written: int
+
+
+class Reject(BaseModel):
+    file: str | None
+    line: int | None
+    trace_id: str | None
+    node: int | None
+    field: str | None
+    reason: str
+
+
+class IngestResult(BaseModel):
+    files: int
+    lines: int
+    episodes: int
+    traces: int
+    skipped: int = Field(description="Traces already present, not added again.")
+    nodes: int
+    tokens: int
+    segments_added: int
+    rejected: list[Reject]
+    seconds: float
+
+
+class SqlQuery(BaseModel):
+    sql: str = Field(min_length=1, max_length=100_000, description="One SELECT statement; tracedb's macros are there.")
+    limit: int | None = Field(None, ge=1, description="At most this many rows (capped by the server's row limit).")
+
+
+class SqlColumn(BaseModel):
+    name: str
+    type: str
+
+
+class SqlResult(BaseModel):
+    columns: list[SqlColumn]
+    rows: list[list[Any]]
+    row_count: int
+    truncated: bool = Field(description="More rows matched than were returned.")
+    limit: int
+    elapsed_ms: float

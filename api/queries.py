@@ -1,0 +1,280 @@
+"""Read queries behind the routes: listings, a trace's nodes and branches, a group.
+
+Each function takes a :class:`tracedb.Database` and returns plain data; values are
+always bound parameters. Token views come from the library (``db.branches()`` and the
+``node_tokens()`` macro), so the REST service can never disagree with it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from typing import Any
+
+import numpy as np
+import orjson
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from tracedb.store import Database
+
+from .errors import invalid, not_found
+
+KEY_COLUMNS = ("trace_id", "branch_index", "trainable")
+DEFAULT_SET = "default"
+OPTIONAL = ("advantages", "reference_logprobs", "trainer_logprobs", "entropies")
+_ROW = "trace_id, episode_id, group_id, reward, ok, stop_condition, n_nodes, n_branches, n_tokens, n_sampled"
+
+
+# --------------------------------------------------------------------------- credit sets
+
+
+def credit_sets(db: Database) -> list[dict[str, Any]]:
+    rows = db.credit_sets().to_pylist()
+    for row in rows:
+        row["params"] = json.loads(row["params"]) if isinstance(row["params"], str) else row["params"]
+        row["created_at"] = None if row["created_at"] is None else row["created_at"].isoformat()
+    return rows
+
+
+def credit_name(db: Database, credit: str | None) -> str | None:
+    """None for the default (ingested) set, else a named set that must exist (404)."""
+    if credit in (None, DEFAULT_SET):
+        return None
+    if not db._scalar("SELECT count(*) FROM credit_sets WHERE name = ?", [credit]):
+        known = [r["name"] for r in credit_sets(db)]
+        raise not_found(f"credit set {credit!r} does not exist; known sets: {known}")
+    return credit
+
+
+# --------------------------------------------------------------------------- listing
+
+
+def _keys(sort: str) -> tuple[str, str]:
+    """Ascending sort keys (unscored last) for a reward order; the trace id breaks ties."""
+    return "reward IS NULL", "-coalesce(reward, 0)" if sort == "-reward" else "coalesce(reward, 0)"
+
+
+def encode_cursor(sort: str, row: dict[str, Any]) -> str:
+    reward = row["reward"]
+    key = [reward is None, 0.0 if reward is None else (-reward if sort == "-reward" else reward), row["trace_id"]]
+    return base64.urlsafe_b64encode(orjson.dumps({"sort": sort, "after": key})).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str, sort: str) -> list[Any]:
+    try:
+        data = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+        after = data["after"]
+        ok = (
+            isinstance(after, list)
+            and len(after) == 3
+            and isinstance(after[0], bool)
+            and isinstance(after[1], int | float)
+            and not isinstance(after[1], bool)
+            and isinstance(after[2], str)
+        )
+    except (ValueError, TypeError, KeyError, binascii.Error, UnicodeDecodeError):
+        ok = False
+    if not ok:
+        raise invalid("cursor: not a cursor this server handed out; use next_cursor from a previous page")
+    if data.get("sort") != sort:
+        raise invalid(f"cursor: it was made for sort={data.get('sort')!r}, not sort={sort!r}")
+    return after
+
+
+def list_traces(
+    db: Database,
+    *,
+    group: str | None = None,
+    episode: str | None = None,
+    ok: bool | None = None,
+    min_reward: float | None = None,
+    max_reward: float | None = None,
+    stop_condition: str | None = None,
+    sort: str = "trace_id",
+    cursor: str | None = None,
+    limit: int = 50,
+) -> dict[str, Any]:
+    """One page of traces, keyset-paginated (stable under concurrent ingest)."""
+    where: list[str] = []
+    params: list[Any] = []
+    for clause, value in (
+        ("group_id = ?", group),
+        ("episode_id = ?", episode),
+        ("ok = ?", ok),
+        ("reward >= ?", min_reward),
+        ("reward <= ?", max_reward),
+        ("stop_condition = ?", stop_condition),
+    ):
+        if value is not None:
+            where.append(clause)
+            params.append(value)
+    order = "trace_id"
+    if sort == "trace_id":
+        if cursor is not None:
+            where.append("trace_id > ?")
+            params.append(decode_cursor(cursor, sort)[2])
+    else:
+        k1, k2 = _keys(sort)
+        order = f"{k1}, {k2}, trace_id"
+        if cursor is not None:
+            a1, a2, a3 = decode_cursor(cursor, sort)
+            where.append(f"(({k1}) > ? OR (({k1}) = ? AND ({k2}) > ?) OR (({k1}) = ? AND ({k2}) = ? AND trace_id > ?))")
+            params += [a1, a1, a2, a1, a2, a3]
+    sql = f"SELECT {_ROW} FROM traces"
+    if where:
+        sql += " WHERE " + " AND ".join(where)
+    sql += f" ORDER BY {order} LIMIT ?"
+    rows = db.sql(sql, [*params, limit + 1]).to_pylist()
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return {"traces": rows, "next_cursor": encode_cursor(sort, rows[-1]) if more else None}
+
+
+# --------------------------------------------------------------------------- one trace
+
+
+def trace_meta(db: Database, trace_id: str) -> dict[str, Any]:
+    rows = db.sql(
+        f"SELECT {_ROW}, position, is_completed, is_timeout, source, line, ingested_at FROM traces WHERE trace_id = ?",
+        [trace_id],
+    ).to_pylist()
+    if not rows:
+        raise not_found(f"trace {trace_id!r} is not in {db.path}")
+    row = rows[0]
+    row["ingested_at"] = None if row["ingested_at"] is None else row["ingested_at"].isoformat()
+    return row
+
+
+def _lists(col: pa.ChunkedArray) -> list[np.ndarray | None]:
+    """A list column as one numpy array per row (None for a null list), sharing one buffer."""
+    arr = col.combine_chunks()
+    values = arr.values.to_numpy(zero_copy_only=False)
+    offsets = arr.offsets.to_numpy()
+    valid = arr.is_valid().to_numpy(zero_copy_only=False)
+    return [values[offsets[i] : offsets[i + 1]] if valid[i] else None for i in range(len(arr))]
+
+
+def trace_nodes(
+    db: Database, trace_id: str, credit: str | None, *, tokens: bool = False, messages: bool = False
+) -> list[dict[str, Any]]:
+    """The node list: structure, sizes, which streams each node holds; arrays on request."""
+    table = db.sql(
+        "SELECT n.node_index, n.parent, n.role, n.sampled, n.n_tokens, n.n_sampled, "
+        "  len(coalesce(n.logprobs, [])) > 0 AS has_logprobs, a.advantages IS NOT NULL AS has_advantages, "
+        "  n.reference_logprobs IS NOT NULL AS has_reference_logprobs, "
+        "  n.trainer_logprobs IS NOT NULL AS has_trainer_logprobs, n.entropies IS NOT NULL AS has_entropies, "
+        "  coalesce(map_keys(n.loss_weights), []) AS loss_weight_names, "
+        "  coalesce(n.semantic_parents, []) AS semantic_parents, n.message "
+        "FROM nodes n JOIN credit_advantages(?) a USING (trace_id, node_index) "
+        "WHERE n.trace_id = ? ORDER BY n.node_index",
+        [credit, trace_id],
+    )
+    nodes = []
+    for row in table.to_pylist():
+        message = row.pop("message")
+        node = {k: v for k, v in row.items() if not k.startswith("has_") or k == "has_logprobs"}
+        node["streams"] = [s for s in OPTIONAL if row[f"has_{s}"]]
+        node["loss_weight_names"] = sorted(node["loss_weight_names"])
+        if messages:
+            node["message"] = None if message is None else orjson.loads(message)
+        nodes.append(node)
+    if tokens:
+        for node, arrays in zip(nodes, node_tokens(db, trace_id, credit)):
+            node["tokens"] = arrays
+    return nodes
+
+
+def node_tokens(db: Database, trace_id: str, credit: str | None) -> list[dict[str, Any]]:
+    """Per node, token ids and every stream in full layout, through the ``node_tokens()`` macro."""
+    table = db.sql(
+        "SELECT token_ids, sampled_mask, logprobs, "
+        "  CASE WHEN has_advantages THEN advantages END AS advantages, "
+        "  CASE WHEN has_reference_logprobs THEN reference_logprobs END AS reference_logprobs, "
+        "  CASE WHEN has_trainer_logprobs THEN trainer_logprobs END AS trainer_logprobs, "
+        "  CASE WHEN has_entropies THEN entropies END AS entropies, loss_weights "
+        "FROM node_tokens(credit := ?) WHERE trace_id = ? ORDER BY node_index",
+        [credit, trace_id],
+    )
+    columns = {name: _lists(table.column(name)) for name in table.column_names if name != "loss_weights"}
+    weights = table.column("loss_weights").to_pylist()
+    out = []
+    for i in range(table.num_rows):
+        node = {name: col[i] for name, col in columns.items()}
+        node["loss_weights"] = {k: np.asarray(v, np.float32) for k, v in (weights[i] or [])}
+        out.append(node)
+    return out
+
+
+def branch_list(db: Database, trace_id: str, credit: str | None) -> list[dict[str, Any]]:
+    trace_meta(db, trace_id)
+    rows = db.sql(
+        "SELECT b.branch_index, b.trainable, b.leaf, b.path, b.n_tokens, b.n_sampled, "
+        "  count(*) FILTER (WHERE a.advantages IS NOT NULL) AS credited_nodes, "
+        "  count(*) FILTER (WHERE a.n_sampled > 0) AS sampled_nodes, "
+        "  count(*) FILTER (WHERE a.n_sampled > 0 AND a.advantages IS NOT NULL) AS credited_sampled "
+        "FROM branches b, unnest(b.path) AS u(node_index) "
+        "JOIN credit_advantages(?) a ON a.trace_id = b.trace_id AND a.node_index = u.node_index "
+        "WHERE b.trace_id = ? GROUP BY ALL ORDER BY b.branch_index",
+        [credit, trace_id],
+    ).to_pylist()
+    for row in rows:
+        row["credit_assigned"] = row["credited_nodes"] > 0
+        row["credit_status"] = _status(row.pop("credited_sampled"), row["sampled_nodes"], row["credited_nodes"])
+    return rows
+
+
+def _status(credited_sampled: int, sampled: int, credited: int) -> str:
+    if credited == 0:
+        return "none"
+    return "full" if credited_sampled == sampled else "partial"
+
+
+def pick_branch(db: Database, table: pa.Table, trace_id: str, index: int, fields: list[str] | None) -> pa.Table:
+    """Branch ``index`` of a trace's view, with the columns (and the exact schema) that
+    ``db.branches(trace_ids=[trace_id], columns=fields)`` has; 404 for an unknown trace or index."""
+    if table.num_rows == 0:
+        trace_meta(db, trace_id)  # 404 for an unknown trace
+    if index >= table.num_rows:
+        n = table.num_rows
+        raise not_found(f"trace {trace_id!r} has {n} branches (0-{n - 1}); no {index}")
+    row = table.filter(pc.equal(table.column("branch_index"), index))
+    if fields:
+        row = row.select([c for c in row.column_names if c in KEY_COLUMNS or c in fields])
+    return row
+
+
+# --------------------------------------------------------------------------- groups
+
+
+def group(db: Database, group_id: str, credit: str | None) -> dict[str, Any]:
+    rows = db.sql(
+        f"SELECT {', '.join('t.' + c for c in _ROW.split(', '))}, "
+        "  count(*) FILTER (WHERE a.advantages IS NOT NULL) AS credited_nodes, "
+        "  count(*) FILTER (WHERE a.n_sampled > 0) AS sampled_nodes, "
+        "  count(*) FILTER (WHERE a.n_sampled > 0 AND a.advantages IS NOT NULL) AS credited_sampled "
+        "FROM traces t JOIN credit_advantages(?) a USING (trace_id) "
+        "WHERE t.group_id = ? GROUP BY ALL ORDER BY t.trace_id",
+        [credit, group_id],
+    ).to_pylist()
+    if not rows:
+        raise not_found(f"group {group_id!r} has no traces in {db.path}")
+    for row in rows:
+        row["credit_status"] = _status(row.pop("credited_sampled"), row["sampled_nodes"], row["credited_nodes"])
+    rewards = np.array([r["reward"] for r in rows if r["reward"] is not None], np.float64)
+    return {
+        "group_id": group_id,
+        "n_traces": len(rows),
+        "reward_mean": float(rewards.mean()) if len(rewards) else None,
+        "reward_std": float(rewards.std()) if len(rewards) else None,
+        "zero_variance": bool(len(rewards) and np.all(rewards == rewards[0])),
+        "traces": rows,
+    }
+
+
+def node_exists(db: Database, trace_id: str, index: int) -> None:
+    """404 unless the trace and its node exist."""
+    meta = trace_meta(db, trace_id)
+    if index >= meta["n_nodes"]:
+        raise not_found(f"trace {trace_id!r} has {meta['n_nodes']} nodes (0-{meta['n_nodes'] - 1}); no node {index}")

@@ -1,0 +1,164 @@
+"""The web viewer: server-rendered pages, a little JS for the heat strips, no CDN."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path as FilePath
+from typing import Annotated, Any, Literal
+from urllib.parse import urlencode
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import HTMLResponse
+from fastapi.templating import Jinja2Templates
+
+from .. import queries
+from ..deps import CreditQuery, Reader, credit_of
+from ..errors import dumps, invalid, responses
+from .traces import TraceId
+
+router = APIRouter(tags=["viewer"], default_response_class=HTMLResponse)
+templates = Jinja2Templates(directory=FilePath(__file__).resolve().parent.parent / "templates")
+_HTML = {200: {"content": {"text/html": {}}, "description": "An HTML page."}}
+
+
+def _optional(name: str, text: str | None, kind: type) -> Any:
+    """A form field: empty means unset (HTML forms send every field), else parsed or 422."""
+    if text is None or not text.strip():
+        return None
+    text = text.strip()
+    if kind is bool:
+        if text.lower() in ("true", "false"):
+            return text.lower() == "true"
+        raise invalid(f"{name}: expected true or false, got {text!r}")
+    try:
+        value = float(text)
+    except ValueError:
+        raise invalid(f"{name}: expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise invalid(f"{name}: expected a finite number, got {text!r}")
+    return value
+
+
+Field = Annotated[str | None, Query(max_length=500)]
+
+
+@router.get("/", responses={**_HTML, **responses(422, html=True)})
+def index(
+    request: Request,
+    db: Reader,
+    group: Field = None,
+    episode: Field = None,
+    ok: Annotated[str | None, Query(max_length=10, description="true, false or empty (any).")] = None,
+    min_reward: Annotated[str | None, Query(max_length=50, description="A number, or empty.")] = None,
+    max_reward: Annotated[str | None, Query(max_length=50, description="A number, or empty.")] = None,
+    stop_condition: Field = None,
+    sort: Annotated[Literal["trace_id", "reward", "-reward"], Query()] = "trace_id",
+    cursor: Annotated[str | None, Query(max_length=2000, pattern=r"^[A-Za-z0-9_-]+$")] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> Any:
+    """The traces, filterable, sortable by reward, a page at a time."""
+    filters = {
+        "group": group or None,
+        "episode": episode or None,
+        "ok": _optional("ok", ok, bool),
+        "min_reward": _optional("min_reward", min_reward, float),
+        "max_reward": _optional("max_reward", max_reward, float),
+        "stop_condition": stop_condition or None,
+    }
+    page = queries.list_traces(db, **filters, sort=sort, cursor=cursor, limit=limit)
+    kept = {k: ("true" if v is True else "false" if v is False else v) for k, v in filters.items() if v is not None}
+
+    def link(**changes: Any) -> str:
+        params = {**kept, "sort": sort, "limit": limit, **changes}
+        return "/?" + urlencode({k: v for k, v in params.items() if v is not None})
+
+    stops = [r[0] for r in db.con.execute("SELECT DISTINCT stop_condition FROM traces ORDER BY 1").fetchall() if r[0]]
+    return templates.TemplateResponse(
+        request,
+        "index.html",
+        {
+            "page": page,
+            "filters": filters,
+            "sort": sort,
+            "stops": stops,
+            "total": db._scalar("SELECT count(*) FROM traces"),
+            "link": link,
+            "next_link": link(cursor=page["next_cursor"]) if page["next_cursor"] else None,
+        },
+    )
+
+
+def _message(message: dict[str, Any] | None) -> dict[str, Any]:
+    """What a person reads of a message: its text, tool calls and other fields."""
+    if not message:
+        return {"text": "", "calls": [], "extra": None}
+    content = message.get("content")
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                parts.append(f"[{part.get('type', 'part') if isinstance(part, dict) else 'part'}]")
+        text = "\n".join(parts)
+    else:
+        text = "" if content is None else str(content)
+    calls = []
+    for call in message.get("tool_calls") or []:
+        if isinstance(call, dict):
+            fn = call.get("function") if isinstance(call.get("function"), dict) else call
+            calls.append(f"{fn.get('name', '?')}({fn.get('arguments', '')})")
+    extra = {k: v for k, v in message.items() if k not in ("role", "content", "tool_calls")}
+    return {"text": text, "calls": calls, "extra": json.dumps(extra, indent=1) if extra else None}
+
+
+def _pieces(tokenizer: Any, ids: Any) -> list[str]:
+    """Each token decoded on its own (a piece of a multi-byte character shows as U+FFFD)."""
+    ids = [int(i) for i in ids]
+    pieces = tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=False)
+    return [p if p else (tokenizer.id_to_token(i) or f"<{i}>") for i, p in zip(ids, pieces)]
+
+
+@router.get("/view/{trace_id}", responses={**_HTML, **responses(404, 422, html=True)})
+def view(
+    request: Request,
+    db: Reader,
+    trace_id: TraceId,
+    credit: CreditQuery = None,
+    color: Annotated[Literal["advantage", "logprob"], Query(description="Colour the strips by this.")] = "advantage",
+) -> Any:
+    """One trace: its message graph as branches, each node's tokens as a heat strip."""
+    meta = queries.trace_meta(db, trace_id)
+    name, label = credit_of(db, credit)
+    nodes = queries.trace_nodes(db, trace_id, name, tokens=True, messages=True)
+    branches = queries.branch_list(db, trace_id, name)
+    on_branch: dict[int, list[int]] = {}
+    for b in branches:
+        for n in b["path"]:
+            on_branch.setdefault(n, []).append(b["branch_index"])
+    tokenizer = request.app.state.backend.tokenizer
+    data = []
+    for node in nodes:
+        tokens = node.pop("tokens")
+        item = {k: tokens[k] for k in ("token_ids", "sampled_mask", "logprobs", "advantages")}
+        if tokenizer is not None:
+            item["pieces"] = _pieces(tokenizer, tokens["token_ids"])
+        data.append(item)
+        node["view"] = _message(node.pop("message", None))
+        node["branches"] = on_branch.get(node["node_index"], [])
+    payload = dumps({"trace_id": trace_id, "credit": label, "color": color, "nodes": data})
+    return templates.TemplateResponse(
+        request,
+        "view.html",
+        {
+            "meta": meta,
+            "credit": label,
+            "color": color,
+            "credit_sets": [s["name"] for s in queries.credit_sets(db)],
+            "branches": branches,
+            "nodes": nodes,
+            "tokenizer": tokenizer is not None,
+            "payload": payload.decode().replace("</", "<\\/"),
+        },
+    )

@@ -1,0 +1,145 @@
+// tracedb trace viewer: builds one heat-strip cell per token and colours it by
+// advantage (diverging, null hatched, unsampled grey) or logprob (sequential).
+"use strict";
+
+const WHITE = [255, 255, 255];
+const POSITIVE = [178, 24, 43];
+const NEGATIVE = [33, 102, 172];
+const LOGPROB = [84, 39, 143];
+
+function mix(end, t) {
+  const c = WHITE.map((w, i) => Math.round(w + (end[i] - w) * Math.min(1, Math.max(0, t))));
+  return `rgb(${c[0]}, ${c[1]}, ${c[2]})`;
+}
+
+// The colour of one value: advantages on a symmetric scale around 0, logprobs from 0 down.
+function colorOf(mode, value, scale) {
+  if (mode === "logprob") return mix(LOGPROB, -value / scale);
+  return value >= 0 ? mix(POSITIVE, value / scale) : mix(NEGATIVE, -value / scale);
+}
+
+function scaleOf(nodes, mode) {
+  let top = 0;
+  for (const n of nodes) {
+    const values = mode === "logprob" ? n.logprobs : n.advantages;
+    if (!values) continue;
+    for (let i = 0; i < values.length; i++) {
+      if (!n.sampled_mask[i]) continue;
+      const v = mode === "logprob" ? -values[i] : Math.abs(values[i]);
+      if (v > top) top = v;
+    }
+  }
+  return top > 0 ? top : 1;
+}
+
+function fmt(v) {
+  return v === null || v === undefined ? "null" : Number(v).toPrecision(4).replace(/\.?0+$/, "");
+}
+
+function build(data) {
+  for (const [index, node] of data.nodes.entries()) {
+    const strip = document.querySelector(`.strip[data-node="${index}"]`);
+    if (!strip) continue;
+    const frag = document.createDocumentFragment();
+    for (let i = 0; i < node.token_ids.length; i++) {
+      const cell = document.createElement("span");
+      cell.className = "t";
+      if (node.pieces) {
+        cell.textContent = node.pieces[i].replace(/\n/g, "↵");
+        cell.classList.add("piece");
+      }
+      frag.appendChild(cell);
+    }
+    strip.replaceChildren(frag);
+  }
+}
+
+function paint(data, mode) {
+  const scale = scaleOf(data.nodes, mode);
+  for (const [index, node] of data.nodes.entries()) {
+    const strip = document.querySelector(`.strip[data-node="${index}"]`);
+    if (!strip) continue;
+    const values = mode === "logprob" ? node.logprobs : node.advantages;
+    const cells = strip.children;
+    for (let i = 0; i < cells.length; i++) {
+      const cell = cells[i];
+      const sampled = node.sampled_mask[i];
+      cell.classList.remove("off", "null", "dark");
+      cell.style.backgroundColor = "";
+      let label;
+      if (!sampled) {
+        cell.classList.add("off");
+        label = "unsampled";
+      } else if (values === null || values === undefined) {
+        cell.classList.add("null");
+        label = `${mode}: null (never assigned)`;
+      } else {
+        cell.style.backgroundColor = colorOf(mode, values[i], scale);
+        const strength = mode === "logprob" ? -values[i] / scale : Math.abs(values[i]) / scale;
+        if (strength > 0.55) cell.classList.add("dark");  // keep decoded text readable
+        label = `${mode}: ${fmt(values[i])}`;
+      }
+      cell.dataset.value = sampled && values ? String(values[i]) : sampled ? "null" : "off";
+      const piece = node.pieces ? ` ${JSON.stringify(node.pieces[i])}` : "";
+      cell.title = `token ${i} · id ${node.token_ids[i]}${piece} · ${label}`;
+    }
+  }
+  const legend = document.getElementById("legend");
+  if (mode === "logprob") {
+    legend.innerHTML = `<span class="swatch" style="background:${mix(LOGPROB, 0)}"></span>0 ` +
+      `<span class="swatch" style="background:${mix(LOGPROB, 1)}"></span>${fmt(-scale)} ` +
+      `<span class="swatch off"></span>unsampled`;
+  } else {
+    legend.innerHTML = `<span class="swatch" style="background:${mix(NEGATIVE, 1)}"></span>${fmt(-scale)} ` +
+      `<span class="swatch" style="background:${mix(POSITIVE, 0)}"></span>0 ` +
+      `<span class="swatch" style="background:${mix(POSITIVE, 1)}"></span>+${fmt(scale)} ` +
+      `<span class="swatch null"></span>null <span class="swatch off"></span>unsampled`;
+  }
+  document.body.dataset.painted = `${mode}:${data.credit}`;
+}
+
+async function switchCredit(data, credit, mode) {
+  const status = document.getElementById("status");
+  status.textContent = "loading…";
+  const id = encodeURIComponent(data.trace_id);
+  const q = `credit=${encodeURIComponent(credit)}`;
+  const [trace, branches] = await Promise.all([
+    fetch(`/traces/${id}?tokens=true&${q}`).then((r) => r.json()),
+    fetch(`/traces/${id}/branches?${q}`).then((r) => r.json()),
+  ]);
+  trace.nodes.forEach((n, i) => { data.nodes[i].advantages = n.tokens.advantages; });
+  for (const b of branches.branches) {
+    const row = document.querySelector(`#branch-table tr[data-branch="${b.branch_index}"] .credit-status`);
+    if (row) row.textContent = b.credit_status;
+  }
+  data.credit = credit;
+  paint(data, mode);
+  status.textContent = "";
+}
+
+function showBranch(value) {
+  for (const node of document.querySelectorAll("article.node")) {
+    const on = value === "all" || node.dataset.branches.split(",").includes(value);
+    node.hidden = !on;
+  }
+}
+
+function main() {
+  const data = JSON.parse(document.getElementById("trace-data").textContent);
+  const color = document.getElementById("color");
+  const credit = document.getElementById("credit");
+  const branch = document.getElementById("branch");
+  const sync = () => {
+    const url = new URL(window.location);
+    url.searchParams.set("color", color.value);
+    url.searchParams.set("credit", credit.value);
+    history.replaceState(null, "", url);
+  };
+  build(data);
+  paint(data, color.value);
+  color.addEventListener("change", () => { paint(data, color.value); sync(); });
+  credit.addEventListener("change", () => switchCredit(data, credit.value, color.value).then(sync));
+  branch.addEventListener("change", () => showBranch(branch.value));
+}
+
+main();
