@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 import typer
 
-from tracedb.cli_common import DbOption, JsonOption, emit, err, fail, open_db, out
+from tracedb.cli_common import DbOption, JsonOption, emit, err, fail, open_db, out, report_ingest
 from tracedb.errors import TraceDBError
 
 app = typer.Typer(
@@ -51,16 +51,7 @@ def ingest(
             report = cec.ingest(database, paths, strict=strict)
         except (TraceDBError, FileNotFoundError) as e:
             raise fail(e) from None
-    if as_json:
-        emit(report.to_dict(), True)
-    else:
-        out.print(str(report))
-        for reject in report.rejected[:20]:
-            err.print(f"[yellow]rejected[/yellow] {reject}")
-        if len(report.rejected) > 20:
-            err.print(f"... and {len(report.rejected) - 20} more: tracedb rejects --db {db}")
-    if report.rejected:
-        raise typer.Exit(1)
+    report_ingest(report, db, as_json)
 
 
 def _summary_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from tracedb.cli_common import DbOption, JsonOption, emit, err, open_db, out
+from tracedb.cli_common import DbOption, JsonOption, emit, err, open_db, out, report_ingest
 from tracedb.errors import TraceDBError
 
 app = typer.Typer(
@@ -41,16 +41,7 @@ def ingest(
         except (TraceDBError, FileNotFoundError) as e:
             err.print(f"[red]{e}[/red]")
             raise typer.Exit(1) from None
-    if as_json:
-        emit(report.to_dict(), True)
-    else:
-        out.print(str(report))
-        for reject in report.rejected[:20]:
-            err.print(f"[yellow]rejected[/yellow] {reject}")
-        if len(report.rejected) > 20:
-            err.print(f"... and {len(report.rejected) - 20} more: tracedb rejects --db {db}")
-    if report.rejected:
-        raise typer.Exit(1)
+    report_ingest(report, db, as_json)
 
 
 @app.command()

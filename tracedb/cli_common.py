@@ -55,3 +55,17 @@ def fail(e: Exception, code: int = 1) -> typer.Exit:
     """Report an error and return the Exit to raise."""
     err.print(f"[red]{e}[/red]")
     return typer.Exit(code)
+
+
+def report_ingest(report: Any, db: Path, as_json: bool) -> None:
+    """Print an ingest report (its first rejects on stderr); exit 1 when anything was rejected."""
+    if as_json:
+        emit(report.to_dict(), True)
+    else:
+        out.print(str(report))
+        for reject in report.rejected[:20]:
+            err.print(f"[yellow]rejected[/yellow] {reject}")
+        if len(report.rejected) > 20:
+            err.print(f"... and {len(report.rejected) - 20} more: tracedb rejects --db {db}")
+    if report.rejected:
+        raise typer.Exit(1)
