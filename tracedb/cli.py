@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Annotated, Any
 
+import pyarrow.compute as pc
 import typer
 
 from tracedb.cli_common import DbOption, JsonOption, emit, err, open_db, out, report_ingest
@@ -290,7 +291,7 @@ def demo(
         view = database.branches(trainable=True)
         out.print(
             f"branch views: {view.num_rows} trainable branches, "
-            f"{sum(len(x) for x in view.column('token_ids').to_pylist())} tokens (aligned token_ids, "
+            f"{pc.sum(pc.list_value_length(view.column('token_ids'))).as_py() or 0} tokens (aligned token_ids, "
             "sampled_mask, logprobs, advantages, ...)"
         )
         per_group = database.sql(
