@@ -55,7 +55,8 @@ def _select_traces(
     trace_ids: Sequence[str] | None,
     group: str | Sequence[str] | None,
     episode: str | Sequence[str] | None,
-) -> list[str]:
+) -> list[tuple[str, int]]:
+    """(trace id, stored tokens) of the selected traces, in trace id order."""
     where, params = [], []
     for column, value in (("trace_id", trace_ids), ("group_id", group), ("episode_id", episode)):
         if value is None:
@@ -63,11 +64,11 @@ def _select_traces(
         values = [value] if isinstance(value, str) else list(value)
         where.append(f"{column} IN (SELECT unnest(?::VARCHAR[]))")
         params.append(values)
-    query = "SELECT trace_id FROM traces"
+    query = "SELECT trace_id, n_tokens FROM traces"
     if where:
         query += " WHERE " + " AND ".join(where)
     query += " ORDER BY trace_id"
-    return [r[0] for r in db.con.execute(query, params).fetchall()]
+    return [(r[0], r[1]) for r in db.con.execute(query, params).fetchall()]
 
 
 @dataclass
@@ -392,12 +393,11 @@ def iter_branches(
     cols = _columns(columns)
     credit = db._credit_name(credit)
     selected = _select_traces(db, trace_ids, group, episode)
-    sizes = dict(db.con.execute("SELECT trace_id, n_tokens FROM traces").fetchall()) if selected else {}
     chunk: list[str] = []
     acc = 0
-    for tid in selected:
+    for tid, size in selected:
         chunk.append(tid)
-        acc += sizes.get(tid, 0)
+        acc += size
         if acc >= batch_tokens:
             yield _view(db, chunk, cols, train_once, trainable, credit, cache=False)
             chunk, acc = [], 0
@@ -449,7 +449,7 @@ def branches(
     """
     cols = _columns(columns)
     credit = db._credit_name(credit)
-    selected = _select_traces(db, trace_ids, group, episode)
+    selected = [tid for tid, _ in _select_traces(db, trace_ids, group, episode)]
     return _view(db, selected, cols, train_once, trainable, credit, cache=True)
 
 
