@@ -18,7 +18,6 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from strategies import COMPACT, EPISODE_TEMPLATE, OPTIONAL, TRACE_TEMPLATE, all_traces, episodes, is_ragged, write_jsonl
 
 import tracedb
@@ -280,6 +279,8 @@ def view_problems(db: tracedb.Database, eps: list[dict[str, Any]]) -> dict[str, 
         rows_of(db.branches(trace_ids=some)),
         [r for r in expected if r["trace_id"] in some],
     )
+    every = sorted({r["trace_id"] for r in expected})
+    views["db.branches(trace_ids=every id)"] = (rows_of(db.branches(trace_ids=every)), expected)
     problems = {name: d for name, (got, exp) in views.items() if (d := first_difference(got, exp)) is not None}
     if not table.schema.equals(BRANCH_SCHEMA):
         problems["schema"] = str(table.schema)
@@ -427,59 +428,49 @@ def _fork_episode(n_leaves: int, seed: int) -> list[dict[str, Any]]:
     return [_episode("ep-fork", [_trace("t-fork", nodes)])]
 
 
-def test_many_runs_use_gather_index(fresh: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """More than 4096 runs in a view: views gather through ``_gather_index``."""
+def test_many_branches(fresh: Any) -> None:
+    """Thousands of branches over many empty and one-token nodes give the reference spread,
+    with train_once and the trainable filter too."""
     eps = _fork_episode(4200, seed=7)
     db = load(fresh, eps)
-    indexed: list[bool] = []
-    real = tracedb.views._take
-
-    def spy(flat: np.ndarray, run_start: np.ndarray, run_end: np.ndarray, index: np.ndarray | None) -> np.ndarray:
-        indexed.append(index is not None)
-        return real(flat, run_start, run_end, index)
-
-    monkeypatch.setattr(tracedb.views, "_take", spy)
     expected = [canon(r) for r in reference_view(eps)]
     assert rows_of(db.branches()) == expected
-    assert indexed and all(indexed), indexed
     once = [canon(r) for r in reference_view(eps, train_once=True)]
     assert rows_of(db.branches(train_once=True)) == once
     trainable = [r for r in expected if r["trainable"]]
     assert 0 < len(trainable) < len(expected)
     assert rows_of(db.branches(trainable=True)) == trainable
+    db._cache = None
+    assert rows_of(db.branches(trainable=True, train_once=True)) == [r for r in once if r["trainable"]]
 
 
-def _gather_reference(run_start: list[int], run_end: list[int]) -> list[int]:
-    return [i for a, b in zip(run_start, run_end) for i in range(a, b)]
+def test_segments_written_between_reads_are_read_again(fresh: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole-database view reads segments on a second cursor; when that read misses a
+    segment a node names (a write landed in between), the tokens are read again."""
+    eps = _fork_episode(30, seed=11)
+    db = load(fresh, eps)
+    expected = db.branches()
+    db._cache = None
+    real = tracedb.views._read_segments
+    calls: list[int] = []
+
+    def stale(con: Any, own_cursor: bool) -> Any:
+        ids, tokens = real(con, own_cursor)
+        calls.append(1)
+        return (ids.slice(1), tokens) if len(calls) == 1 else (ids, tokens)  # first read lacks one
+
+    monkeypatch.setattr(tracedb.views, "_read_segments", stale)
+    assert db.branches().equals(expected)
+    assert len(calls) == 2
 
 
-@pytest.mark.parametrize(
-    "runs",
-    [
-        [(0, 3)],
-        [(5, 8)],
-        [(0, 0)],
-        [(4, 4), (4, 4)],
-        [(0, 0), (2, 5)],
-        [(3, 3), (2, 5), (9, 9)],
-        [(2, 5), (5, 7)],
-        [(5, 7), (2, 5)],
-        [(0, 2), (0, 2), (0, 2)],
-        [(10, 12), (3, 3), (3, 3), (0, 1), (7, 7)],
-        [(0, 1), (6, 6), (1, 2)],
-    ],
-)
-def test_gather_index_cases(runs: list[tuple[int, int]]) -> None:
-    start = np.array([a for a, _ in runs], np.int64)
-    end = np.array([b for _, b in runs], np.int64)
-    got = tracedb.views._gather_index(start, end)
-    assert got.tolist() == _gather_reference(start.tolist(), end.tolist())
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 5)), min_size=1, max_size=30))
-def test_gather_index_property(runs: list[tuple[int, int]]) -> None:
-    start = np.array([a for a, _ in runs], np.int64)
-    end = start + np.array([n for _, n in runs], np.int64)
-    got = tracedb.views._gather_index(start, end)
-    assert got.tolist() == _gather_reference(start.tolist(), end.tolist())
+def test_views_inside_a_transaction_see_its_writes(fresh: Any) -> None:
+    """Inside an open transaction the view reads on the transaction's own connection."""
+    eps = _fork_episode(20, seed=3)
+    db = load(fresh, eps)
+    before = db.branches(columns=["advantages"])
+    with db._transaction():
+        db.write_traces(pa.table({"trace_id": ["t-fork"], "value": [0.5]}))
+        inside = db.branches(columns=["advantages"])
+    assert not inside.equals(before)
+    assert inside.equals(db.branches(columns=["advantages"]))

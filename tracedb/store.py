@@ -96,7 +96,10 @@ class Database:
     def _transaction(self) -> Iterator[None]:
         """All or nothing: commit on success, roll back on any error. Nests as one."""
         if self._in_transaction:
-            yield
+            try:
+                yield
+            finally:
+                self._changed()  # views read inside the transaction must see its writes
             return
         self.con.execute("BEGIN TRANSACTION")
         self._in_transaction = True

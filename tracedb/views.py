@@ -1,4 +1,4 @@
-"""Branch-spread token views, built with numpy over Arrow columns.
+"""Branch-spread token views, built from DuckDB's Arrow columns by compiled loops.
 
 The rule is verifiers' ``Branch.spread`` (see ``schema/macros.sql`` for the same rule in
 SQL): along a root-to-leaf path ``token_ids`` and ``sampled_mask`` concatenate; a compact
@@ -6,14 +6,17 @@ stream lands on its node's sampled positions in order, 0.0 elsewhere, extra valu
 dropped and missing ones 0.0; a stream is null for a branch when no node on its path
 holds it. ``loss_weights`` maps every name some node on the path holds to its spread.
 
-Work happens per node once (a node shared by several branches is widened once) and
-per branch as a few contiguous copies: a branch is a handful of runs of consecutive
-nodes, and consecutive nodes are contiguous in the node-ordered flat arrays.
+The nodes, segments and branches of the selection are read once (in one read
+transaction; a whole-database read takes the segments on a second cursor) and kept as
+DuckDB returned them; ``tracedb._kernels`` then writes each output column in one pass,
+straight from those columns. Nothing is widened per node first: each output byte is
+written once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tracedb.models import COMPACT_STREAMS, OPTIONAL_STREAMS
+from tracedb.models import COMPACT_STREAMS
 
 if TYPE_CHECKING:
     import polars
@@ -72,53 +75,185 @@ def _select_traces(
 
 
 @dataclass
+class _Stream:
+    """One compact stream of the loaded nodes, as DuckDB returned it."""
+
+    values: np.ndarray  # float32, every node's values back to back
+    src: np.ndarray  # int64 per node row: offset of its values
+    take: np.ndarray  # int64 per node row: values it spreads (extra ones are dropped)
+    has: np.ndarray  # bool per node row: holds the stream (not None)
+
+
+@dataclass
 class _Nodes:
-    """Decoded node columns of a set of traces, node-ordered, with per-token flat arrays."""
+    """The selected traces' nodes, node-ordered, in the columns the kernels read."""
 
     trace_ids: list[str]
     base: dict[str, int]  # trace id -> row of its node 0
-    starts: np.ndarray  # int64 per node row + 1: token offset of each node
-    tokens: np.ndarray  # int32
-    mask: np.ndarray  # bool
-    has: dict[str, np.ndarray]  # stream -> bool per node (holds a value, not None)
-    full: dict[str, np.ndarray]  # stream -> float32 per token, widened
+    n_tok: np.ndarray  # int64 per node row
+    starts: np.ndarray  # int64 per node row + 1: token offset of each node, node-flat
+    tok_src: np.ndarray  # int64 per node row: offset of its tokens in seg_values
+    seg_values: np.ndarray  # int32: the segments' tokens
+    prefix: np.ndarray  # int64 per node row: leading unsampled tokens, -1 if not canonical
+    slot_src: np.ndarray  # int64 per node row: offset of its mask slots
+    slots: np.ndarray  # int32: mask slots of the non-canonical nodes
+    streams: dict[str, _Stream]
     loss_weights: list[Any]  # per node: None or list of (name, values)
     branches: pa.Table  # trace_id, branch_index, trainable, path (sorted)
+    _mask: np.ndarray | None = None
+
+    @property
+    def mask(self) -> np.ndarray:
+        """Node-flat sampled mask (every node once, in row order)."""
+        if self._mask is None:
+            n = len(self.n_tok)
+            rows = np.arange(n, dtype=np.int64)
+            tokens = np.empty(int(self.starts[-1]), np.int32)
+            self._mask = np.empty(len(tokens), np.bool_)
+            _kernels().spread_tokens(
+                0, n, np.arange(n + 1, dtype=np.int64), rows, np.ones(n, np.bool_), self.starts, self.n_tok,
+                self.tok_src, self.seg_values, self.prefix, self.slot_src, self.slots, tokens, self._mask,
+            )  # fmt: skip
+        return self._mask
 
 
-def _load(db: Database, trace_ids: list[str], streams: Sequence[str], credit: str | None = None) -> _Nodes:
-    db.con.register("_tdb_sel", pa.table({"trace_id": pa.array(trace_ids, pa.string())}))
+def _kernels() -> Any:
+    from tracedb import _kernels
+
+    return _kernels
+
+
+_POOL: ThreadPoolExecutor | None = None  # reads the segments beside the main read
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tracedb")
+    return _POOL
+
+
+_Parts = tuple[np.ndarray, np.ndarray, np.ndarray]  # values, offsets (rows + 1) into values, validity
+
+
+def _sql(con: Any, query: str, params: list[Any] | None = None) -> pa.Table:
+    return con.sql(query, params=params).to_arrow_table()
+
+
+def _load(db: Database, trace_ids: list[str] | None, streams: Sequence[str], credit: str | None = None) -> _Nodes:
+    """Read the nodes, segments and branches of the selected traces (``None``: all of
+    them) in one read transaction, so the queries see one state of the database.
+
+    A whole-database read takes the segments' tokens on a second cursor, side by side
+    with the rest: segments are content-addressed and never change, so another snapshot
+    can only hold more of them; a node whose segment it lacks (written in between) makes
+    the tokens be read again.
+    """
+    node_streams = [s for s in streams if not (s == "advantages" and credit is not None)]
+    con = db.con
+    where = ""
+    if trace_ids is not None:
+        con.register("_tdb_sel", pa.table({"trace_id": pa.array(trace_ids, pa.string())}))
+        where = " WHERE trace_id IN (SELECT trace_id FROM _tdb_sel)"
+    own = not db._in_transaction
+    apart = None
+    if trace_ids is None and own:
+        apart = _pool().submit(_read_segments, db.con.cursor(), True)
     try:
-        cols = "".join(f", n.{c}" for c in streams if c != "advantages")
-        if credit is not None and "advantages" in streams:
-            advantages = (
-                ", coalesce(c.advantages, CASE WHEN c.value IS NOT NULL "
-                "THEN list_resize([]::FLOAT[], n.n_sampled, c.value) END) AS advantages"
+        if own:
+            con.execute("BEGIN TRANSACTION")
+        try:
+            if trace_ids is None:
+                nodes, lists = _read_all(con, node_streams)
+                segments = None if apart else _read_segments(con, False)
+            else:
+                nodes, segments, lists = _read_selection(con, node_streams)
+            branches = _sql(
+                con,
+                f"SELECT trace_id, branch_index, trainable, path FROM branches{where} ORDER BY trace_id, branch_index",
             )
-            join = "LEFT JOIN credit c ON c.credit_set = ? AND c.trace_id = n.trace_id AND c.node_index = n.node_index"
-            params: list[Any] | None = [credit]
+            credit_rows = None
+            if credit is not None and "advantages" in streams:
+                credit_rows = _sql(
+                    con,
+                    "SELECT trace_id, node_index, value, advantages FROM credit WHERE credit_set = ?"
+                    + where.replace(" WHERE ", " AND "),
+                    [credit],
+                )
+        except BaseException:
+            if own:
+                con.execute("ROLLBACK")
+            raise
         else:
-            advantages = ", n.advantages" if "advantages" in streams else ""
-            join, params = "", None
-        nodes = db.sql(
-            "SELECT n.trace_id, n.node_index, n.n_tokens, n.n_sampled, n.mask_prefix, n.mask_slots, "
-            f"n.loss_weights, n.segment_id{cols}{advantages} FROM nodes n {join} "
-            "WHERE n.trace_id IN (SELECT trace_id FROM _tdb_sel)",
-            params,
-        )
-        segments = db.sql(
-            "SELECT segment_id, token_ids FROM segments WHERE segment_id IN "
-            "(SELECT segment_id FROM nodes SEMI JOIN _tdb_sel USING (trace_id))"
-        )
-        branches = db.sql(
-            "SELECT b.trace_id, b.branch_index, b.trainable, b.path FROM branches b "
-            "SEMI JOIN _tdb_sel USING (trace_id) ORDER BY b.trace_id, b.branch_index"
-        )
+            if own:
+                con.execute("COMMIT")
     finally:
-        db.con.unregister("_tdb_sel")
-    if not _node_ordered(nodes):
-        nodes = nodes.sort_by([("trace_id", "ascending"), ("node_index", "ascending")])
-    return _decode(nodes, segments, branches, streams)
+        if trace_ids is not None:
+            con.unregister("_tdb_sel")
+        if apart is not None:
+            segments = apart.result()
+    try:
+        return _decode(nodes, segments, lists, branches, credit_rows, streams)
+    except _MissingSegment:  # the segments were read before a write that added some
+        return _decode(nodes, _read_segments(db.con.cursor(), True), lists, branches, credit_rows, streams)
+
+
+class _MissingSegment(Exception):
+    pass
+
+
+_META = "trace_id, node_index, n_tokens, n_sampled, mask_prefix, mask_slots, loss_weights, segment_id"
+
+
+def _read_all(con: Any, streams: Sequence[str]) -> tuple[pa.Table, dict[str, _Parts]]:
+    """Every node. List columns are read flat with ``unnest`` (DuckDB hands over flat
+    values several times faster than lists) and cut by the row lengths that a plain scan
+    of the same table returns in the same order (both keep insertion order)."""
+    lengths = "".join(f', len({s}) AS "len:{s}"' for s in streams)
+    nodes = _sql(con, f"SELECT {_META}{lengths} FROM nodes")
+    lists = {s: _flat_column(con, f"SELECT unnest({s}) FROM nodes", nodes.column(f"len:{s}")) for s in streams}
+    return nodes, lists
+
+
+def _read_segments(con: Any, own_cursor: bool) -> tuple[pa.ChunkedArray, _Parts]:
+    """Every segment: (ids, tokens), read flat like the node lists."""
+    try:
+        if own_cursor:
+            con.execute("BEGIN TRANSACTION")
+        segments = _sql(con, "SELECT segment_id, n_tokens FROM segments")
+        tokens = _flat_column(con, "SELECT unnest(token_ids) FROM segments", segments.column("n_tokens"))
+        if own_cursor:
+            con.execute("COMMIT")
+        return segments.column("segment_id"), tokens
+    finally:
+        if own_cursor:
+            con.close()
+
+
+def _flat_column(con: Any, query: str, lengths: pa.ChunkedArray) -> _Parts:
+    valid = lengths.is_valid().to_numpy(zero_copy_only=False)
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(pc.fill_null(lengths, 0).to_numpy(zero_copy_only=False), out=offsets[1:])
+    values = _sql(con, query).column(0).to_numpy()
+    if len(values) != offsets[-1]:  # cannot happen within one transaction; never misalign silently
+        raise RuntimeError(f"{query!r} returned {len(values)} values for rows holding {offsets[-1]}")
+    return values, offsets, valid
+
+
+def _read_selection(
+    con: Any, streams: Sequence[str]
+) -> tuple[pa.Table, tuple[pa.ChunkedArray, _Parts], dict[str, _Parts]]:
+    """The nodes and segments of the traces in ``_tdb_sel``, as lists: the filter is a join,
+    which keeps no row order, so each row carries its own values."""
+    columns = "".join(f", {s}" for s in streams)
+    nodes = _sql(con, f"SELECT {_META}{columns} FROM nodes WHERE trace_id IN (SELECT trace_id FROM _tdb_sel)")
+    segments = _sql(
+        con,
+        "SELECT segment_id, token_ids FROM segments WHERE segment_id IN "
+        "(SELECT segment_id FROM nodes SEMI JOIN _tdb_sel USING (trace_id))",
+    )
+    lists = {s: _list_parts(nodes.column(s)) for s in streams}
+    return nodes, (segments.column("segment_id"), _list_parts(segments.column("token_ids"))), lists
 
 
 def _node_ordered(nodes: pa.Table) -> bool:
@@ -136,143 +271,146 @@ def _node_ordered(nodes: pa.Table) -> bool:
     return bool(np.array_equal(index, expected))
 
 
-def _flat(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(values, offsets, validity) of a list column, offsets relative to the values."""
-    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+def _list_parts(col: pa.ChunkedArray) -> _Parts:
+    """(values, offsets, validity) of a list column; offsets index ``values`` directly."""
+    arr = col.combine_chunks()
     offsets = arr.offsets.to_numpy().astype(np.int64)
     values = arr.values.to_numpy(zero_copy_only=False)
-    values = values[offsets[0] : offsets[-1]] if len(offsets) else values[:0]
-    offsets = offsets - (offsets[0] if len(offsets) else 0)
     valid = arr.is_valid().to_numpy(zero_copy_only=False) if arr.null_count else np.ones(len(arr), bool)
     return values, offsets, valid
 
 
-def _copy_runs(
-    dst: np.ndarray, dst_start: np.ndarray, src: np.ndarray, src_start: np.ndarray, length: np.ndarray
-) -> None:
-    """dst[dst_start[i] : +length[i]] = src[src_start[i] : +length[i]] for every run i."""
-    keep = length > 0
-    dst_start, src_start, length = dst_start[keep], src_start[keep], length[keep]
-    if len(length) * 64 < length.sum():  # few long runs: slice copies beat an index
-        for d, s, n in zip(dst_start.tolist(), src_start.tolist(), length.tolist()):
-            dst[d : d + n] = src[s : s + n]
-        return
-    if not len(length):
-        return
-    dst[_gather_index(dst_start, dst_start + length)] = src[_gather_index(src_start, src_start + length)]
+def _decode(
+    nodes: pa.Table,
+    segments: tuple[pa.ChunkedArray, _Parts],
+    lists: dict[str, _Parts],
+    branches: pa.Table,
+    credit_rows: pa.Table | None,
+    streams: Sequence[str],
+) -> _Nodes:
+    # Rows are used in (trace, node) order; per-row arrays are permuted into it when the
+    # scan returned another order (the flat values stay where they are).
+    perm = None
+    if not _node_ordered(nodes):
+        keys = [("trace_id", "ascending"), ("node_index", "ascending")]
+        perm = pc.sort_indices(nodes.select(["trace_id", "node_index"]), sort_keys=keys).to_numpy()
 
+    def rows(a: np.ndarray) -> np.ndarray:
+        return a if perm is None else a[perm]
 
-def _decode(nodes: pa.Table, segments: pa.Table, branches: pa.Table, streams: Sequence[str]) -> _Nodes:
-    trace_col = nodes.column("trace_id").to_pylist()
-    base: dict[str, int] = {}
-    for row, tid in enumerate(trace_col):
-        base.setdefault(tid, row)
-    n_tokens = nodes.column("n_tokens").to_numpy().astype(np.int64)
-    n_sampled = nodes.column("n_sampled").to_numpy().astype(np.int64)
-    n_rows = len(n_tokens)
+    n_rows = nodes.num_rows
+    trace_col = nodes.column("trace_id").combine_chunks()
+    if perm is not None:
+        trace_col = trace_col.take(pa.array(perm))
+    if n_rows:
+        codes = pc.dictionary_encode(trace_col).indices.to_numpy()
+        firsts = np.flatnonzero(np.concatenate([[True], codes[1:] != codes[:-1]]))
+    else:
+        firsts = np.zeros(0, np.int64)
+    base = dict(zip(trace_col.take(pa.array(firsts, pa.int64())).to_pylist(), firsts.tolist()))
+    n_tok = rows(nodes.column("n_tokens").to_numpy().astype(np.int64))
+    n_sampled_scan = nodes.column("n_sampled").to_numpy().astype(np.int64)
+    n_sampled = rows(n_sampled_scan)
     starts = np.zeros(n_rows + 1, np.int64)
-    np.cumsum(n_tokens, out=starts[1:])
-    total = int(starts[-1])
+    np.cumsum(n_tok, out=starts[1:])
 
-    seg_values, seg_offsets, _ = _flat(segments.column("token_ids"))
-    seg_row = {key: i for i, key in enumerate(segments.column("segment_id").to_pylist())}
-    src = seg_offsets[np.fromiter((seg_row[k] for k in nodes.column("segment_id").to_pylist()), np.int64, n_rows)]
-    tokens = np.empty(total, np.int32)
-    _copy_runs(tokens, starts[:-1], seg_values, src, n_tokens)
+    seg_ids, (seg_values, seg_offsets, _) = segments
+    seg_row = pc.index_in(nodes.column("segment_id"), value_set=seg_ids.combine_chunks())
+    if seg_row.null_count:
+        raise _MissingSegment
+    tok_src = rows(seg_offsets[:-1][seg_row.to_numpy(zero_copy_only=False).astype(np.int64)])
+    prefix = rows(pc.fill_null(nodes.column("mask_prefix"), -1).to_numpy().astype(np.int64))
+    slots, slot_off, _ = _list_parts(nodes.column("mask_slots"))
 
-    # Where each node's sampled tokens sit: canonical nodes hold them from
-    # start + prefix on; the few non-canonical ones are placed one by one.
-    prefix_col = nodes.column("mask_prefix")
-    canonical = prefix_col.is_valid().to_numpy(zero_copy_only=False)
-    prefix = pc.fill_null(prefix_col, 0).to_numpy().astype(np.int64)
-    first = starts[:-1] + prefix
-    mask = np.zeros(total, bool)
-    ones = np.ones(int(n_sampled.max()) if n_rows else 0, bool)
-    _copy_runs(mask, first[canonical], ones, np.zeros(int(canonical.sum()), np.int64), n_sampled[canonical])
-    odd = np.flatnonzero(~canonical)
-    positions: dict[int, np.ndarray] = {}
-    if len(odd):
-        slots, slot_off, _ = _flat(nodes.column("mask_slots"))
-        for row in odd.tolist():
-            where = np.flatnonzero(slots[slot_off[row] : slot_off[row + 1]] > 0) + starts[row]
-            positions[row] = where
-            mask[where] = True
-
-    has: dict[str, np.ndarray] = {}
-    full: dict[str, np.ndarray] = {}
+    decoded: dict[str, _Stream] = {}
     for name in streams:
-        values, offsets, valid = _flat(nodes.column(name))
-        has[name] = valid
-        take = np.minimum(np.diff(offsets), n_sampled)  # extra values are dropped
-        out = np.zeros(total, np.float32)
-        _copy_runs(out, first[canonical], values, offsets[:-1][canonical], take[canonical])
-        for row, where in positions.items():
-            m = int(take[row])
-            out[where[:m]] = values[offsets[row] : offsets[row] + m]
-        full[name] = out
+        if name == "advantages" and credit_rows is not None:
+            decoded[name] = _credit_stream(credit_rows, base, n_sampled)
+            continue
+        values, offsets, valid = lists[name]
+        take = np.where(valid, np.minimum(np.diff(offsets), n_sampled_scan), 0)
+        decoded[name] = _Stream(values.astype(np.float32, copy=False), rows(offsets[:-1]), rows(take), rows(valid))
     lw = nodes.column("loss_weights")
     loss_weights = lw.to_pylist() if lw.null_count < len(lw) else [None] * n_rows
-    return _Nodes(list(base), base, starts, tokens, mask, has, full, loss_weights, branches)
+    if perm is not None:
+        loss_weights = [loss_weights[i] for i in perm.tolist()]
+    return _Nodes(
+        trace_ids=list(base),
+        base=base,
+        n_tok=n_tok,
+        starts=starts,
+        tok_src=tok_src,
+        seg_values=seg_values.astype(np.int32, copy=False),
+        prefix=prefix,
+        slot_src=rows(slot_off[:-1]),
+        slots=slots.astype(np.int32, copy=False),
+        streams=decoded,
+        loss_weights=loss_weights,
+        branches=branches,
+    )
 
 
-def _runs(paths: list[list[int]], bases: list[int], starts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Token ranges (start, end) covering each branch, and the run count per branch."""
-    run_start: list[int] = []
-    run_end: list[int] = []
-    per_branch = np.zeros(len(paths), np.int64)
-    for i, (path, base) in enumerate(zip(paths, bases)):
-        first = prev = path[0]
-        count = 0
-        for node in path[1:]:
-            if node != prev + 1:
-                run_start.append(starts[base + first])
-                run_end.append(starts[base + prev + 1])
-                count += 1
-                first = node
-            prev = node
-        run_start.append(starts[base + first])
-        run_end.append(starts[base + prev + 1])
-        per_branch[i] = count + 1
-    return np.asarray(run_start, np.int64), np.asarray(run_end, np.int64), per_branch
+def _credit_stream(credit_rows: pa.Table, base: dict[str, int], n_sampled: np.ndarray) -> _Stream:
+    """Advantages of a named credit set: a row holds a list or one value broadcast over
+    the node's sampled tokens; a node without a row (or with neither) is unassigned."""
+    n_rows = len(n_sampled)
+    node = np.fromiter(
+        (base[t] for t in credit_rows.column("trace_id").to_pylist()), np.int64, credit_rows.num_rows
+    ) + credit_rows.column("node_index").to_numpy().astype(np.int64)
+    values, offsets, listed = _list_parts(credit_rows.column("advantages"))
+    value = credit_rows.column("value")
+    scalar = value.is_valid().to_numpy(zero_copy_only=False) & ~listed
+    # Broadcast values go after the listed ones, n_sampled of each.
+    counts = n_sampled[node[scalar]]
+    broadcast = np.repeat(pc.fill_null(value, 0.0).to_numpy().astype(np.float32)[scalar], counts)
+    src = np.zeros(n_rows, np.int64)
+    take = np.zeros(n_rows, np.int64)
+    has = np.zeros(n_rows, bool)
+    src[node[listed]] = offsets[:-1][listed]
+    take[node[listed]] = np.minimum(np.diff(offsets)[listed], n_sampled[node[listed]])
+    first = np.zeros(len(counts), np.int64)
+    np.cumsum(counts[:-1], out=first[1:])
+    src[node[scalar]] = len(values) + first
+    take[node[scalar]] = counts
+    has[node[listed | scalar]] = True
+    return _Stream(np.concatenate([values.astype(np.float32, copy=False), broadcast]), src, take, has)
 
 
-def _gather_index(run_start: np.ndarray, run_end: np.ndarray) -> np.ndarray:
-    lengths = run_end - run_start
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, np.int64)
-    # Position i of run r reads run_start[r] + i: a cumulative sum of steps that jump at
-    # each run boundary.
-    steps = np.ones(total, np.int64)
-    firsts = np.zeros(len(lengths), np.int64)
-    np.cumsum(lengths[:-1], out=firsts[1:])
-    nonempty = lengths > 0
-    prev_end = np.concatenate([[0], run_end[:-1]])
-    jumps = run_start - prev_end + 1
-    jumps[0] = run_start[0]
-    # empty runs contribute no position; fold their jump into the next non-empty run
-    if not nonempty.all():
-        keep = np.flatnonzero(nonempty)
-        jumps = run_start[keep] - np.concatenate([[0], run_end[keep][:-1]]) + 1
-        jumps[0] = run_start[keep[0]]
-        firsts = firsts[keep]
-    steps[firsts] = jumps
-    return np.cumsum(steps)
-
-
-def _take(flat: np.ndarray, run_start: np.ndarray, run_end: np.ndarray, index: np.ndarray | None) -> np.ndarray:
-    if index is not None:
-        return flat[index]
-    if len(run_start) == 0:
-        return flat[:0].copy()
-    if len(run_start) == 1:
-        return flat[run_start[0] : run_end[0]].copy()
-    return np.concatenate([flat[a:b] for a, b in zip(run_start.tolist(), run_end.tolist())])
+def _fresh(n: int, dtype: type) -> np.ndarray:
+    """An uninitialised output array, its pages faulted in before the kernel writes it
+    (measured: faults taken inside the compiled loop cost more than touching first)."""
+    out = np.empty(n, dtype)
+    out.view(np.uint8)[::4096] = 0
+    return out
 
 
 def _list(values: np.ndarray, offsets: pa.Array, value_type: pa.DataType, valid: np.ndarray | None = None) -> pa.Array:
     mask = None if valid is None or valid.all() else pa.array(~valid)
-    return pa.ListArray.from_arrays(offsets, pa.array(values, value_type), mask=mask)
+    if value_type == pa.bool_():  # numpy packs the bitmap several times faster than pa.array
+        bits = pa.py_buffer(np.packbits(values, bitorder="little"))
+        flat = pa.BooleanArray.from_buffers(pa.bool_(), len(values), [None, bits])
+    else:
+        flat = pa.array(values, value_type)
+    return pa.ListArray.from_arrays(offsets, flat, mask=mask)
+
+
+def _path_rows(data: _Nodes, br: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+    """(path_off, path_rows): each branch's nodes as node rows, back to back."""
+    path = br.column("path").combine_chunks()
+    if len(path) == 0:
+        return np.zeros(1, np.int64), np.zeros(0, np.int64)
+    path_off = path.offsets.to_numpy().astype(np.int64)
+    nodes = path.values.to_numpy(zero_copy_only=False).astype(np.int64)[path_off[0] : path_off[-1]]
+    path_off = path_off - path_off[0]
+    bases = np.fromiter((data.base[t] for t in br.column("trace_id").to_pylist()), np.int64, br.num_rows)
+    return path_off, nodes + np.repeat(bases, np.diff(path_off))
+
+
+def _per_branch_sum(path_off: np.ndarray, per_entry: np.ndarray) -> np.ndarray:
+    """Sum of ``per_entry`` over each branch's path entries (empty paths give 0)."""
+    acc = np.zeros(len(per_entry) + 1, np.int64)
+    np.cumsum(per_entry, out=acc[1:])
+    return acc[path_off[1:]] - acc[path_off[:-1]]
 
 
 def _branch_tables(data: _Nodes, columns: Sequence[str], train_once: bool, trainable: bool | None) -> pa.Table:
@@ -280,85 +418,87 @@ def _branch_tables(data: _Nodes, columns: Sequence[str], train_once: bool, train
     if trainable is not None:
         br = br.filter(pc.equal(br.column("trainable"), trainable))
     n_branches = br.num_rows
-    trace_ids = br.column("trace_id").to_pylist()
-    paths = br.column("path").to_pylist()
-    bases = [data.base[t] for t in trace_ids]
-    run_start, run_end, per_branch = _runs(paths, bases, data.starts)
-    lengths = (
-        np.add.reduceat(run_end - run_start, np.concatenate([[0], np.cumsum(per_branch)[:-1]]))
-        if n_branches
-        else np.zeros(0, np.int64)
-    )
-    offsets64 = np.zeros(n_branches + 1, np.int64)
-    np.cumsum(lengths, out=offsets64[1:])
-    offsets = pa.array(offsets64.astype(np.int32)) if offsets64[-1] < 2**31 else None
-    if offsets is None:
+    path_off, path_rows = _path_rows(data, br)
+    out_off = np.zeros(n_branches + 1, np.int64)
+    np.cumsum(_per_branch_sum(path_off, data.n_tok[path_rows]), out=out_off[1:])
+    total = int(out_off[-1])
+    if total >= 2**31:
         raise ValueError("a view over more than 2**31 tokens: select fewer traces (or export, which streams)")
-    index = _gather_index(run_start, run_end) if len(run_start) > 4096 else None
+    offsets = pa.array(out_off.astype(np.int32))
+    kernels = _kernels()
 
     out: dict[str, pa.Array] = {
-        "trace_id": pa.array(trace_ids, pa.string()),
+        "trace_id": br.column("trace_id").combine_chunks(),
         "branch_index": br.column("branch_index").combine_chunks(),
         "trainable": br.column("trainable").combine_chunks(),
     }
-    path_rows = [np.asarray(p, np.int64) + b for p, b in zip(paths, bases)]
+    if "token_ids" in columns or "sampled_mask" in columns:
+        keep = _first_use(data, br) if train_once else np.ones(len(path_rows), np.bool_)
+        tokens = _fresh(total, np.int32)
+        mask = _fresh(total, np.bool_)
+        kernels.spread_tokens(
+            0, n_branches, path_off, path_rows, keep, out_off, data.n_tok, data.tok_src, data.seg_values,
+            data.prefix, data.slot_src, data.slots, tokens, mask,
+        )  # fmt: skip
+        out["token_ids"] = _list(tokens, offsets, pa.int32())
+        out["sampled_mask"] = _list(mask, offsets, pa.bool_())
     for name in columns:
-        if name == "token_ids":
-            out[name] = _list(_take(data.tokens, run_start, run_end, index), offsets, pa.int32())
-        elif name == "sampled_mask":
-            mask = _take(data.mask, run_start, run_end, index)
-            if train_once:
-                mask &= _first_use(data, br, path_rows, len(mask))
-            out[name] = _list(mask, offsets, pa.bool_())
-        elif name == "logprobs":
-            out[name] = _list(_take(data.full[name], run_start, run_end, index), offsets, pa.float32())
-        elif name in OPTIONAL_STREAMS:
-            held = (
-                np.array([data.has[name][rows].any() for rows in path_rows], bool) if n_branches else np.zeros(0, bool)
-            )
-            values = _take(data.full[name], run_start, run_end, index)
-            out[name] = _list(values, offsets, pa.float32(), held)
-        elif name == "loss_weights":
-            out[name] = _loss_weights(data, path_rows)
+        if name not in data.streams:
+            continue
+        stream = data.streams[name]
+        values = _fresh(total, np.float32)
+        kernels.spread_stream(
+            0, n_branches, path_off, path_rows, out_off, data.n_tok, data.prefix, data.slot_src, data.slots,
+            stream.src, stream.take, stream.values, values,
+        )  # fmt: skip
+        held = None if name == "logprobs" else _per_branch_sum(path_off, stream.has[path_rows]) > 0
+        out[name] = _list(values, offsets, pa.float32(), held)
+    if "loss_weights" in columns:
+        out["loss_weights"] = _loss_weights(data, path_off, path_rows)
     fields = [BRANCH_SCHEMA.field(c) for c in ("trace_id", "branch_index", "trainable", *columns)]
     return pa.Table.from_arrays([out[f.name] for f in fields], schema=pa.schema(fields))
 
 
-def _first_use(data: _Nodes, br: pa.Table, path_rows: list[np.ndarray], total: int) -> np.ndarray:
-    """Per branch token: True where this branch is the node's first trainable branch."""
-    # First branch per node across the whole trace (all branches, not only the filtered).
-    first: dict[int, int] = {}
+def _first_use(data: _Nodes, br: pa.Table) -> np.ndarray:
+    """Per path entry of ``br``: True where this branch is its node's first trainable
+    branch (the first branch at all when none containing it is trainable)."""
     every = data.branches
-    all_ids = every.column("trace_id").to_pylist()
-    all_paths = every.column("path").to_pylist()
-    all_train = every.column("trainable").to_pylist()
-    all_index = every.column("branch_index").to_pylist()
-    for prefer in (True, False):
-        for tid, path, tr, bi in zip(all_ids, all_paths, all_train, all_index):
-            if tr != prefer:
-                continue
-            base = data.base[tid]
-            for node in path:
-                first.setdefault(base + node, (tid, bi))
-    keep = []
-    for tid, bi, rows in zip(br.column("trace_id").to_pylist(), br.column("branch_index").to_pylist(), path_rows):
-        for row in rows:
-            n = int(data.starts[row + 1] - data.starts[row])
-            keep.append(np.full(n, first[int(row)] == (tid, bi), bool))
-    return np.concatenate(keep) if keep else np.zeros(total, bool)
+    all_off, all_rows = _path_rows(data, every)
+    n_all = every.num_rows
+    # Preference rank of each branch: trainable ones first, each kind in view order.
+    trainable = every.column("trainable").to_numpy(zero_copy_only=False).astype(bool)
+    order = np.argsort(~trainable, kind="stable")
+    rank = np.empty(n_all, np.int64)
+    rank[order] = np.arange(n_all)
+    entry_rank = np.repeat(rank, np.diff(all_off))
+    best = np.full(len(data.n_tok), n_all, np.int64)
+    np.minimum.at(best, all_rows, entry_rank)
+    # The same ranks for the (possibly filtered) branches in ``br``.
+    key = {
+        (t, b): i
+        for i, (t, b) in enumerate(zip(every.column("trace_id").to_pylist(), every.column("branch_index").to_pylist()))
+    }
+    own = np.fromiter(
+        (rank[key[(t, b)]] for t, b in zip(br.column("trace_id").to_pylist(), br.column("branch_index").to_pylist())),
+        np.int64,
+        br.num_rows,
+    )
+    path_off, path_rows = _path_rows(data, br)
+    return best[path_rows] == np.repeat(own, np.diff(path_off))
 
 
-def _loss_weights(data: _Nodes, path_rows: list[np.ndarray]) -> pa.Array:
+def _loss_weights(data: _Nodes, path_off: np.ndarray, path_rows: np.ndarray) -> pa.Array:
     entries = []
-    for rows in path_rows:
+    for b in range(len(path_off) - 1):
+        rows = path_rows[path_off[b] : path_off[b + 1]].tolist()
         per_node = [dict(data.loss_weights[r]) if data.loss_weights[r] is not None else {} for r in rows]
         names = sorted({k for d in per_node for k in d})
         branch = []
         for name in names:
-            parts = []
-            for r, d in zip(rows, per_node):
-                size = int(data.starts[r + 1] - data.starts[r])
-                parts.append(np.asarray(d[name], np.float32) if name in d else np.zeros(size, np.float32))
+            parts = [
+                np.asarray(d[name], np.float32) if name in d else np.zeros(int(data.n_tok[r]), np.float32)
+                for r, d in zip(rows, per_node)
+            ]
             branch.append((name, np.concatenate(parts) if parts else np.zeros(0, np.float32)))
         entries.append(branch)
     return pa.array(entries, type=BRANCH_SCHEMA.field("loss_weights").type)
@@ -407,7 +547,7 @@ def iter_branches(
 
 def _view(
     db: Database,
-    trace_ids: list[str],
+    trace_ids: list[str] | None,
     cols: list[str],
     train_once: bool,
     trainable: bool | None,
@@ -415,13 +555,13 @@ def _view(
     cache: bool,
 ) -> pa.Table:
     streams = [c for c in COMPACT_STREAMS if c in cols]
-    key = (db._generation, tuple(trace_ids), credit)
+    key = (db._generation, None if trace_ids is None else tuple(trace_ids), credit)
     data = None
-    if cache and db._cache is not None and db._cache[0] == key and set(streams) <= set(db._cache[1].full):
+    if cache and db._cache is not None and db._cache[0] == key and set(streams) <= set(db._cache[1].streams):
         data = db._cache[1]
     if data is None:
         data = _load(db, trace_ids, streams, credit)
-        if cache and len(data.tokens) <= _CACHE_TOKENS:
+        if cache and data.starts[-1] <= _CACHE_TOKENS:
             db._cache = (key, data)
     return _branch_tables(data, cols, train_once, trainable)
 
@@ -449,7 +589,9 @@ def branches(
     """
     cols = _columns(columns)
     credit = db._credit_name(credit)
-    selected = [tid for tid, _ in _select_traces(db, trace_ids, group, episode)]
+    selected = None
+    if trace_ids is not None or group is not None or episode is not None:
+        selected = [tid for tid, _ in _select_traces(db, trace_ids, group, episode)]
     return _view(db, selected, cols, train_once, trainable, credit, cache=True)
 
 
