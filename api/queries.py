@@ -42,7 +42,7 @@ def credit_name(db: Database, credit: str | None) -> str | None:
     """None for the default (ingested) set, else a named set that must exist (404)."""
     if credit in (None, DEFAULT_SET):
         return None
-    if not db._scalar("SELECT count(*) FROM credit_sets WHERE name = ?", [credit]):
+    if not db.has_credit_set(credit):
         known = [r["name"] for r in credit_sets(db)]
         raise not_found(f"credit set {credit!r} does not exist; known sets: {known}")
     return credit

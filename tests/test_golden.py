@@ -233,3 +233,28 @@ def test_filter_trainable_drops_rejected_compaction(fixture_db) -> None:
     assert all(r["trainable"] for r in everything)
     assert (tid, 0) not in {(r["trace_id"], r["branch_index"]) for r in everything}
     assert (tid, 1) in {(r["trace_id"], r["branch_index"]) for r in everything}
+
+
+@pytest.mark.parametrize("batch_tokens", [1, 50, 10**9], ids=["trace-per-batch", "small-batches", "one-batch"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"trainable": True},
+        {"train_once": True, "columns": ["token_ids", "sampled_mask"]},
+        {"columns": ["logprobs"]},
+    ],
+    ids=["all", "trainable", "train-once", "logprobs"],
+)
+def test_export_batches_equal_the_view(fixture_db, batch_tokens: int, kwargs: dict[str, Any]) -> None:
+    """The batches exports stream (the whole-database read when one batch holds everything,
+    per-trace list reads otherwise) join to exactly the in-memory view."""
+    from tracedb.views import iter_branches
+
+    expected = fixture_db.branches(**kwargs)
+    batches = list(iter_branches(fixture_db, batch_tokens=batch_tokens, **kwargs))
+    assert (len(batches) == 1) == (batch_tokens == 10**9)
+    assert pa.concat_tables(batches).equals(expected)
+    ids = sorted(set(expected.column("trace_id").to_pylist()))[:2]
+    some = pa.concat_tables(iter_branches(fixture_db, trace_ids=ids, batch_tokens=batch_tokens, **kwargs))
+    assert some.equals(fixture_db.branches(trace_ids=ids, **kwargs))

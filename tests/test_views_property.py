@@ -279,6 +279,14 @@ def view_problems(db: tracedb.Database, eps: list[dict[str, Any]]) -> dict[str, 
         rows_of(db.branches(trace_ids=some)),
         [r for r in expected if r["trace_id"] in some],
     )
+    views["db.branches(branch_index=1)"] = (
+        rows_of(db.branches(branch_index=1)),
+        [r for r in expected if r["branch_index"] == 1],
+    )
+    views["db.branches(branch_index=[0, 2], train_once=True)"] = (
+        rows_of(db.branches(branch_index=[0, 2], train_once=True)),
+        [r for r in once if r["branch_index"] in (0, 2)],
+    )
     every = sorted({r["trace_id"] for r in expected})
     views["db.branches(trace_ids=every id)"] = (rows_of(db.branches(trace_ids=every)), expected)
     problems = {name: d for name, (got, exp) in views.items() if (d := first_difference(got, exp)) is not None}
@@ -474,3 +482,12 @@ def test_views_inside_a_transaction_see_its_writes(fresh: Any) -> None:
         inside = db.branches(columns=["advantages"])
     assert not inside.equals(before)
     assert inside.equals(db.branches(columns=["advantages"]))
+
+
+def test_branch_index_takes_ints_only(fresh: Any) -> None:
+    db = load(fresh, _fork_episode(3, seed=1))
+    with pytest.raises(TypeError, match="branch_index"):
+        db.branches(branch_index="1")
+    with pytest.raises(TypeError, match="branch_index"):
+        db.branches(branch_index=[True])
+    assert db.branches(branch_index=[]).num_rows == 0

@@ -782,6 +782,7 @@ def test_credit_sets_side_by_side_with_algorithm_params_and_time(fixture_db):
     fixture_db.write_traces([{"trace_id": LINEAR, "value": 1.0}], credit="manual")
     sets = {r["name"]: r for r in fixture_db.credit_sets().to_pylist()}
     assert set(sets) == {"default", "grpo", "rloo", "manual"}
+    assert all(fixture_db.has_credit_set(name) for name in sets) and not fixture_db.has_credit_set("nope")
     assert sets["grpo"]["algorithm"] == "grpo" and sets["rloo"]["algorithm"] == "rloo"
     assert sets["manual"]["algorithm"] == "manual" and sets["manual"]["description"] == "hand-written"
     assert json.loads(sets["grpo"]["params"])["scale_std"] is True

@@ -273,6 +273,10 @@ class Database:
 
         drop_credit_set(self, name)
 
+    def has_credit_set(self, name: str) -> bool:
+        """True for ``"default"`` (the ingested credit) and for every named set created."""
+        return name == "default" or bool(self._scalar("SELECT count(*) FROM credit_sets WHERE name = ?", [name]))
+
     def credit_sets(self) -> pa.Table:
         """The credit sets: name, algorithm, params, description, created_at, assigned nodes."""
         return self.sql(

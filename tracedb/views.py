@@ -413,10 +413,18 @@ def _per_branch_sum(path_off: np.ndarray, per_entry: np.ndarray) -> np.ndarray:
     return acc[path_off[1:]] - acc[path_off[:-1]]
 
 
-def _branch_tables(data: _Nodes, columns: Sequence[str], train_once: bool, trainable: bool | None) -> pa.Table:
+def _branch_tables(
+    data: _Nodes,
+    columns: Sequence[str],
+    train_once: bool,
+    trainable: bool | None,
+    branch_index: list[int] | None = None,
+) -> pa.Table:
     br = data.branches
     if trainable is not None:
         br = br.filter(pc.equal(br.column("trainable"), trainable))
+    if branch_index is not None:
+        br = br.filter(pc.is_in(br.column("branch_index"), value_set=pa.array(branch_index, pa.int32())))
     n_branches = br.num_rows
     path_off, path_rows = _path_rows(data, br)
     out_off = np.zeros(n_branches + 1, np.int64)
@@ -520,6 +528,7 @@ def iter_branches(
     group: str | Sequence[str] | None = None,
     episode: str | Sequence[str] | None = None,
     trainable: bool | None = None,
+    branch_index: int | Sequence[int] | None = None,
     columns: Sequence[str] | None = None,
     train_once: bool = False,
     credit: str | None = None,
@@ -532,17 +541,22 @@ def iter_branches(
     """
     cols = _columns(columns)
     credit = db._credit_name(credit)
+    indices = _branch_indices(branch_index)
     selected = _select_traces(db, trace_ids, group, episode)
+    everything = trace_ids is None and group is None and episode is None
+    if everything and sum(size for _, size in selected) < batch_tokens:  # one batch: the whole-database read
+        yield _view(db, None, cols, train_once, trainable, indices, credit, cache=False)
+        return
     chunk: list[str] = []
     acc = 0
     for tid, size in selected:
         chunk.append(tid)
         acc += size
         if acc >= batch_tokens:
-            yield _view(db, chunk, cols, train_once, trainable, credit, cache=False)
+            yield _view(db, chunk, cols, train_once, trainable, indices, credit, cache=False)
             chunk, acc = [], 0
     if chunk or not selected:
-        yield _view(db, chunk, cols, train_once, trainable, credit, cache=False)
+        yield _view(db, chunk, cols, train_once, trainable, indices, credit, cache=False)
 
 
 def _view(
@@ -551,6 +565,7 @@ def _view(
     cols: list[str],
     train_once: bool,
     trainable: bool | None,
+    branch_index: list[int] | None,
     credit: str | None,
     cache: bool,
 ) -> pa.Table:
@@ -563,7 +578,7 @@ def _view(
         data = _load(db, trace_ids, streams, credit)
         if cache and data.starts[-1] <= _CACHE_TOKENS:
             db._cache = (key, data)
-    return _branch_tables(data, cols, train_once, trainable)
+    return _branch_tables(data, cols, train_once, trainable, branch_index)
 
 
 def branches(
@@ -573,6 +588,7 @@ def branches(
     group: str | Sequence[str] | None = None,
     episode: str | Sequence[str] | None = None,
     trainable: bool | None = None,
+    branch_index: int | Sequence[int] | None = None,
     columns: Sequence[str] | None = None,
     train_once: bool = False,
     credit: str | None = None,
@@ -580,7 +596,8 @@ def branches(
     """One row per branch of the selected traces, ordered by trace id then branch index.
 
     ``trace_ids``, ``group`` (``episode.group.id``) and ``episode`` select traces;
-    ``trainable=True`` keeps only trainable branches. ``columns`` picks token columns
+    ``trainable=True`` keeps only trainable branches, ``branch_index`` only the branches of
+    that index (or indices; verifiers' ``Branch.index``). ``columns`` picks token columns
     (``trace_id``, ``branch_index`` and ``trainable`` are always there). ``train_once``
     leaves a shared node's sampled tokens in the mask of its first trainable branch only.
     ``credit="name"`` reads advantages from that credit set (default: the ingested set).
@@ -592,7 +609,16 @@ def branches(
     selected = None
     if trace_ids is not None or group is not None or episode is not None:
         selected = [tid for tid, _ in _select_traces(db, trace_ids, group, episode)]
-    return _view(db, selected, cols, train_once, trainable, credit, cache=True)
+    return _view(db, selected, cols, train_once, trainable, _branch_indices(branch_index), credit, cache=True)
+
+
+def _branch_indices(branch_index: int | Sequence[int] | None) -> list[int] | None:
+    if branch_index is None:
+        return None
+    values = [branch_index] if isinstance(branch_index, int) else list(branch_index)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise TypeError(f"branch_index takes an int or a list of ints, not {branch_index!r}")
+    return values
 
 
 def to_polars(table: pa.Table) -> polars.DataFrame:
