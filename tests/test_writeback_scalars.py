@@ -132,3 +132,60 @@ def test_credit_set_views_agree_on_every_read_path(fixture_db) -> None:
     )
     assert sql.column("advantages").to_pylist() == whole.column("advantages").to_pylist()
     assert whole.column("advantages").null_count > 0  # some branches hold no credit of the set
+
+
+def test_constant_rows_sees_nan_and_unequal_lists() -> None:
+    table = pa.table(
+        {
+            "trace_id": ["a", "a", "b"],
+            "node_index": pa.array([0, 1, 0], pa.int32()),
+            "values": pa.array([[1.0, 1.0], [2.0], [3.0, 3.0, 3.0]], pa.list_(pa.float32())),
+        }
+    )
+    assert constant_rows(table).column("value").to_pylist() == [1.0, 2.0, 3.0]
+    for odd in ([1.0, float("nan")], [float("nan"), float("nan")], [1.0, 1.5]):
+        bad = table.set_column(2, "values", pa.array([odd, [2.0], [3.0, 3.0, 3.0]], pa.list_(pa.float32())))
+        assert constant_rows(bad) is None
+
+
+@pytest.mark.parametrize("layout", ["trace", "node"])
+def test_stamp_fresh_checks_finite_values_and_unique_keys(fixture_db, monkeypatch, layout) -> None:
+    """What credit.run writes into a just-created set is checked for NaN/inf and duplicate
+    keys; a refused stamp leaves no set and no credit behind."""
+    import tracedb.credit
+    from tracedb.credit import ALGORITHMS, Algorithm
+
+    (t, i, n), (t2, i2, n2), *_ = sampled_nodes(fixture_db, 2)
+    rows: dict = {"trace_id": [t, t2], "value": [0.5, float("nan")]}
+    if layout == "node":
+        rows["node_index"] = pa.array([i, i2], pa.int32())
+    sizes = {(t, i): n, (t2, i2): n2}
+    module = type(tracedb)("fake_credit")
+    module.algo = lambda db: pa.table(rows) if layout == "trace" else _as_lists(pa.table(rows), sizes)
+    monkeypatch.setitem(__import__("sys").modules, "tracedb.credit.fake", module)
+    monkeypatch.setitem(ALGORITHMS, "fake", Algorithm("fake", "fake:algo", layout, "test"))
+    before = fixture_db.credit_sets().num_rows
+    with pytest.raises(WriteError, match="NaN"):  # per-node NaN lists are not constant: the list writer refuses
+        tracedb.credit.run(fixture_db, "fake", "f")
+    rows["value"] = [0.5, 0.5]
+    rows["trace_id"] = [t, t]
+    if layout == "node":
+        rows["node_index"] = pa.array([i, i], pa.int32())
+        sizes[(t2, i2)] = n
+    with pytest.raises(WriteError, match="two rows"):
+        tracedb.credit.run(fixture_db, "fake", "f")
+    assert fixture_db.credit_sets().num_rows == before
+    assert fixture_db.sql("SELECT count(*) AS n FROM credit").column("n")[0].as_py() == 0
+
+
+def _as_lists(table: pa.Table, sizes: dict) -> pa.Table:
+    """Per-node constant lists (what turn-level algorithms return) from (trace, node, value)."""
+    keys = zip(table.column("trace_id").to_pylist(), table.column("node_index").to_pylist())
+    values = [[v] * sizes[k] for v, k in zip(table.column("value").to_pylist(), keys)]
+    return pa.table(
+        {
+            "trace_id": table.column("trace_id"),
+            "node_index": table.column("node_index"),
+            "values": pa.array(values, pa.list_(pa.float32())),
+        }
+    )

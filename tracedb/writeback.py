@@ -273,9 +273,10 @@ def constant_rows(table: pa.Table) -> pa.Table | None:
     if (lengths == 0).any():
         return None
     flat = col.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]]
-    first = flat[offsets[:-1] - offsets[0]]
-    if not np.array_equal(flat, np.repeat(first, lengths), equal_nan=False):
-        return None
+    starts = offsets[:-1] - offsets[0]
+    first = flat[starts]
+    if len(flat) and not np.array_equal(np.maximum.reduceat(flat, starts), np.minimum.reduceat(flat, starts)):
+        return None  # NaN makes a list non-constant too: the list path then refuses it
     return pa.table(
         {
             "trace_id": table.column("trace_id"),
@@ -283,6 +284,44 @@ def constant_rows(table: pa.Table) -> pa.Table | None:
             "value": pa.array(first.astype(np.float64)),
         }
     )
+
+
+def stamp_fresh(db: Database, credit: str, table: pa.Table, layout: str) -> int:
+    """Write an algorithm's output into credit set ``credit``, created empty in the open
+    transaction: ``(trace_id, value)`` broadcast per trace, or ``(trace_id, node_index,
+    value)`` per node. The keys come from the database, one row each, so the checks of
+    the general writers (existence, one value per node, an old value to replace) reduce to
+    finiteness and key uniqueness, done in numpy. Returns nodes written."""
+    keys = ["trace_id"] if layout == "trace" else ["trace_id", "node_index"]
+    value = table.column("value").cast(pa.float64())
+    finite = np.isfinite(pc.fill_null(value, 0.0).to_numpy())
+    if not finite.all():
+        i = int(np.flatnonzero(~finite)[0])
+        where = ", ".join(f"{k} {table.column(k)[i].as_py()}" for k in keys)
+        raise WriteError(f"{where}: advantages value is NaN or infinite; nothing written")
+    codes = pc.dictionary_encode(table.column("trace_id").cast(pa.string())).combine_chunks().indices
+    key = codes.to_numpy().astype(np.int64) << 32
+    if layout != "trace":
+        key |= table.column("node_index").to_numpy().astype(np.int64)
+    if len(np.unique(key)) != len(key):
+        raise WriteError(f"credit set {credit!r}: an algorithm gave one {' and '.join(keys)} two rows")
+    stage = pa.table({**{k: table.column(k) for k in keys}, "value": value})
+    db.con.register("_tdb_fresh", stage)
+    try:
+        if layout == "trace":
+            query = (
+                "INSERT INTO credit (credit_set, trace_id, node_index, value) "
+                "SELECT ?, n.trace_id, n.node_index, s.value::FLOAT FROM _tdb_fresh s JOIN nodes n USING (trace_id) "
+                "WHERE n.n_sampled > 0 AND s.value IS NOT NULL"
+            )
+        else:
+            query = (
+                "INSERT INTO credit (credit_set, trace_id, node_index, value) "
+                "SELECT ?, trace_id, node_index, value::FLOAT FROM _tdb_fresh WHERE value IS NOT NULL"
+            )
+        return int(db.con.execute(query, [credit]).fetchone()[0])
+    finally:
+        db.con.unregister("_tdb_fresh")
 
 
 # --------------------------------------------------------------------------- traces

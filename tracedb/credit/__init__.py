@@ -75,7 +75,7 @@ def run(
 ) -> dict[str, Any]:
     """Compute ``algorithm`` and stamp it as credit set ``name`` (default: the algorithm's
     name). Returns the set's name, algorithm, parameters and what was written."""
-    from tracedb.writeback import constant_rows, create_credit_set, write_nodes, write_traces
+    from tracedb.writeback import constant_rows, create_credit_set, stamp_fresh, write_nodes
 
     algo = _lookup(algorithm)
     name = name or algorithm
@@ -84,11 +84,14 @@ def run(
     with db._transaction():
         create_credit_set(db, name, algorithm=algorithm, params=resolved, description=description, replace=replace)
         if algo.layout == "trace":
-            nodes = write_traces(db, table, credit=name)
+            nodes = stamp_fresh(db, name, table, "trace")
         else:
-            # Per-node constants (turn-level and prefix credit) are stored once per node.
+            # Per-node constants (turn-level and prefix credit) are stored once per node;
+            # per-token lists go through the checked writer.
             scalars = constant_rows(table) if table.num_rows else None
-            nodes = write_nodes(db, scalars if scalars is not None else table, credit=name)
+            nodes = (
+                stamp_fresh(db, name, scalars, "node") if scalars is not None else write_nodes(db, table, credit=name)
+            )
     return {"name": name, "algorithm": algorithm, "params": resolved, "rows": table.num_rows, "nodes": nodes}
 
 
