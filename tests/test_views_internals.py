@@ -29,3 +29,84 @@ def test_unordered_rows_give_the_same_view(fixture_db, monkeypatch) -> None:
     fixture_db._cache = None
     monkeypatch.setattr(views, "_node_ordered", lambda nodes: False)  # force the sort
     assert fixture_db.branches().equals(expected)
+
+
+def test_without_insertion_order_views_read_lists(fixture_db, monkeypatch) -> None:
+    """Flat reads pair two scans by row order, which DuckDB keeps only while
+    preserve_insertion_order is on; with it off the view reads lists and is still exact."""
+    import tracedb.views as views
+
+    expected = fixture_db.branches()
+    fixture_db._cache = None
+    fixture_db.con.execute("SET preserve_insertion_order = false")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("flat read without insertion order")
+
+    monkeypatch.setattr(views, "_read_all", refuse)
+    assert fixture_db.branches().equals(expected)
+
+
+def test_views_inside_a_users_own_transaction(fixture_db) -> None:
+    """A transaction opened with raw SQL is read inside and left open, uncommitted work and all."""
+    expected = fixture_db.branches(columns=["advantages"])
+    fixture_db.con.execute("BEGIN TRANSACTION")
+    fixture_db.con.execute("UPDATE nodes SET advantages = NULL")
+    fixture_db._cache = None
+    inside = fixture_db.branches(columns=["advantages"])
+    assert inside.column("advantages").null_count == inside.num_rows  # sees the uncommitted update
+    fixture_db.con.execute("ROLLBACK")  # the transaction was still the user's to end
+    fixture_db._cache = None
+    assert fixture_db.branches(columns=["advantages"]).equals(expected)
+
+
+def test_credit_rows_naming_no_node_are_ignored(fixture_db) -> None:
+    """A credit row for a node or trace that does not exist (only raw SQL can write one)
+    never lands on another node."""
+    fixture_db.create_credit_set("raw")
+    before = fixture_db.branches(credit="raw", columns=["advantages"])
+    last = fixture_db.sql("SELECT trace_id, max(node_index) AS n FROM nodes GROUP BY ALL ORDER BY ALL LIMIT 1")
+    trace_id, n = last.column("trace_id")[0].as_py(), last.column("n")[0].as_py()
+    fixture_db.con.execute(
+        "INSERT INTO credit (credit_set, trace_id, node_index, value) "
+        "VALUES ('raw', ?, ?, 1.0), ('raw', 'nope', 0, 1.0)",
+        [trace_id, n + 1],
+    )
+    fixture_db._cache = None
+    assert fixture_db.branches(credit="raw", columns=["advantages"]).equals(before)
+    assert fixture_db.branches(trace_ids=[trace_id], credit="raw", columns=["advantages"]).equals(
+        before.filter(pa.compute.equal(before.column("trace_id"), trace_id))
+    )
+
+
+def test_a_forked_child_builds_views(tmp_path) -> None:
+    """The side-read thread pool does not survive a fork: a child (a DataLoader worker, say)
+    of a process that built views builds its own."""
+    import multiprocessing
+
+    from conftest import FIXTURES
+
+    import tracedb
+
+    path = tmp_path / "f.duckdb"
+    with tracedb.connect(path) as db:
+        db.ingest(FIXTURES)
+        expected = db.branches().num_rows
+    with tracedb.connect(path, read_only=True) as db:
+        assert db.branches().num_rows == expected  # starts the pool in this process
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_child_view, args=(str(path), queue))
+    child.start()
+    child.join(120)
+    if child.is_alive():
+        child.kill()
+        raise AssertionError("the forked child hung building a view")
+    assert child.exitcode == 0 and queue.get(timeout=5) == expected
+
+
+def _child_view(path: str, queue) -> None:
+    import tracedb
+
+    with tracedb.connect(path, read_only=True) as db:
+        queue.put(db.branches().num_rows)

@@ -189,3 +189,16 @@ def _as_lists(table: pa.Table, sizes: dict) -> pa.Table:
             "values": pa.array(values, pa.list_(pa.float32())),
         }
     )
+
+
+@pytest.mark.parametrize("layout", ["trace", "node"])
+def test_stamp_fresh_refuses_keys_not_in_the_database(fixture_db, layout) -> None:
+    from tracedb.writeback import stamp_fresh
+
+    rows = {"trace_id": ["nope"], "value": [0.5]}
+    if layout == "node":
+        (t, _, _), *_ = sampled_nodes(fixture_db, 1)
+        rows = {"trace_id": [t], "node_index": pa.array([10_000], pa.int32()), "value": [0.5]}
+    fixture_db.create_credit_set("s")
+    with pytest.raises(WriteError, match="not in the database"):
+        stamp_fresh(fixture_db, "s", pa.table(rows), layout)

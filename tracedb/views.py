@@ -15,8 +15,9 @@ written once.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -126,6 +127,14 @@ def _kernels() -> Any:
 _POOL: ThreadPoolExecutor | None = None  # reads the segments beside the main read
 
 
+def _forget_pool() -> None:
+    global _POOL
+    _POOL = None  # a forked child inherits the pool but not its threads
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
 def _pool() -> ThreadPoolExecutor:
     global _POOL
     if _POOL is None:
@@ -144,30 +153,36 @@ def _load(db: Database, trace_ids: list[str] | None, streams: Sequence[str], cre
     """Read the nodes, segments and branches of the selected traces (``None``: all of
     them) in one read transaction, so the queries see one state of the database.
 
-    A whole-database read takes the segments' tokens on a second cursor, side by side
-    with the rest: segments are content-addressed and never change, so another snapshot
-    can only hold more of them; a node whose segment it lacks (written in between) makes
-    the tokens be read again.
+    A whole-database read takes list columns flat (see :func:`_read_all`) and the
+    segments' tokens on a second cursor, side by side with the rest: segments are
+    content-addressed and never change, so another snapshot can only hold more of them;
+    a node whose segment it lacks (written in between) makes the tokens be read again.
+    Inside a transaction already open on the connection (tracedb's or the user's own
+    ``BEGIN``) everything is read there, on that connection, and it is left open.
     """
     node_streams = [s for s in streams if not (s == "advantages" and credit is not None)]
     con = db.con
+    first, ordered = con.execute(
+        "SELECT current_transaction_id(), current_setting('preserve_insertion_order')"
+    ).fetchall()[0]
+    # In autocommit every statement is a transaction of its own: the same id twice means
+    # a transaction is open.
+    own = not db._in_transaction and con.execute("SELECT current_transaction_id()").fetchall()[0][0] != first
+    flat = trace_ids is None and bool(ordered)  # flat reads pair two scans by row order
     where = ""
     if trace_ids is not None:
         con.register("_tdb_sel", pa.table({"trace_id": pa.array(trace_ids, pa.string())}))
         where = " WHERE trace_id IN (SELECT trace_id FROM _tdb_sel)"
-    own = not db._in_transaction
-    apart = None
-    if trace_ids is None and own:
-        apart = _pool().submit(_read_segments, db.con.cursor(), True)
+    apart = _pool().submit(_read_segments, con.cursor(), True) if flat and own else None
     try:
         if own:
             con.execute("BEGIN TRANSACTION")
         try:
-            if trace_ids is None:
+            if flat:
                 nodes, lists = _read_all(con, node_streams)
                 segments = None if apart else _read_segments(con, False)
             else:
-                nodes, segments, lists = _read_selection(con, node_streams)
+                nodes, segments, lists = _read_lists(con, node_streams, where)
             branches = _sql(
                 con,
                 f"SELECT trace_id, branch_index, trainable, path FROM branches{where} ORDER BY trace_id, branch_index",
@@ -191,7 +206,9 @@ def _load(db: Database, trace_ids: list[str] | None, streams: Sequence[str], cre
         if trace_ids is not None:
             con.unregister("_tdb_sel")
         if apart is not None:
-            segments = apart.result()
+            wait([apart])  # never leave the side read running; its error is raised below
+    if apart is not None:
+        segments = apart.result()
     try:
         return _decode(nodes, segments, lists, branches, credit_rows, streams)
     except _MissingSegment:  # the segments were read before a write that added some
@@ -240,17 +257,19 @@ def _flat_column(con: Any, query: str, lengths: pa.ChunkedArray) -> _Parts:
     return values, offsets, valid
 
 
-def _read_selection(
-    con: Any, streams: Sequence[str]
+def _read_lists(
+    con: Any, streams: Sequence[str], where: str
 ) -> tuple[pa.Table, tuple[pa.ChunkedArray, _Parts], dict[str, _Parts]]:
-    """The nodes and segments of the traces in ``_tdb_sel``, as lists: the filter is a join,
-    which keeps no row order, so each row carries its own values."""
+    """The nodes (``where``: of the traces in ``_tdb_sel``) and their segments, with list
+    columns as lists: each row carries its own values, so no row order is relied on (a
+    selection filters with a join, which keeps none; ``preserve_insertion_order`` may be
+    off)."""
     columns = "".join(f", {s}" for s in streams)
-    nodes = _sql(con, f"SELECT {_META}{columns} FROM nodes WHERE trace_id IN (SELECT trace_id FROM _tdb_sel)")
+    nodes = _sql(con, f"SELECT {_META}{columns} FROM nodes{where}")
     segments = _sql(
         con,
-        "SELECT segment_id, token_ids FROM segments WHERE segment_id IN "
-        "(SELECT segment_id FROM nodes SEMI JOIN _tdb_sel USING (trace_id))",
+        "SELECT segment_id, token_ids FROM segments"
+        + (" WHERE segment_id IN (SELECT segment_id FROM nodes SEMI JOIN _tdb_sel USING (trace_id))" if where else ""),
     )
     lists = {s: _list_parts(nodes.column(s)) for s in streams}
     return nodes, (segments.column("segment_id"), _list_parts(segments.column("token_ids"))), lists
@@ -354,9 +373,16 @@ def _credit_stream(credit_rows: pa.Table, base: dict[str, int], n_sampled: np.nd
     """Advantages of a named credit set: a row holds a list or one value broadcast over
     the node's sampled tokens; a node without a row (or with neither) is unassigned."""
     n_rows = len(n_sampled)
-    node = np.fromiter(
-        (base[t] for t in credit_rows.column("trace_id").to_pylist()), np.int64, credit_rows.num_rows
-    ) + credit_rows.column("node_index").to_numpy().astype(np.int64)
+    first = np.fromiter((base.get(t, -1) for t in credit_rows.column("trace_id").to_pylist()), np.int64)
+    index = credit_rows.column("node_index").to_numpy().astype(np.int64)
+    # A row naming no node of the selection (an unknown trace or node) is ignored, as a
+    # join would; it never lands on another node's row.
+    bounds = np.array(sorted(base.values()) + [n_rows], np.int64)
+    end = bounds[np.searchsorted(bounds, first, side="right").clip(max=len(bounds) - 1)]
+    known = (first >= 0) & (index >= 0) & (first + index < end)
+    if not known.all():
+        credit_rows, first, index = credit_rows.filter(pa.array(known)), first[known], index[known]
+    node = first + index
     values, offsets, listed = _list_parts(credit_rows.column("advantages"))
     value = credit_rows.column("value")
     scalar = value.is_valid().to_numpy(zero_copy_only=False) & ~listed

@@ -308,6 +308,12 @@ def stamp_fresh(db: Database, credit: str, table: pa.Table, layout: str) -> int:
     stage = pa.table({**{k: table.column(k) for k in keys}, "value": value})
     db.con.register("_tdb_fresh", stage)
     try:
+        using = ", ".join(keys)
+        stray = db._row(f"SELECT {using} FROM _tdb_fresh ANTI JOIN {layout}s USING ({using}) LIMIT 1")
+        if stray is not None:
+            raise WriteError(
+                f"{' '.join(f'{k} {v}' for k, v in zip(keys, stray))} is not in the database; nothing written"
+            )
         if layout == "trace":
             query = (
                 "INSERT INTO credit (credit_set, trace_id, node_index, value) "
@@ -319,7 +325,7 @@ def stamp_fresh(db: Database, credit: str, table: pa.Table, layout: str) -> int:
                 "INSERT INTO credit (credit_set, trace_id, node_index, value) "
                 "SELECT ?, trace_id, node_index, value::FLOAT FROM _tdb_fresh WHERE value IS NOT NULL"
             )
-        return int(db.con.execute(query, [credit]).fetchone()[0])
+        return int(db.con.execute(query, [credit]).fetchall()[0][0])
     finally:
         db.con.unregister("_tdb_fresh")
 
