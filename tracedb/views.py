@@ -403,11 +403,12 @@ def _credit_stream(credit_rows: pa.Table, base: dict[str, int], n_sampled: np.nd
 
 
 def _fresh(n: int, dtype: type) -> np.ndarray:
-    """An uninitialised output array, its pages faulted in before the kernel writes it
-    (measured: faults taken inside the compiled loop cost more than touching first)."""
-    out = np.empty(n, dtype)
-    out.view(np.uint8)[::4096] = 0
-    return out
+    """An uninitialised output array in Arrow's memory pool. The pool keeps freed memory
+    for reuse, so a process that builds views again and again (a trainer) writes into
+    pages it already has instead of taking first-touch faults on fresh ones (measured:
+    ~1 ms instead of ~5 ms per 34 MB). ``_list`` hands the buffer to Arrow unchanged."""
+    buffer = pa.allocate_buffer(max(n * np.dtype(dtype).itemsize, 1))
+    return np.frombuffer(buffer, dtype, count=n)
 
 
 def _list(values: np.ndarray, offsets: pa.Array, value_type: pa.DataType, valid: np.ndarray | None = None) -> pa.Array:
@@ -415,6 +416,8 @@ def _list(values: np.ndarray, offsets: pa.Array, value_type: pa.DataType, valid:
     if value_type == pa.bool_():  # numpy packs the bitmap several times faster than pa.array
         bits = pa.py_buffer(np.packbits(values, bitorder="little"))
         flat = pa.BooleanArray.from_buffers(pa.bool_(), len(values), [None, bits])
+    elif isinstance(values.base, pa.Buffer):  # written by a kernel into _fresh's buffer: no copy
+        flat = pa.Array.from_buffers(value_type, len(values), [None, values.base])
     else:
         flat = pa.array(values, value_type)
     return pa.ListArray.from_arrays(offsets, flat, mask=mask)
