@@ -110,6 +110,13 @@ def test_branches_command(db_path: Path) -> None:
     assert table.exit_code == 0 and "trainable" in table.stdout
     missing = invoke("branches", "no-such-trace", "--db", db_path)
     assert missing.exit_code == 1 and "no-such-trace" in missing.stderr
+    last = golden[-1]["index"]
+    one = json.loads(invoke("branches", trace_id, "--db", db_path, "--json", "--tokens", "--branch", last).stdout)
+    assert [b["token_ids"] for b in one] == [golden[-1]["token_ids"]]
+    two = json.loads(invoke("branches", trace_id, "--db", db_path, "--json", "-b", 0, "-b", last).stdout)
+    assert [b["branch_index"] for b in two] == sorted({0, last})
+    none = invoke("branches", trace_id, "--db", db_path, "--branch", 99)
+    assert none.exit_code == 1 and "no branch 99" in none.stderr
 
 
 def test_trace_command_round_trips(db_path: Path) -> None:

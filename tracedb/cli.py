@@ -75,18 +75,27 @@ def branches(
     db: DbOption = Path("tracedb.duckdb"),
     train_once: Annotated[bool, typer.Option(help="Keep a shared node trainable only in its first branch.")] = False,
     tokens: Annotated[bool, typer.Option(help="With --json: include the full per-token arrays.")] = False,
+    branch: Annotated[
+        list[int] | None, typer.Option("--branch", "-b", help="Only this branch index (repeatable).")
+    ] = None,
     credit: CreditOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Show one trace's branches: size, sampled tokens, credit; --json --tokens for the arrays."""
     with open_db(db, read_only=True) as database:
         try:
-            table = database.branches(trace_ids=[trace_id], train_once=train_once, credit=credit)
+            table = database.branches(
+                trace_ids=[trace_id], train_once=train_once, credit=credit, branch_index=branch or None
+            )
+            known = table.num_rows or database.branches(trace_ids=[trace_id], columns=[]).num_rows
         except TraceDBError as e:
             err.print(f"[red]{e}[/red]")
             raise typer.Exit(1) from None
-    if table.num_rows == 0:
+    if not known:
         err.print(f"[red]trace {trace_id!r} is not in {db}[/red]")
+        raise typer.Exit(1)
+    if table.num_rows == 0:
+        err.print(f"[red]trace {trace_id!r} has no branch {', '.join(map(str, branch or []))}[/red]")
         raise typer.Exit(1)
     rows = []
     for row in table.to_pylist():
