@@ -34,12 +34,13 @@ trainable branch through it (the first branch when none is), the rule ``train_on
 **Excluded traces** (no outcome reward while ``terminal_reward``; failed or timed out unless
 ``include_failed``) get no rows: their nodes stay unassigned (None, not zeros).
 
-**Computation.** One SQL query flattens every branch's turns into a single array ordered by
-branch; the recurrences ``y_t = x_t + c y_{t+1}`` are then solved for all branches at once by
-a segmented reverse scan with recursive doubling (``log2`` of the longest branch numpy
-passes, no loop per branch or turn). The doubling only ever multiplies by ``c**d <= 1``, so
-long branches with a small ``c`` cannot overflow; ``c**d`` underflowing to 0 is the exact
-limit, unlike rescaling by ``c**-t``. Sums are float64; the stamped values float32.
+**Computation.** Three small scans (nodes, branches, traces), joined in numpy, flatten
+every branch's turns into a single array ordered by branch; the recurrences
+``y_t = x_t + c y_{t+1}`` are then solved for all branches at once by a segmented reverse
+scan with recursive doubling (``log2`` of the longest branch numpy passes, no loop per
+branch or turn). The doubling only ever multiplies by ``c**d <= 1``, so long branches with a
+small ``c`` cannot overflow; ``c**d`` underflowing to 0 is the exact limit, unlike rescaling
+by ``c**-t``. Sums are float64; the stamped values float32.
 """
 
 from __future__ import annotations
@@ -189,33 +190,9 @@ def _turns(
     r_sql = _field(reward_field, columns, "reward_field", params)
     v_sql = _field(value_field, columns, "value_field", params)
     b_sql = _field(bootstrap_field, columns, "bootstrap_field", params) if bootstrap_field else v_sql
-    # Per branch: its trace's outcome and whether it was cut short; then its turns in order.
-    query = f"""
-        WITH br AS (
-            SELECT b.trace_id, b.branch_index, b.trainable, b.path, x.outcome,
-                   coalesce(tr.stop_condition IN (SELECT unnest($limits::VARCHAR[])), false)
-                     OR coalesce(tr.is_timeout, false) OR NOT b.trainable
-                     OR coalesce(list_bool_or(list_transform(leaf.semantic_parents,
-                                                             lambda s: s.type = 'compaction_attempt')), false)
-                     AS truncated
-            FROM branches b
-            JOIN {_TRACES} x USING (trace_id)
-            JOIN traces tr USING (trace_id)
-            JOIN nodes leaf ON leaf.trace_id = b.trace_id AND leaf.node_index = b.leaf
-        ), p AS (
-            SELECT trace_id, branch_index, trainable, outcome, truncated,
-                   unnest(path) AS node_index, generate_subscripts(path, 1) AS pos
-            FROM br
-        )
-        SELECT p.trace_id, p.branch_index, p.trainable, p.outcome, p.truncated, p.node_index, n.n_sampled,
-               {r_sql} AS r, {v_sql} AS v, {b_sql} AS b
-        FROM p JOIN nodes n USING (trace_id, node_index)
-        WHERE n.n_sampled > 0
-        ORDER BY p.trace_id, p.branch_index, p.pos
-    """
     db.con.register(_TRACES, traces.to_arrow())
     try:
-        table = db.sql(query, params)
+        table = _turn_table(db, r_sql, v_sql, b_sql, params)
     finally:
         db.con.unregister(_TRACES)
     if table.num_rows == 0:
@@ -253,6 +230,74 @@ def _turns(
         "trace_id": tid,
         "node_index": node,
     }
+
+
+def _turn_table(db: Database, r_sql: str, v_sql: str, b_sql: str, params: dict[str, object]) -> pa.Table:
+    """One row per turn of every branch of the traces in ``_TRACES``, ordered by trace id,
+    branch index and path position: trace_id, branch_index, trainable, outcome, truncated,
+    node_index, n_sampled, r, v, b. Three scans, joined in numpy."""
+    from tracedb.views import _node_ordered
+
+    limits = params.pop("limits")
+    # Plain scans (a filter or an ORDER BY on nodes costs several times the scan); traces
+    # outside _TRACES are left out by the branches' join.
+    nodes = db.sql(
+        f"SELECT n.trace_id, n.node_index, n.n_sampled, {r_sql} AS r, {v_sql} AS v, {b_sql} AS b, "
+        "coalesce(list_bool_or(list_transform(n.semantic_parents, lambda s: s.type = 'compaction_attempt')), "
+        "false) AS attempt FROM nodes n",
+        params or None,
+    )
+    if not _node_ordered(nodes):
+        nodes = nodes.take(pc.sort_indices(nodes, [("trace_id", "ascending"), ("node_index", "ascending")]))
+    branches = db.sql(
+        f"SELECT b.trace_id, b.branch_index, b.trainable, b.leaf, b.path, x.outcome FROM branches b "
+        f"JOIN {_TRACES} x USING (trace_id) ORDER BY b.trace_id, b.branch_index"
+    )
+    traces = db.sql("SELECT trace_id, stop_condition, is_timeout FROM traces")
+    limited = {
+        t: (stop in limits) or bool(timeout)
+        for t, stop, timeout in zip(*(traces.column(c).to_pylist() for c in traces.column_names))
+    }
+    # Node rows are (trace, node) ordered: a trace's node i sits at its first row + i.
+    tid = nodes.column("trace_id").combine_chunks()
+    if len(tid):
+        codes = pc.dictionary_encode(tid).indices.to_numpy()
+        firsts = np.flatnonzero(np.concatenate([[True], codes[1:] != codes[:-1]]))
+    else:
+        firsts = np.zeros(0, np.int64)
+    base = dict(zip(tid.take(pa.array(firsts, pa.int64())).to_pylist(), firsts.tolist()))
+    b_tid = branches.column("trace_id").to_pylist()
+    first = np.fromiter((base[t] for t in b_tid), np.int64, len(b_tid))
+    path = branches.column("path").combine_chunks()
+    path_off = path.offsets.to_numpy().astype(np.int64)
+    sizes = np.diff(path_off)
+    entry_row = path.values.to_numpy().astype(np.int64)[path_off[0] : path_off[-1]] + np.repeat(first, sizes)
+    entry_branch = np.repeat(np.arange(len(b_tid)), sizes)
+    n_sampled = nodes.column("n_sampled").to_numpy().astype(np.int64)
+    turn = n_sampled[entry_row] > 0
+    row, branch = entry_row[turn], entry_branch[turn]
+    attempt = nodes.column("attempt").to_numpy(zero_copy_only=False).astype(bool)
+    trainable = branches.column("trainable").to_numpy(zero_copy_only=False).astype(bool)
+    truncated = (
+        np.fromiter((limited[t] for t in b_tid), bool, len(b_tid))
+        | ~trainable
+        | attempt[first + branches.column("leaf").to_numpy().astype(np.int64)]
+    )
+    index = pa.array(branch, pa.int64())
+    return pa.table(
+        {
+            "trace_id": branches.column("trace_id").take(index),
+            "branch_index": branches.column("branch_index").take(index),
+            "trainable": pa.array(trainable[branch]),
+            "outcome": branches.column("outcome").take(index),
+            "truncated": pa.array(truncated[branch]),
+            "node_index": nodes.column("node_index").take(pa.array(row, pa.int64())),
+            "n_sampled": pa.array(n_sampled[row].astype(np.int32)),
+            "r": nodes.column("r").take(pa.array(row, pa.int64())),
+            "v": nodes.column("v").take(pa.array(row, pa.int64())),
+            "b": nodes.column("b").take(pa.array(row, pa.int64())),
+        }
+    )
 
 
 def _stamp(turns: dict, advantage: np.ndarray) -> pa.Table:
