@@ -238,7 +238,8 @@ def _turn_table(db: Database, r_sql: str, v_sql: str, b_sql: str, params: dict[s
     node_index, n_sampled, r, v, b. Three scans, joined in numpy."""
     from tracedb.views import _node_ordered
 
-    limits = params.pop("limits")
+    limits = params["limits"]
+    params = {k: v for k, v in params.items() if k != "limits"}
     # Plain scans (a filter or an ORDER BY on nodes costs several times the scan); traces
     # outside _TRACES are left out by the branches' join.
     nodes = db.sql(
@@ -258,7 +259,8 @@ def _turn_table(db: Database, r_sql: str, v_sql: str, b_sql: str, params: dict[s
         t: (stop in limits) or bool(timeout)
         for t, stop, timeout in zip(*(traces.column(c).to_pylist() for c in traces.column_names))
     }
-    # Node rows are (trace, node) ordered: a trace's node i sits at its first row + i.
+    # Node rows are (trace, node) ordered and a trace's nodes are 0..n-1 (ingest writes
+    # every node; nothing deletes one), so a trace's node i sits at its first row + i.
     tid = nodes.column("trace_id").combine_chunks()
     if len(tid):
         codes = pc.dictionary_encode(tid).indices.to_numpy()
