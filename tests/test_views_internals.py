@@ -110,3 +110,15 @@ def _child_view(path: str, queue) -> None:
 
     with tracedb.connect(path, read_only=True) as db:
         queue.put(db.branches().num_rows)
+
+
+def test_selection_segments_by_lookup_or_join(fixture_db, monkeypatch) -> None:
+    """A selection's segments come by a literal IN list (few) or a join (many): same view."""
+    import tracedb.views as views
+
+    ids = sorted(set(fixture_db.branches(columns=[]).column("trace_id").to_pylist()))[:3]
+    by_lookup = fixture_db.branches(trace_ids=ids)
+    fixture_db._cache = None
+    monkeypatch.setattr(views, "_SEGMENT_LOOKUP", 0)
+    assert fixture_db.branches(trace_ids=ids).equals(by_lookup)
+    assert fixture_db.branches(trace_ids=["no-such-trace"]).num_rows == 0

@@ -219,6 +219,8 @@ class _MissingSegment(Exception):
     pass
 
 
+_SEGMENT_LOOKUP = 1000  # segments of a selection looked up by a literal IN list up to this many
+
 _META = "trace_id, node_index, n_tokens, n_sampled, mask_prefix, mask_slots, loss_weights, segment_id"
 
 
@@ -266,11 +268,25 @@ def _read_lists(
     off)."""
     columns = "".join(f", {s}" for s in streams)
     nodes = _sql(con, f"SELECT {_META}{columns} FROM nodes{where}")
-    segments = _sql(
-        con,
-        "SELECT segment_id, token_ids FROM segments"
-        + (" WHERE segment_id IN (SELECT segment_id FROM nodes SEMI JOIN _tdb_sel USING (trace_id))" if where else ""),
-    )
+    if not where:
+        segments = _sql(con, "SELECT segment_id, token_ids FROM segments")
+    else:
+        # The segments these nodes name: a short literal list is looked up through the
+        # key's index (~3x faster than a join for one trace); a long one is joined.
+        wanted = pc.unique(nodes.column("segment_id").combine_chunks())
+        if len(wanted) <= _SEGMENT_LOOKUP:
+            marks = ", ".join("?" * len(wanted)) or "NULL"
+            segments = _sql(
+                con, f"SELECT segment_id, token_ids FROM segments WHERE segment_id IN ({marks})", wanted.to_pylist()
+            )
+        else:
+            con.register("_tdb_segs", pa.table({"segment_id": wanted}))
+            try:
+                segments = _sql(
+                    con, "SELECT s.segment_id, s.token_ids FROM segments s SEMI JOIN _tdb_segs USING (segment_id)"
+                )
+            finally:
+                con.unregister("_tdb_segs")
     lists = {s: _list_parts(nodes.column(s)) for s in streams}
     return nodes, (segments.column("segment_id"), _list_parts(segments.column("token_ids"))), lists
 
