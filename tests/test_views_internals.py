@@ -122,3 +122,29 @@ def test_selection_segments_by_lookup_or_join(fixture_db, monkeypatch) -> None:
     monkeypatch.setattr(views, "_SEGMENT_LOOKUP", 0)
     assert fixture_db.branches(trace_ids=ids).equals(by_lookup)
     assert fixture_db.branches(trace_ids=["no-such-trace"]).num_rows == 0
+
+
+def test_kernels_compile_without_a_writable_cache() -> None:
+    """Where numba finds no writable cache location it refuses cache=True at decoration;
+    the kernels then compile per process and still spread correctly."""
+    import subprocess
+    import sys
+
+    script = """
+import numba, numpy as np
+real = numba.njit
+def njit(*args, **kwargs):
+    if kwargs.get("cache"):
+        raise RuntimeError("cannot cache function: no locator available")
+    return real(*args, **kwargs)
+numba.njit = njit
+from tracedb import _kernels
+out = np.empty(4, np.float32)
+i64 = lambda *v: np.array(v, np.int64)
+_kernels.spread_stream(0, 1, i64(0, 1), i64(0), i64(0, 4), i64(4), i64(1), i64(0), np.zeros(0, np.int32),
+                       i64(0), i64(2), np.array([5, 6, 7], np.float32), out)
+print(out.tolist())
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[0.0, 5.0, 6.0, 0.0]"  # prefix 1, two values taken, the rest zero

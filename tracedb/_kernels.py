@@ -15,10 +15,20 @@ for the others ``slot_src`` offset into ``slots`` (per token: 0 unsampled, else 
 
 from __future__ import annotations
 
+from typing import Any
+
 import numba
 import numpy as np
 
-_jit = numba.njit(cache=True, nogil=True)
+
+def _jit(fn: Any) -> Any:
+    """Compile ``fn`` once per install, cached next to this module (or in numba's user
+    cache); where no cache location is writable numba refuses ``cache=True``, and the
+    function is compiled once per process instead."""
+    try:
+        return numba.njit(cache=True, nogil=True)(fn)
+    except RuntimeError:
+        return numba.njit(nogil=True)(fn)
 
 
 @_jit
