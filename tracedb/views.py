@@ -89,7 +89,6 @@ class _Stream:
 class _Nodes:
     """The selected traces' nodes, node-ordered, in the columns the kernels read."""
 
-    trace_ids: list[str]
     base: dict[str, int]  # trace id -> row of its node 0
     n_tok: np.ndarray  # int64 per node row
     starts: np.ndarray  # int64 per node row + 1: token offset of each node, node-flat
@@ -306,6 +305,15 @@ def _node_ordered(nodes: pa.Table) -> bool:
     return bool(np.array_equal(index, expected))
 
 
+def trace_bases(trace_col: pa.Array) -> dict[str, int]:
+    """Trace id -> row of its first node, for node rows grouped by trace (node-ordered)."""
+    if not len(trace_col):
+        return {}
+    codes = pc.dictionary_encode(trace_col).indices.to_numpy()
+    firsts = np.flatnonzero(np.concatenate([[True], codes[1:] != codes[:-1]]))
+    return dict(zip(trace_col.take(pa.array(firsts, pa.int64())).to_pylist(), firsts.tolist()))
+
+
 def _list_parts(col: pa.ChunkedArray) -> _Parts:
     """(values, offsets, validity) of a list column; offsets index ``values`` directly."""
     arr = col.combine_chunks()
@@ -337,12 +345,7 @@ def _decode(
     trace_col = nodes.column("trace_id").combine_chunks()
     if perm is not None:
         trace_col = trace_col.take(pa.array(perm))
-    if n_rows:
-        codes = pc.dictionary_encode(trace_col).indices.to_numpy()
-        firsts = np.flatnonzero(np.concatenate([[True], codes[1:] != codes[:-1]]))
-    else:
-        firsts = np.zeros(0, np.int64)
-    base = dict(zip(trace_col.take(pa.array(firsts, pa.int64())).to_pylist(), firsts.tolist()))
+    base = trace_bases(trace_col)
     n_tok = rows(nodes.column("n_tokens").to_numpy().astype(np.int64))
     n_sampled_scan = nodes.column("n_sampled").to_numpy().astype(np.int64)
     n_sampled = rows(n_sampled_scan)
@@ -370,7 +373,6 @@ def _decode(
     if perm is not None:
         loss_weights = [loss_weights[i] for i in perm.tolist()]
     return _Nodes(
-        trace_ids=list(base),
         base=base,
         n_tok=n_tok,
         starts=starts,

@@ -315,16 +315,11 @@ def stamp_fresh(db: Database, credit: str, table: pa.Table, layout: str) -> int:
                 f"{' '.join(f'{k} {v}' for k, v in zip(keys, stray))} is not in the database; nothing written"
             )
         if layout == "trace":
-            query = (
-                "INSERT INTO credit (credit_set, trace_id, node_index, value) "
-                "SELECT ?, n.trace_id, n.node_index, s.value::FLOAT FROM _tdb_fresh s JOIN nodes n USING (trace_id) "
-                "WHERE n.n_sampled > 0 AND s.value IS NOT NULL"
-            )
-        else:
-            query = (
-                "INSERT INTO credit (credit_set, trace_id, node_index, value) "
-                "SELECT ?, trace_id, node_index, value::FLOAT FROM _tdb_fresh WHERE value IS NOT NULL"
-            )
+            return _insert_broadcast(db, credit, "_tdb_fresh")
+        query = (
+            "INSERT INTO credit (credit_set, trace_id, node_index, value) "
+            "SELECT ?, trace_id, node_index, value::FLOAT FROM _tdb_fresh WHERE value IS NOT NULL"
+        )
         return int(db.con.execute(query, [credit]).fetchall()[0][0])
     finally:
         db.con.unregister("_tdb_fresh")
@@ -403,10 +398,15 @@ def _broadcast(db: Database, credit: str) -> int:
     db.con.execute(
         "DELETE FROM credit WHERE credit_set = ? AND trace_id IN (SELECT trace_id FROM _tdb_traces_in)", [credit]
     )
+    return _insert_broadcast(db, credit, "_tdb_traces_in")
+
+
+def _insert_broadcast(db: Database, credit: str, source: str) -> int:
+    """Insert per-trace ``value``s of registered table ``source`` as one row per sampled node."""
     return int(
         db._scalar(
             "WITH ins AS (INSERT INTO credit (credit_set, trace_id, node_index, value) "
-            "SELECT ?, n.trace_id, n.node_index, s.value::FLOAT FROM _tdb_traces_in s JOIN nodes n USING (trace_id) "
+            f"SELECT ?, n.trace_id, n.node_index, s.value::FLOAT FROM {source} s JOIN nodes n USING (trace_id) "
             "WHERE n.n_sampled > 0 AND s.value IS NOT NULL RETURNING 1) SELECT count(*) FROM ins",
             [credit],
         )

@@ -236,7 +236,7 @@ def _turn_table(db: Database, r_sql: str, v_sql: str, b_sql: str, params: dict[s
     """One row per turn of every branch of the traces in ``_TRACES``, ordered by trace id,
     branch index and path position: trace_id, branch_index, trainable, outcome, truncated,
     node_index, n_sampled, r, v, b. Three scans, joined in numpy."""
-    from tracedb.views import _node_ordered
+    from tracedb.views import _node_ordered, trace_bases
 
     limits = params["limits"]
     params = {k: v for k, v in params.items() if k != "limits"}
@@ -261,13 +261,7 @@ def _turn_table(db: Database, r_sql: str, v_sql: str, b_sql: str, params: dict[s
     }
     # Node rows are (trace, node) ordered and a trace's nodes are 0..n-1 (ingest writes
     # every node; nothing deletes one), so a trace's node i sits at its first row + i.
-    tid = nodes.column("trace_id").combine_chunks()
-    if len(tid):
-        codes = pc.dictionary_encode(tid).indices.to_numpy()
-        firsts = np.flatnonzero(np.concatenate([[True], codes[1:] != codes[:-1]]))
-    else:
-        firsts = np.zeros(0, np.int64)
-    base = dict(zip(tid.take(pa.array(firsts, pa.int64())).to_pylist(), firsts.tolist()))
+    base = trace_bases(nodes.column("trace_id").combine_chunks())
     b_tid = branches.column("trace_id").to_pylist()
     first = np.fromiter((base[t] for t in b_tid), np.int64, len(b_tid))
     path = branches.column("path").combine_chunks()
