@@ -58,7 +58,9 @@ class PooledDatabase(Database):
     def __init__(self, root: Database, generation: _Generation) -> None:
         # No super().__init__(): that would open a new connection and install the schema.
         self.path = root.path
-        self.con = root.con.cursor()
+        self._catalog = root._catalog
+        self.con = root.cursor()
+        self._release = self.con.close
         self._cache = None
         self._in_transaction = False
         self._shared = generation
@@ -81,6 +83,7 @@ class ThreadDatabase(PooledDatabase):
 
     def __init__(self, root: Database, generation: _Generation) -> None:
         self.path = root.path
+        self._catalog = root._catalog
         self._root = root
         self._shared = generation
         self._local = threading.local()
@@ -94,7 +97,7 @@ class ThreadDatabase(PooledDatabase):
             with self._lock:
                 for thread in [t for t in self._cursors if not t.is_alive()]:  # threads come and go
                     self._cursors.pop(thread).close()
-                con = self._local.con = self._root.con.cursor()
+                con = self._local.con = self._root.cursor()
                 self._cursors[threading.current_thread()] = con
         return con
 
@@ -134,7 +137,7 @@ class Backend:
         tokenizer: Any = None,
         view_cache_tokens: int = 8_000_000,
     ) -> None:
-        self.root = tracedb.connect(db_path)
+        self.root = tracedb.connect(db_path, isolated=True)  # SET below must not reach other databases
         self.path = self.root.path
         self.allow_sql = allow_sql
         self.sql_row_limit = sql_row_limit

@@ -38,13 +38,16 @@ def test_without_insertion_order_views_read_lists(fixture_db, monkeypatch) -> No
 
     expected = fixture_db.branches()
     fixture_db._cache = None
-    fixture_db.con.execute("SET preserve_insertion_order = false")
+    fixture_db.con.execute("SET preserve_insertion_order = false")  # instance-wide: undone below
 
     def refuse(*args, **kwargs):
         raise AssertionError("flat read without insertion order")
 
     monkeypatch.setattr(views, "_read_all", refuse)
-    assert fixture_db.branches().equals(expected)
+    try:
+        assert fixture_db.branches().equals(expected)
+    finally:
+        fixture_db.con.execute("RESET preserve_insertion_order")
 
 
 def test_views_inside_a_users_own_transaction(fixture_db) -> None:

@@ -172,7 +172,7 @@ def _load(db: Database, trace_ids: list[str] | None, streams: Sequence[str], cre
     if trace_ids is not None:
         con.register("_tdb_sel", pa.table({"trace_id": pa.array(trace_ids, pa.string())}))
         where = " WHERE trace_id IN (SELECT trace_id FROM _tdb_sel)"
-    apart = _pool().submit(_read_segments, con.cursor(), True) if flat and own else None
+    apart = _pool().submit(_read_segments, db.cursor(), True) if flat and own else None
     try:
         if own:
             con.execute("BEGIN TRANSACTION")
@@ -211,7 +211,7 @@ def _load(db: Database, trace_ids: list[str] | None, streams: Sequence[str], cre
     try:
         return _decode(nodes, segments, lists, branches, credit_rows, streams)
     except _MissingSegment:  # the segments were read before a write that added some
-        return _decode(nodes, _read_segments(db.con.cursor(), True), lists, branches, credit_rows, streams)
+        return _decode(nodes, _read_segments(db.cursor(), True), lists, branches, credit_rows, streams)
 
 
 class _MissingSegment(Exception):

@@ -41,10 +41,7 @@ def trace_rewards(
         group_sql = "json_extract_string(t.record, ?)"
         group_params = [group_by]
     else:
-        columns = {
-            r[0]
-            for r in db.con.execute("SELECT column_name FROM duckdb_columns() WHERE table_name = 'traces'").fetchall()
-        }
+        columns = set(db._columns("traces"))
         if group_by not in columns:
             raise ValueError(f"cannot group by {group_by!r}: not a traces column ({sorted(columns)}) nor a $.json.path")
         group_sql = f"t.{quote_identifier(group_by)}::VARCHAR"

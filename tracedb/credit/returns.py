@@ -183,9 +183,7 @@ def _turns(
         traces = pl.from_arrow(db.sql(f"SELECT trace_id, 0.0::DOUBLE AS outcome FROM traces {failed}"))
     if traces.height == 0:
         return None
-    columns = {
-        r[0] for r in db.con.execute("SELECT column_name FROM duckdb_columns() WHERE table_name = 'nodes'").fetchall()
-    }
+    columns = set(db._columns("nodes"))
     params: dict[str, object] = {"limits": list(LIMITS)}
     r_sql = _field(reward_field, columns, "reward_field", params)
     v_sql = _field(value_field, columns, "value_field", params)

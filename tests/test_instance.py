@@ -1,0 +1,158 @@
+"""Databases attached to the process's one DuckDB instance (tracedb/_instance.py)."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import shutil
+import threading
+from pathlib import Path
+
+import duckdb
+import pytest
+from conftest import FIXTURES
+
+import tracedb
+
+LINEAR = FIXTURES / "linear.traces.jsonl"
+
+
+def plain_open_works(path: Path) -> bool:
+    """A plain DuckDB client can open the file for writing: tracedb let go of it."""
+    con = duckdb.connect(str(path))
+    con.close()
+    return True
+
+
+def test_a_second_database_gets_its_own_schema(tmp_path: Path) -> None:
+    """Another database attached to the instance must not make a fresh file look installed."""
+    with tracedb.connect(tmp_path / "a.duckdb") as a:
+        a.ingest(LINEAR)
+        with tracedb.connect(tmp_path / "b.duckdb") as b:
+            assert b.sql("SELECT count(*) AS n FROM traces").column("n").to_pylist() == [0]
+            assert b.stats()["traces"] == 0
+        assert a.stats()["traces"] == 1
+
+
+def test_same_file_twice_shares_one_attachment(tmp_path: Path) -> None:
+    path = tmp_path / "runs.duckdb"
+    first = tracedb.connect(path)
+    second = tracedb.connect(path)
+    first.ingest(LINEAR)
+    assert second.stats()["traces"] == 1  # one database, seen through both
+    first.close()
+    assert second.branches().num_rows > 0  # still attached for the other user
+    second.close()
+    assert plain_open_works(path)
+
+
+def test_other_mode_in_the_same_process_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "runs.duckdb"
+    with tracedb.connect(path) as db:
+        db.ingest(LINEAR)
+        with pytest.raises(duckdb.ConnectionException, match="already open read-write"):
+            tracedb.connect(path, read_only=True)
+    with tracedb.connect(path, read_only=True) as ro:
+        assert ro.stats()["traces"] == 1
+        with pytest.raises(duckdb.ConnectionException, match="already open read-only"):
+            tracedb.connect(path)
+
+
+def test_close_checkpoints_and_lets_go(tmp_path: Path) -> None:
+    path = tmp_path / "runs.duckdb"
+    db = tracedb.connect(path)
+    db.ingest(LINEAR)
+    db.close()
+    db.close()  # idempotent
+    assert not Path(str(path) + ".wal").exists()
+    con = duckdb.connect(str(path), read_only=True)
+    try:
+        assert con.execute("SELECT count(*) FROM traces").fetchall() == [(1,)]
+    finally:
+        con.close()
+
+
+def test_a_forgotten_database_is_detached_when_collected(tmp_path: Path) -> None:
+    path = tmp_path / "runs.duckdb"
+    db = tracedb.connect(path)
+    db.ingest(LINEAR)
+    del db
+    gc.collect()
+    assert plain_open_works(path)
+    with tracedb.connect(path, read_only=True) as again:
+        assert again.stats()["traces"] == 1
+
+
+def test_memory_databases_are_independent() -> None:
+    with tracedb.connect() as a, tracedb.connect() as b:
+        a.ingest(LINEAR)
+        assert a.stats()["traces"] == 1
+        assert b.stats()["traces"] == 0
+
+
+def test_a_reopened_file_is_read_again(tmp_path: Path) -> None:
+    """Nothing of a closed file is served from memory: replace the file, see the new one."""
+    one, two, path = tmp_path / "one.duckdb", tmp_path / "two.duckdb", tmp_path / "runs.duckdb"
+    with tracedb.connect(one) as db:
+        db.ingest(LINEAR)
+    with tracedb.connect(two) as db:
+        db.ingest(FIXTURES)
+    shutil.copy(one, path)
+    with tracedb.connect(path, read_only=True) as db:
+        first = db.branches()
+    shutil.copy(two, path)
+    with tracedb.connect(path, read_only=True) as db:
+        second = db.branches()
+    assert first.num_rows < second.num_rows
+    assert set(first.column("trace_id").to_pylist()) < set(second.column("trace_id").to_pylist())
+
+
+def test_cursor_reads_the_same_database_from_another_thread(tmp_path: Path) -> None:
+    with tracedb.connect(tmp_path / "runs.duckdb") as db, tracedb.connect(tmp_path / "other.duckdb"):
+        db.ingest(LINEAR)
+        found: list[object] = []
+
+        def read() -> None:
+            con = db.cursor()
+            try:
+                found.append(con.execute("SELECT count(*) FROM traces").fetchall()[0][0])
+            finally:
+                con.close()
+
+        thread = threading.Thread(target=read)
+        thread.start()
+        thread.join()
+        assert found == [1]
+
+
+def test_isolated_settings_stay_with_their_database(tmp_path: Path) -> None:
+    with tracedb.connect(tmp_path / "a.duckdb") as shared:
+        before = shared.con.execute("SELECT current_setting('threads')").fetchall()[0][0]
+        with tracedb.connect(tmp_path / "b.duckdb", isolated=True) as own:
+            own.con.execute("SET threads = 1")
+            assert own.con.execute("SELECT current_setting('threads')").fetchall()[0][0] == 1
+            own.ingest(LINEAR)
+            assert own.branches().num_rows > 0
+        assert shared.con.execute("SELECT current_setting('threads')").fetchall()[0][0] == before
+    assert plain_open_works(tmp_path / "b.duckdb")
+
+
+def _child_opens(path: str, queue: multiprocessing.Queue) -> None:
+    with tracedb.connect(path, read_only=True) as db:
+        queue.put(db.branches().num_rows)
+
+
+@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="needs fork")
+def test_a_forked_child_opens_databases_of_its_own(tmp_path: Path) -> None:
+    path = tmp_path / "runs.duckdb"
+    with tracedb.connect(path) as db:
+        db.ingest(FIXTURES)
+        expected = db.branches().num_rows
+    with tracedb.connect(tmp_path / "held.duckdb"):  # the instance exists and holds a file at the fork
+        ctx = multiprocessing.get_context("fork")
+        queue = ctx.Queue()
+        child = ctx.Process(target=_child_opens, args=(str(path), queue))
+        child.start()
+        child.join(60)
+        assert child.exitcode == 0
+        assert queue.get(timeout=5) == expected
