@@ -32,6 +32,7 @@ import pyarrow.parquet as pq
 
 import tracedb
 from benchmarks.workload import WorkloadFiles
+from tracedb._instance import is_attached
 
 COLUMNS = ["token_ids", "sampled_mask", "logprobs", "advantages"]
 VIEW_BYTES_PER_TOKEN = 13  # int32 id + bool mask + float32 logprob + float32 advantage
@@ -155,6 +156,10 @@ def tracedb_ingest(jsonl: Path, db_path: Path) -> Any:
 
 
 def tracedb_from_file(db_path: Path) -> pa.Table:
+    # Databases share one DuckDB instance per process; this figure must open the file
+    # afresh, not share an attachment some other handle still holds.
+    if is_attached(str(db_path)):
+        raise RuntimeError(f"{db_path} is still open in this process: the view would not be read from the file")
     with tracedb.connect(db_path, read_only=True) as db:
         return db.branches(columns=COLUMNS)
 

@@ -105,3 +105,20 @@ def test_correctness_check_catches_a_wrong_view(quick_run: tuple[Path, str]) -> 
     # A branch missing: refused.
     with pytest.raises(CorrectnessError, match="missing"):
         verify_against_peer(view.filter(pc.not_equal(view["branch_index"], 0)), episodes)
+
+
+def test_views_from_file_refuses_a_file_still_open(tmp_path: Path) -> None:
+    """Databases share one DuckDB instance per process: the "from the file" figure must
+    not be served by an attachment another handle keeps open."""
+    import tracedb
+    from benchmarks.core import tracedb_from_file
+    from tracedb._instance import is_attached
+
+    path = tmp_path / "runs.duckdb"
+    with tracedb.connect(path) as db:
+        db.ingest(ROOT / "tests" / "fixtures" / "verifiers-0.4.0" / "linear.traces.jsonl")
+        assert is_attached(str(path))
+        with pytest.raises(RuntimeError, match="still open"):
+            tracedb_from_file(path)
+    assert not is_attached(str(path))
+    assert tracedb_from_file(path).num_rows == 1

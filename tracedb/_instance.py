@@ -123,6 +123,16 @@ def attach(path: str, *, read_only: bool) -> tuple[duckdb.DuckDBPyConnection, st
     return con, attachment.alias, release
 
 
+def is_attached(path: str) -> bool:
+    """Whether a database of this process has ``path`` open (a benchmark reading "from
+    the file" checks that it is not)."""
+    inst = _current
+    if inst is None:
+        return False
+    with inst.lock:
+        return os.path.realpath(path) in inst.attached
+
+
 def _release(inst: _Instance, key: str, attachment: _Attachment) -> None:
     if inst.pid != os.getpid():
         return  # inherited over fork: the parent owns the file
