@@ -618,3 +618,22 @@ def test_refused_open_does_not_keep_the_file_open(tmp_path):
     con = duckdb.connect(str(path), read_only=True)
     con.close()
     assert isinstance(held, SchemaVersionError)
+
+
+def test_a_large_ingest_lands_in_the_file_at_commit(tmp_path):
+    """The commit of a large ingest checkpoints straight into the file (no WAL left
+    behind), and the instance's checkpoint threshold is put back afterwards."""
+    from tracedb.sample import write_sample
+
+    jsonl = write_sample(tmp_path / "traces.jsonl", groups=2, tokens_per_trace=15_000, advantages=True)
+    path = tmp_path / "runs.duckdb"
+    with tracedb.connect(path) as db:
+        before = db.con.execute("SELECT current_setting('checkpoint_threshold')").fetchall()[0][0]
+        report = db.ingest(jsonl)
+        assert report.traces == 16
+        wal = Path(str(path) + ".wal")
+        assert not wal.exists() or wal.stat().st_size < 64 * 1024  # not the ~2 MB of data
+        assert db.con.execute("SELECT current_setting('checkpoint_threshold')").fetchall()[0][0] == before
+        expected = db.branches()
+    with tracedb.connect(path, read_only=True) as db:
+        assert db.branches().equals(expected)

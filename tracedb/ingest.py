@@ -441,6 +441,23 @@ def _record_rejects(db: Database, rejects: list[tuple[Reject, bytes]]) -> None:
     db.con.unregister("_tdb_rejects")
 
 
+CHECKPOINT_AT_COMMIT = "1MB"
+
+
+def _commit_into_file(con: Any) -> None:
+    """COMMIT with DuckDB's checkpoint threshold lowered for the moment, so that a large
+    ingest is written into the database file at commit (DuckDB then skips its WAL)
+    instead of into the WAL first and the file again at the next checkpoint: the 146 MB
+    benchmark file commits + closes in ~0.3 s instead of ~0.4 s, and the file is compact
+    as soon as ``ingest`` returns. The setting is the DuckDB instance's; it is restored."""
+    threshold = con.execute("SELECT current_setting('checkpoint_threshold')").fetchall()[0][0]
+    con.execute(f"SET checkpoint_threshold = '{CHECKPOINT_AT_COMMIT}'")
+    try:
+        con.execute("COMMIT")
+    finally:
+        con.execute(f"SET checkpoint_threshold = '{threshold}'")
+
+
 def parse_line(parser: simdjson.Parser, raw: bytes, where: Location, *, allow_ragged: bool = False) -> ParsedLine:
     """Parse and check one record; raises :class:`RecordError` when it is bad."""
     try:
@@ -498,7 +515,7 @@ def ingest(
                     batch = _Batch()
         _flush(db, batch, report, seen)
         _record_rejects(db, rejects)
-        con.execute("COMMIT")
+        _commit_into_file(con)
     except BaseException:
         con.execute("ROLLBACK")
         raise
