@@ -637,3 +637,49 @@ def test_a_large_ingest_lands_in_the_file_at_commit(tmp_path):
         expected = db.branches()
     with tracedb.connect(path, read_only=True) as db:
         assert db.branches().equals(expected)
+
+
+@pytest.mark.parametrize("batch_tokens", [None, 1], ids=["one-batch", "batch-per-line"])
+def test_one_episode_over_two_lines_is_stored_once(fresh_db, tmp_path, monkeypatch, batch_tokens):
+    """The same episode id on two lines (its traces written in two goes): one episode row,
+    both traces, whether or not the lines land in the same batch."""
+    if batch_tokens is not None:
+        monkeypatch.setattr(tracedb.ingest, "BATCH_TOKENS", batch_tokens)
+    first = one_episode("linear")
+    second = renamed(first, "-second")
+    second["id"] = first["id"]
+    report = fresh_db.ingest(write_jsonl(tmp_path / "split.jsonl", [first, second]))
+    assert report.ok, report.rejected
+    assert (report.episodes, report.traces) == (1, 2)
+    assert counts(fresh_db)["episodes"] == 1 and counts(fresh_db)["traces"] == 2
+    ids = fresh_db.sql("SELECT DISTINCT episode_id FROM traces").column("episode_id").to_pylist()
+    assert ids == [first["id"]]
+
+
+def test_a_failed_insert_leaves_the_database_as_it_was(tmp_path, monkeypatch):
+    """The INSERTs run on the writer thread; its failure reaches the caller, after the
+    batches written before it, and the whole ingest is rolled back."""
+    monkeypatch.setattr(tracedb.ingest, "BATCH_TOKENS", 1)
+    path = tmp_path / "runs.duckdb"
+    with tracedb.connect(path) as db:
+        db.ingest(FIXTURES / "linear.traces.jsonl")
+        before = content(db)
+        real = tracedb.ingest._Writer._write
+        calls = []
+
+        def failing(self, inserts):
+            calls.append(len(inserts))
+            if len(calls) == 3:
+                raise OSError("disk full (simulated)")
+            real(self, inserts)
+
+        monkeypatch.setattr(tracedb.ingest._Writer, "_write", failing)
+        with pytest.raises(OSError, match="simulated"):
+            db.ingest(FIXTURES / "groups.traces.jsonl")
+        assert len(calls) >= 3
+        assert content(db) == before
+        monkeypatch.setattr(tracedb.ingest._Writer, "_write", real)
+        report = db.ingest(FIXTURES / "groups.traces.jsonl")  # still usable
+        assert report.ok and report.traces > 3
+    with tracedb.connect(path, read_only=True) as db:
+        assert counts(db)["traces"] == 1 + report.traces

@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import queue
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -33,6 +35,7 @@ from tracedb.records import (
     parse_fast,
     parse_slow,
 )
+from tracedb.store import existing_ids
 
 if TYPE_CHECKING:
     from tracedb.store import Database
@@ -328,12 +331,15 @@ class _Batch:
         )
 
 
-def _resolve(db: Database, batch: _Batch, report: IngestReport, seen: set[str]) -> None:
-    """Turn pending lines into rows, leaving out traces the database already holds."""
+def _resolve(reader: Any, batch: _Batch, report: IngestReport, seen: set[str], seen_episodes: set[str]) -> None:
+    """Turn pending lines into rows, leaving out traces the database already holds.
+
+    ``reader`` sees the database as committed before this ingest; ``seen`` and
+    ``seen_episodes`` are what this ingest has added so far (not committed yet)."""
     ids = [t.trace_id for line, _, _ in batch.pending for t in line.traces]
     episode_ids = [line.episode["id"] for line, _, _ in batch.pending if line.episode is not None]
-    known = db._existing("traces", "trace_id", ids) | (seen & set(ids))
-    known_episodes = db._existing("episodes", "episode_id", episode_ids)
+    known = existing_ids(reader, "traces", "trace_id", ids) | (seen & set(ids))
+    known_episodes = existing_ids(reader, "episodes", "episode_id", episode_ids) | (seen_episodes & set(episode_ids))
     for line, source, number in batch.pending:
         fresh = []
         for t in line.traces:
@@ -349,6 +355,7 @@ def _resolve(db: Database, batch: _Batch, report: IngestReport, seen: set[str]) 
                 line.episode = None  # already stored; its new traces still join it
             else:
                 known_episodes.add(line.episode["id"])
+                seen_episodes.add(line.episode["id"])
                 report.episodes += 1
         batch.add(line, source, number, group_id, fresh)
         report.traces += len(fresh)
@@ -357,36 +364,45 @@ def _resolve(db: Database, batch: _Batch, report: IngestReport, seen: set[str]) 
     seen.update(known)
 
 
-def _flush(db: Database, batch: _Batch, report: IngestReport, seen: set[str]) -> None:
-    _resolve(db, batch, report, seen)
-    con = db.con
+_Insert = tuple[str, str, pa.Table]  # registered name, INSERT statement reading it, rows
+
+
+def _batch_inserts(batch: _Batch) -> list[_Insert]:
+    """The INSERTs of one batch, its Arrow tables built (the Python half of a flush)."""
+    out: list[_Insert] = []
     if batch.episodes:
-        con.register("_tdb_episodes", pa.Table.from_pylist(batch.episodes))
-        con.execute(
-            "INSERT INTO episodes (episode_id, group_id, env_id, ok, record, source, line) "
-            "SELECT episode_id, group_id, env_id, ok, record, source, line FROM _tdb_episodes"
+        out.append(
+            (
+                "_tdb_episodes",
+                "INSERT INTO episodes (episode_id, group_id, env_id, ok, record, source, line) "
+                "SELECT episode_id, group_id, env_id, ok, record, source, line FROM _tdb_episodes",
+                pa.Table.from_pylist(batch.episodes),
+            )
         )
-        con.unregister("_tdb_episodes")
     if batch.traces:
-        con.register("_tdb_traces", pa.Table.from_pylist(batch.traces))
-        con.execute(
-            "INSERT INTO traces (trace_id, episode_id, position, group_id, reward, ok, is_completed, is_timeout,"
-            " stop_condition, n_nodes, n_branches, n_tokens, n_sampled, record, source, line)"
-            " SELECT trace_id, episode_id, position, group_id, reward, ok, is_completed, is_timeout,"
-            " stop_condition, n_nodes, n_branches, n_tokens, n_sampled, record, source, line FROM _tdb_traces"
+        out.append(
+            (
+                "_tdb_traces",
+                "INSERT INTO traces (trace_id, episode_id, position, group_id, reward, ok, is_completed, is_timeout,"
+                " stop_condition, n_nodes, n_branches, n_tokens, n_sampled, record, source, line)"
+                " SELECT trace_id, episode_id, position, group_id, reward, ok, is_completed, is_timeout,"
+                " stop_condition, n_nodes, n_branches, n_tokens, n_sampled, record, source, line FROM _tdb_traces",
+                pa.Table.from_pylist(batch.traces),
+            )
         )
-        con.unregister("_tdb_traces")
     if batch.segments:
-        before = db._scalar("SELECT count(*) FROM segments")
-        con.register("_tdb_segments", batch.segment_table())
-        con.execute("INSERT OR IGNORE INTO segments SELECT segment_id, n_tokens, token_ids FROM _tdb_segments")
-        con.unregister("_tdb_segments")
-        report.segments_added += db._scalar("SELECT count(*) FROM segments") - before
+        out.append(
+            (
+                "_tdb_segments",
+                "INSERT OR IGNORE INTO segments SELECT segment_id, n_tokens, token_ids FROM _tdb_segments",
+                batch.segment_table(),
+            )
+        )
     if batch.nodes:
         table = batch.node_table()
-        con.register("_tdb_nodes", table)
-        con.execute(f"INSERT INTO nodes ({', '.join(table.column_names)}) SELECT * FROM _tdb_nodes")
-        con.unregister("_tdb_nodes")
+        out.append(
+            ("_tdb_nodes", f"INSERT INTO nodes ({', '.join(table.column_names)}) SELECT * FROM _tdb_nodes", table)
+        )
     if batch.branches:
         b = batch.branches
         table = pa.table(
@@ -400,9 +416,70 @@ def _flush(db: Database, batch: _Batch, report: IngestReport, seen: set[str]) ->
                 "n_sampled": pa.array([r[6] for r in b], pa.int64()),
             }
         )
-        con.register("_tdb_branches", table)
-        con.execute("INSERT INTO branches SELECT * FROM _tdb_branches")
-        con.unregister("_tdb_branches")
+        out.append(("_tdb_branches", "INSERT INTO branches SELECT * FROM _tdb_branches", table))
+    return out
+
+
+class _Writer:
+    """Runs an ingest's INSERTs on its connection (inside its transaction) in a thread of
+    its own: DuckDB releases the GIL while it inserts, so batch k is written while Python
+    parses batch k+1. At most one batch waits, which keeps ingest memory bounded."""
+
+    def __init__(self, con: Any) -> None:
+        self.con = con
+        self.segments_added = 0
+        self.error: BaseException | None = None
+        self._queue: queue.Queue[list[_Insert] | None] = queue.Queue(maxsize=1)
+        self._thread = threading.Thread(target=self._run, name="tracedb-ingest-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (inserts := self._queue.get()) is not None:
+            if self.error is not None:
+                continue  # failed: drain until stopped
+            try:
+                self._write(inserts)
+            except BaseException as e:  # handed to the ingesting thread
+                self.error = e
+
+    def _write(self, inserts: list[_Insert]) -> None:
+        con = self.con
+        for name, statement, table in inserts:
+            segments = name == "_tdb_segments"
+            if segments:
+                before = con.execute("SELECT count(*) FROM segments").fetchall()[0][0]
+            con.register(name, table)
+            try:
+                con.execute(statement)
+            finally:
+                con.unregister(name)
+            if segments:
+                self.segments_added += con.execute("SELECT count(*) FROM segments").fetchall()[0][0] - before
+
+    def submit(self, inserts: list[_Insert]) -> None:
+        self._raise()
+        self._queue.put(inserts)
+
+    def stop(self) -> None:
+        """Wait until every submitted batch is written (or the writer failed)."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    def finish(self) -> None:
+        self.stop()
+        self._raise()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+def _flush(
+    reader: Any, writer: _Writer, batch: _Batch, report: IngestReport, seen: set[str], seen_episodes: set[str]
+) -> None:
+    _resolve(reader, batch, report, seen, seen_episodes)
+    writer.submit(_batch_inserts(batch))
 
 
 def _record_rejects(db: Database, rejects: list[tuple[Reject, bytes]]) -> None:
@@ -486,9 +563,12 @@ def ingest(
     parser = simdjson.Parser()
     rejects: list[tuple[Reject, bytes]] = []
     seen: set[str] = set()
+    seen_episodes: set[str] = set()
     con = db.con
     bar = _progress(files) if progress else None
+    reader = db.cursor()
     con.execute("BEGIN TRANSACTION")
+    writer = _Writer(con)
     try:
         batch = _Batch()
         for path in files:
@@ -511,15 +591,19 @@ def ingest(
                 batch.pending.append((line, source, number))
                 batch.tokens += sum(len(n.token_ids) for t in line.traces for n in t.nodes)
                 if batch.tokens >= BATCH_TOKENS:
-                    _flush(db, batch, report, seen)
+                    _flush(reader, writer, batch, report, seen, seen_episodes)
                     batch = _Batch()
-        _flush(db, batch, report, seen)
+        _flush(reader, writer, batch, report, seen, seen_episodes)
+        writer.finish()
+        report.segments_added = writer.segments_added
         _record_rejects(db, rejects)
         _commit_into_file(con)
     except BaseException:
+        writer.stop()  # never roll back under a running INSERT
         con.execute("ROLLBACK")
         raise
     finally:
+        reader.close()
         if bar is not None:
             bar.stop()
     db._changed()

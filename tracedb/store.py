@@ -170,15 +170,7 @@ class Database:
         return [r[0] for r in rows]
 
     def _existing(self, table: str, column: str, ids: Iterable[str]) -> set[str]:
-        ids = list(ids)
-        if not ids:
-            return set()
-        rows = self.con.execute(
-            f"SELECT {quote_identifier(column)} FROM {quote_identifier(table)} "
-            f"WHERE {quote_identifier(column)} IN (SELECT unnest(?::VARCHAR[]))",
-            [ids],
-        ).fetchall()
-        return {r[0] for r in rows}
+        return existing_ids(self.con, table, column, ids)
 
     # ----------------------------------------------------------------- ingest
 
@@ -411,6 +403,19 @@ def _node_record(row: dict[str, pa.Scalar], named_credit: bool = False) -> dict[
     if extra:
         node.update(json.loads(extra))
     return node
+
+
+def existing_ids(con: duckdb.DuckDBPyConnection, table: str, column: str, ids: Iterable[str]) -> set[str]:
+    """Which of ``ids`` are in ``table.column``."""
+    ids = list(ids)
+    if not ids:
+        return set()
+    rows = con.execute(
+        f"SELECT {quote_identifier(column)} FROM {quote_identifier(table)} "
+        f"WHERE {quote_identifier(column)} IN (SELECT unnest(?::VARCHAR[]))",
+        [ids],
+    ).fetchall()
+    return {r[0] for r in rows}
 
 
 def _close_then(con: duckdb.DuckDBPyConnection, release: Callable[[], None]) -> None:
