@@ -156,3 +156,59 @@ def test_a_forked_child_opens_databases_of_its_own(tmp_path: Path) -> None:
         child.join(60)
         assert child.exitcode == 0
         assert queue.get(timeout=5) == expected
+
+
+@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="needs fork")
+def test_a_forked_child_opens_the_file_its_parent_holds(tmp_path: Path) -> None:
+    """DataLoader workers reading the database the parent keeps open: DuckDB's registry
+    of open files is inherited, so the child must go through the inherited instance."""
+    path = tmp_path / "runs.duckdb"
+    with tracedb.connect(path) as db:
+        db.ingest(FIXTURES)
+        expected = db.branches().num_rows
+    with tracedb.connect(path, read_only=True) as held:
+        ctx = multiprocessing.get_context("fork")
+        queue = ctx.Queue()
+        child = ctx.Process(target=_child_opens, args=(str(path), queue))
+        child.start()
+        child.join(60)
+        assert child.exitcode == 0
+        assert queue.get(timeout=5) == expected
+        assert held.branches().num_rows == expected  # the child's close left the parent's attachment alone
+
+
+def test_spills_go_to_the_temp_directory_not_the_working_directory(tmp_path: Path) -> None:
+    import tempfile
+
+    with tracedb.connect(tmp_path / "runs.duckdb") as db:
+        spill = db.con.execute("SELECT current_setting('temp_directory')").fetchall()[0][0]
+    assert Path(spill).is_absolute() and Path(spill).parent == Path(tempfile.gettempdir())
+
+
+def test_a_database_collected_while_the_registry_is_locked_is_released_later(tmp_path: Path) -> None:
+    """A garbage collector's finalizer may run inside this module's lock (same thread):
+    the release must be queued, not block on the lock."""
+    from tracedb import _instance
+
+    path = tmp_path / "runs.duckdb"
+    db = tracedb.connect(path)
+    db.ingest(LINEAR)
+    cycle: list[object] = [db]
+    cycle.append(cycle)  # only the cyclic collector frees it
+    del db
+    inst = _instance._instance()
+    done = threading.Event()
+
+    def collect_under_the_lock() -> None:
+        nonlocal cycle
+        with inst.lock:
+            del cycle
+            gc.collect()  # runs the finalizer here
+        done.set()
+
+    thread = threading.Thread(target=collect_under_the_lock, daemon=True)
+    thread.start()
+    thread.join(20)
+    assert done.is_set(), "the finalizer blocked on the registry lock"
+    assert not _instance.is_attached(str(path))  # the queued release was done
+    assert plain_open_works(path)

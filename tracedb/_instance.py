@@ -15,18 +15,28 @@ while it is open for writing (or the reverse) is refused, as ``duckdb.connect`` 
 
 Settings made with ``SET`` apply to the whole instance, i.e. to every database of the
 process attached here; ``tracedb.connect(..., isolated=True)`` gives a database its own
-instance instead (the REST server does, since it turns external access off).
+instance instead (the REST server does, since it turns external access off). The
+instance spills to ``tracedb-duckdb-<pid>`` in the system's temporary directory
+(``TMPDIR``), not to a ``.tmp`` in the working directory (an in-memory DuckDB's default).
 
-A forked child starts a new instance on its first attach: an instance's threads do not
-survive ``fork``. Databases it inherited keep working on the old one, and their close
-leaves the file alone (the parent owns it).
+A forked child (a DataLoader worker) goes on with the instance it inherited, as it did
+with the instance ``duckdb.connect`` kept per file: DuckDB's registry of open files is
+inherited too, so a file the parent holds can only be reached through that instance.
+Attachments the child inherited are never detached by it (the parent owns those files);
+the ones it makes itself are.
+
+Releases may come from a garbage collector's finalizer, which runs in whatever thread
+happens to allocate, possibly one inside this module's lock; a release that cannot take
+the lock at once is queued and done by the next caller that leaves it.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import tempfile
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,20 +48,22 @@ class _Attachment:
     alias: str
     read_only: bool
     users: int
+    pid: int  # the process that attached it (and may detach it)
 
 
 class _Instance:
     def __init__(self) -> None:
         self.root = duckdb.connect(":memory:")
-        self.pid = os.getpid()
+        spill = os.path.join(tempfile.gettempdir(), f"tracedb-duckdb-{os.getpid()}")
+        self.root.execute(f"SET temp_directory = {_literal(spill)}")
         self.lock = threading.Lock()
         self.attached: dict[str, _Attachment] = {}
         self.names = itertools.count()
+        self.pending: deque[tuple[str, _Attachment]] = deque()  # releases left to do
 
 
 _current: _Instance | None = None
 _lock = threading.Lock()
-_inherited: list[_Instance] = []  # kept alive, never closed: their threads are gone
 
 
 def _instance() -> _Instance:
@@ -62,16 +74,14 @@ def _instance() -> _Instance:
         return _current
 
 
-def _forget_after_fork() -> None:
-    global _current, _lock
-    _lock = threading.Lock()  # another thread may have held it at the fork
+def _locks_after_fork() -> None:
+    global _lock
+    _lock = threading.Lock()  # another thread may have held them at the fork
     if _current is not None:
-        _inherited.append(_current)
         _current.lock = threading.Lock()
-        _current = None
 
 
-os.register_at_fork(after_in_child=_forget_after_fork)
+os.register_at_fork(after_in_child=_locks_after_fork)
 
 
 def _literal(text: str) -> str:
@@ -88,24 +98,27 @@ def attach(path: str, *, read_only: bool) -> tuple[duckdb.DuckDBPyConnection, st
     (idempotent; the last release of a file DETACHes it)."""
     inst = _instance()
     key = path if path == ":memory:" else os.path.realpath(path)
-    with inst.lock:
-        found = inst.attached.get(key) if path != ":memory:" else None
-        if found is not None:
-            if found.read_only != read_only:
-                mode = "read-only" if found.read_only else "read-write"
-                raise duckdb.ConnectionException(
-                    f"{path} is already open {mode} in this process; close it first "
-                    "(DuckDB opens a file in one mode per process)"
-                )
-            found.users += 1
-            attachment = found
-        else:
-            alias = f"tracedb_{next(inst.names)}"
-            options = " (READ_ONLY)" if read_only else ""
-            inst.root.execute(f"ATTACH {_literal(path)} AS {_identifier(alias)}{options}")
-            attachment = _Attachment(alias, read_only, 1)
-            if path != ":memory:":
-                inst.attached[key] = attachment
+    try:
+        with inst.lock:
+            found = inst.attached.get(key) if path != ":memory:" else None
+            if found is not None:
+                if found.read_only != read_only:
+                    mode = "read-only" if found.read_only else "read-write"
+                    raise duckdb.ConnectionException(
+                        f"{path} is already open {mode} in this process; close it first "
+                        "(DuckDB opens a file in one mode per process)"
+                    )
+                found.users += 1
+                attachment = found
+            else:
+                alias = f"tracedb_{next(inst.names)}"
+                options = " (READ_ONLY)" if read_only else ""
+                inst.root.execute(f"ATTACH {_literal(path)} AS {_identifier(alias)}{options}")
+                attachment = _Attachment(alias, read_only, 1, os.getpid())
+                if path != ":memory:":
+                    inst.attached[key] = attachment
+    finally:
+        _drain(inst)
     try:
         con = inst.root.cursor()
         con.execute(f"USE {_identifier(attachment.alias)}")
@@ -129,17 +142,38 @@ def is_attached(path: str) -> bool:
     inst = _current
     if inst is None:
         return False
+    _drain(inst)
     with inst.lock:
-        return os.path.realpath(path) in inst.attached
+        found = os.path.realpath(path) in inst.attached
+    _drain(inst)
+    return found
 
 
 def _release(inst: _Instance, key: str, attachment: _Attachment) -> None:
-    if inst.pid != os.getpid():
-        return  # inherited over fork: the parent owns the file
-    with inst.lock:
-        attachment.users -= 1
-        if attachment.users > 0:
+    inst.pending.append((key, attachment))
+    _drain(inst)
+
+
+def _drain(inst: _Instance) -> None:
+    """Do the queued releases, unless another frame (of this thread, under a finalizer,
+    or of another thread) holds the lock: that one drains them when it leaves."""
+    while inst.pending:
+        if not inst.lock.acquire(blocking=False):
             return
-        if inst.attached.get(key) is attachment:
-            del inst.attached[key]
-        inst.root.execute(f"DETACH {_identifier(attachment.alias)}")
+        try:
+            while inst.pending:
+                key, attachment = inst.pending.popleft()
+                _drop(inst, key, attachment)
+        finally:
+            inst.lock.release()
+
+
+def _drop(inst: _Instance, key: str, attachment: _Attachment) -> None:
+    """One user fewer; the last one in the process that attached it detaches (called
+    with the lock held)."""
+    attachment.users -= 1
+    if attachment.users > 0 or attachment.pid != os.getpid():
+        return  # still used, or inherited over fork: the parent owns the file
+    if inst.attached.get(key) is attachment:
+        del inst.attached[key]
+    inst.root.execute(f"DETACH {_identifier(attachment.alias)}")
