@@ -59,6 +59,7 @@ class PooledDatabase(Database):
         # No super().__init__(): that would open a new connection and install the schema.
         self.path = root.path
         self._catalog = root._catalog
+        self._instance_key = root._instance_key
         self.con = root.cursor()
         self._release = self.con.close
         self._cache = None
@@ -84,6 +85,7 @@ class ThreadDatabase(PooledDatabase):
     def __init__(self, root: Database, generation: _Generation) -> None:
         self.path = root.path
         self._catalog = root._catalog
+        self._instance_key = root._instance_key
         self._root = root
         self._shared = generation
         self._local = threading.local()
@@ -137,7 +139,9 @@ class Backend:
         tokenizer: Any = None,
         view_cache_tokens: int = 8_000_000,
     ) -> None:
-        self.root = tracedb.connect(db_path, isolated=True)  # SET below must not reach other databases
+        # With user SQL the instance goes without external access (SET below), which must
+        # not reach the other databases of the process: the server gets its own instance.
+        self.root = tracedb.connect(db_path, isolated=allow_sql)
         self.path = self.root.path
         self.allow_sql = allow_sql
         self.sql_row_limit = sql_row_limit

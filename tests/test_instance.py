@@ -212,3 +212,105 @@ def test_a_database_collected_while_the_registry_is_locked_is_released_later(tmp
     assert done.is_set(), "the finalizer blocked on the registry lock"
     assert not _instance.is_attached(str(path))  # the queued release was done
     assert plain_open_works(path)
+
+
+def test_a_file_a_plain_client_holds_is_opened_through_that_client(tmp_path: Path) -> None:
+    """duckdb.connect first, tracedb second: DuckDB refuses a second instance on the file,
+    so tracedb joins the plain client's instance (as duckdb.connect itself does)."""
+    path = tmp_path / "runs.duckdb"
+    with tracedb.connect(path) as db:
+        db.ingest(LINEAR)
+    plain = duckdb.connect(str(path))
+    try:
+        with tracedb.connect(path) as db:
+            assert db.stats()["traces"] == 1
+            assert db._catalog is None  # its own connection to the plain client's instance
+        assert plain.execute("SELECT count(*) FROM traces").fetchall() == [(1,)]
+    finally:
+        plain.close()
+
+
+def test_in_memory_spellings() -> None:
+    """ "" is a fresh in-memory database like ":memory:"; ":memory:name" is shared by name
+    (as duckdb.connect has it) and writes no file."""
+    with tracedb.connect("") as a, tracedb.connect("") as b:
+        a.ingest(LINEAR)
+        assert (a.stats()["traces"], b.stats()["traces"]) == (1, 0)
+    with tracedb.connect(":memory:shared") as a, tracedb.connect(":memory:shared") as b:
+        a.ingest(LINEAR)
+        assert b.stats()["traces"] == 1
+    assert not Path(":memory:shared").exists()
+
+
+def test_close_refused_while_busy_can_be_retried(tmp_path: Path) -> None:
+    path = tmp_path / "runs.duckdb"
+    db = tracedb.connect(path)
+    db.ingest(LINEAR)
+    started, finish = threading.Event(), threading.Event()
+
+    def busy() -> None:
+        rows = db.con.execute("SELECT * FROM range(100000000)")  # a result left pending on db.con
+        started.set()
+        finish.wait(20)
+        del rows
+
+    thread = threading.Thread(target=busy)
+    thread.start()
+    started.wait(20)
+    try:
+        try:
+            db.close()
+        except duckdb.Error:
+            pass  # DuckDB may refuse to close a connection another thread uses
+    finally:
+        finish.set()
+        thread.join()
+    db.close()  # a second close after the refusal closes for real
+    assert plain_open_works(path)
+
+
+def test_concurrent_ingests_put_the_checkpoint_threshold_back(tmp_path: Path) -> None:
+    from tracedb.sample import write_sample
+
+    files = [write_sample(tmp_path / f"t{i}.jsonl", groups=1, tokens_per_trace=4_000, seed=i) for i in range(2)]
+    with tracedb.connect(tmp_path / "a.duckdb") as a, tracedb.connect(tmp_path / "b.duckdb") as b:
+        before = a.con.execute("SELECT current_setting('checkpoint_threshold')").fetchall()[0][0]
+        errors: list[BaseException] = []
+
+        def run(db: tracedb.Database, jsonl: Path) -> None:
+            try:
+                for _ in range(5):
+                    db.ingest(jsonl)
+                    db.sql("DELETE FROM branches; DELETE FROM nodes; DELETE FROM traces; DELETE FROM episodes")
+            except BaseException as e:  # reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=pair) for pair in ((a, files[0]), (b, files[1]))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        assert a.con.execute("SELECT current_setting('checkpoint_threshold')").fetchall()[0][0] == before
+
+
+def test_opening_a_file_open_elsewhere_in_the_process_does_not_reinstall(tmp_path: Path) -> None:
+    """A shared attachment is installed once: concurrent read-write opens of one file do
+    not race on CREATE OR REPLACE MACRO."""
+    path = tmp_path / "runs.duckdb"
+    errors: list[BaseException] = []
+    with tracedb.connect(path):
+
+        def open_close() -> None:
+            try:
+                for _ in range(20):
+                    tracedb.connect(path).close()
+            except BaseException as e:  # reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=open_close) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors

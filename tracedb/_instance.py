@@ -59,7 +59,7 @@ class _Instance:
         self.lock = threading.Lock()
         self.attached: dict[str, _Attachment] = {}
         self.names = itertools.count()
-        self.pending: deque[tuple[str, _Attachment]] = deque()  # releases left to do
+        self.pending: deque[tuple[str | None, _Attachment]] = deque()  # releases left to do
 
 
 _current: _Instance | None = None
@@ -92,15 +92,36 @@ def _identifier(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
-def attach(path: str, *, read_only: bool) -> tuple[duckdb.DuckDBPyConnection, str, Callable[[], None]]:
+def _key(path: str) -> str | None:
+    """Registry key: None for a fresh in-memory database (``":memory:"`` or ``""``); a
+    named one (``":memory:name"``) is shared by name, as ``duckdb.connect`` does."""
+    if path in ("", ":memory:"):
+        return None
+    if path.startswith(":memory:"):
+        return path
+    return os.path.realpath(path)
+
+
+def _alias(inst: _Instance, path: str) -> str:
+    """A catalog name that says which file it is (it shows in DuckDB's messages)."""
+    stem = os.path.basename(path).split(".")[0] if not path.startswith(":memory:") and path else "memory"
+    stem = "".join(c if c.isalnum() or c == "_" else "_" for c in stem)[:40] or "db"
+    return f"{stem}_{next(inst.names)}"
+
+
+def attach(path: str, *, read_only: bool) -> tuple[duckdb.DuckDBPyConnection, str, bool, Callable[[], None]]:
     """Attach ``path`` (``":memory:"``: a new in-memory database) to the process's
-    instance; returns a connection using it, its catalog name and the release function
-    (idempotent; the last release of a file DETACHes it)."""
+    instance; returns a connection using it, its catalog name, whether this call attached
+    it (False: it was open already) and the release function (idempotent; the last
+    release of a file DETACHes it).
+
+    Raises ``duckdb.ResourceInUseException`` when another DuckDB instance of the process
+    (a plain ``duckdb.connect``) has the file open."""
     inst = _instance()
-    key = path if path == ":memory:" else os.path.realpath(path)
+    key = _key(path)
     try:
         with inst.lock:
-            found = inst.attached.get(key) if path != ":memory:" else None
+            found = inst.attached.get(key) if key is not None else None
             if found is not None:
                 if found.read_only != read_only:
                     mode = "read-only" if found.read_only else "read-write"
@@ -109,13 +130,14 @@ def attach(path: str, *, read_only: bool) -> tuple[duckdb.DuckDBPyConnection, st
                         "(DuckDB opens a file in one mode per process)"
                     )
                 found.users += 1
-                attachment = found
+                attachment, fresh = found, False
             else:
-                alias = f"tracedb_{next(inst.names)}"
+                alias = _alias(inst, path)
                 options = " (READ_ONLY)" if read_only else ""
-                inst.root.execute(f"ATTACH {_literal(path)} AS {_identifier(alias)}{options}")
-                attachment = _Attachment(alias, read_only, 1, os.getpid())
-                if path != ":memory:":
+                target = path if key is not None and not key.startswith(":memory:") else ":memory:"
+                inst.root.execute(f"ATTACH {_literal(target)} AS {_identifier(alias)}{options}")
+                attachment, fresh = _Attachment(alias, read_only, 1, os.getpid()), True
+                if key is not None:
                     inst.attached[key] = attachment
     finally:
         _drain(inst)
@@ -133,7 +155,7 @@ def attach(path: str, *, read_only: bool) -> tuple[duckdb.DuckDBPyConnection, st
             released = True
             _release(inst, key, attachment)
 
-    return con, attachment.alias, release
+    return con, attachment.alias, fresh, release
 
 
 def is_attached(path: str) -> bool:
@@ -144,12 +166,12 @@ def is_attached(path: str) -> bool:
         return False
     _drain(inst)
     with inst.lock:
-        found = os.path.realpath(path) in inst.attached
+        found = _key(path) in inst.attached
     _drain(inst)
     return found
 
 
-def _release(inst: _Instance, key: str, attachment: _Attachment) -> None:
+def _release(inst: _Instance, key: str | None, attachment: _Attachment) -> None:
     inst.pending.append((key, attachment))
     _drain(inst)
 
@@ -168,12 +190,12 @@ def _drain(inst: _Instance) -> None:
             inst.lock.release()
 
 
-def _drop(inst: _Instance, key: str, attachment: _Attachment) -> None:
+def _drop(inst: _Instance, key: str | None, attachment: _Attachment) -> None:
     """One user fewer; the last one in the process that attached it detaches (called
     with the lock held)."""
     attachment.users -= 1
     if attachment.users > 0 or attachment.pid != os.getpid():
         return  # still used, or inherited over fork: the parent owns the file
-    if inst.attached.get(key) is attachment:
+    if key is not None and inst.attached.get(key) is attachment:
         del inst.attached[key]
-    inst.root.execute(f"DETACH {_identifier(attachment.alias)}")
+    inst.root.execute(f"DETACH DATABASE IF EXISTS {_identifier(attachment.alias)}")

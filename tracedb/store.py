@@ -56,18 +56,23 @@ class Database:
     def __init__(self, path: str | Path = ":memory:", *, read_only: bool = False, isolated: bool = False) -> None:
         self.path = str(path)
         self._catalog: str | None = None
+        self._instance_key: object = "shared"  # which DuckDB instance (its settings) this is on
+        fresh = True
+        if not isolated:
+            try:
+                self.con, self._catalog, fresh, release = attach(self.path, read_only=read_only)
+                self._release: Callable[[], None] = weakref.finalize(self, _close_then, self.con, release)
+            except duckdb.ResourceInUseException:
+                isolated = True  # a plain duckdb.connect of this process holds it: join that instance
         if isolated:
             self.con = duckdb.connect(self.path, read_only=read_only)
-            self._release: Callable[[], None] = self.con.close
-        else:
-            self.con, self._catalog, release = attach(self.path, read_only=read_only)
-            con = self.con
-            self._release = weakref.finalize(self, _close_then, con, release)
+            self._release = self.con.close
+            self._instance_key = self.con
         self._generation = 0
         self._cache: Any = None
         self._in_transaction = False
         try:
-            if not read_only:
+            if not read_only and fresh:  # an attachment shared with another handle is installed
                 self._install()
             self._check_version()
         except BaseException:
@@ -93,7 +98,11 @@ class Database:
             raise SchemaVersionError(f"{self.path}: schema version {found}, this tracedb reads {SCHEMA_VERSION}")
 
     def close(self) -> None:
-        """Close the database (idempotent); a database opened for writing is checkpointed."""
+        """Close the database (idempotent); a database opened for writing is checkpointed.
+
+        Raises (and can be retried) while another thread is still running a query on the
+        connection."""
+        self.con.close()
         self._release()
 
     def cursor(self) -> duckdb.DuckDBPyConnection:
@@ -419,8 +428,10 @@ def existing_ids(con: duckdb.DuckDBPyConnection, table: str, column: str, ids: I
 
 
 def _close_then(con: duckdb.DuckDBPyConnection, release: Callable[[], None]) -> None:
-    con.close()
-    release()
+    try:
+        con.close()
+    finally:
+        release()
 
 
 def connect(path: str | Path = ":memory:", *, read_only: bool = False, isolated: bool = False) -> Database:
