@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import os
 import shutil
+import sys
 import threading
 from pathlib import Path
 
@@ -314,3 +316,40 @@ def test_opening_a_file_open_elsewhere_in_the_process_does_not_reinstall(tmp_pat
         for t in threads:
             t.join()
     assert not errors
+
+
+_FORK_EXIT = """
+import os, sys
+from pathlib import Path
+import tracedb
+
+path, fixture, own = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+wal = Path(str(path) + ".wal")
+with tracedb.connect(path) as db:
+    db.ingest(fixture)
+    db.sql("INSERT INTO credit_sets (name, algorithm) VALUES ('x', 'y')")  # small: stays in the WAL
+    assert wal.exists()
+    before = (path.read_bytes(), wal.read_bytes())
+    pid = os.fork()
+    if pid == 0:  # the child: its own file, then the interpreter's normal shutdown
+        with tracedb.connect(own) as mine:
+            mine.ingest(fixture)
+        sys.exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    print("unchanged" if (path.read_bytes(), wal.read_bytes()) == before else "CHANGED")
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_exiting_leaves_the_parents_file_alone(tmp_path: Path) -> None:
+    """A child that exits normally must not checkpoint (rewrite) the file its parent has
+    open for writing: the inherited instance is never destroyed in the child."""
+    import subprocess
+
+    args = [str(tmp_path / "runs.duckdb"), str(LINEAR), str(tmp_path / "own.duckdb")]
+    done = subprocess.run([sys.executable, "-c", _FORK_EXIT, *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "unchanged"
+    with tracedb.connect(tmp_path / "own.duckdb", read_only=True) as own:  # the child's own file was closed properly
+        assert own.stats()["traces"] == 1

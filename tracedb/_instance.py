@@ -22,8 +22,9 @@ instance spills to ``tracedb-duckdb-<pid>`` in the system's temporary directory
 A forked child (a DataLoader worker) goes on with the instance it inherited, as it did
 with the instance ``duckdb.connect`` kept per file: DuckDB's registry of open files is
 inherited too, so a file the parent holds can only be reached through that instance.
-Attachments the child inherited are never detached by it (the parent owns those files);
-the ones it makes itself are.
+Attachments the child inherited are never detached by it, and the inherited instance is
+never destroyed in the child (its destructor would checkpoint the parent's files): the
+parent owns those files. Attachments the child makes itself are detached as usual.
 
 Releases may come from a garbage collector's finalizer, which runs in whatever thread
 happens to allocate, possibly one inside this module's lock; a release that cannot take
@@ -32,6 +33,7 @@ the lock at once is queued and done by the next caller that leaves it.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 import tempfile
@@ -74,14 +76,17 @@ def _instance() -> _Instance:
         return _current
 
 
-def _locks_after_fork() -> None:
+def _after_fork_in_child() -> None:
     global _lock
     _lock = threading.Lock()  # another thread may have held them at the fork
     if _current is not None:
         _current.lock = threading.Lock()
+        # Never let the child destroy the inherited instance: its destructor would
+        # checkpoint the parent's files from the child when the child exits.
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(_current.root))
 
 
-os.register_at_fork(after_in_child=_locks_after_fork)
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _literal(text: str) -> str:
