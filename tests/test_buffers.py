@@ -1,0 +1,105 @@
+"""View columns in mappings that go back to a pool when Arrow lets go (tracedb/_buffers.py)."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from tracedb import _buffers
+
+
+@pytest.fixture
+def pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every column through the pool, starting empty."""
+    gc.collect()  # mappings of earlier tests go back before the pool is swapped
+    monkeypatch.setattr(_buffers, "SMALL", 0)
+    monkeypatch.setattr(_buffers, "POOL_BYTES", 64 << 20)
+    monkeypatch.setattr(_buffers, "_idle", type(_buffers._idle)())
+
+
+def address(values: np.ndarray) -> int:
+    return values.__array_interface__["data"][0]
+
+
+def test_a_mapping_comes_back_once_arrow_lets_go(pool: None) -> None:
+    values = _buffers.empty(1000, np.int32)
+    values[:] = np.arange(1000)
+    first = address(values)
+    array = pa.Array.from_buffers(pa.int32(), 1000, [None, values.base])
+    del values
+    gc.collect()
+    assert _buffers.idle_bytes() == 0  # Arrow still holds it
+    assert array.to_pylist()[-1] == 999
+    del array
+    gc.collect()
+    assert _buffers.idle_bytes() == 1 << 20  # one MiB grain
+    again = _buffers.empty(900, np.float32)
+    assert address(again) == first  # the same pages, reused
+    assert again.flags.writeable
+    assert _buffers.idle_bytes() == 0
+
+
+def test_sizes_far_apart_do_not_share(pool: None) -> None:
+    small = _buffers.empty(1 << 18, np.int32)  # 1 MiB
+    small_at = address(small)
+    del small
+    gc.collect()
+    big = _buffers.empty(1 << 20, np.int32)  # 4 MiB: the idle 1 MiB mapping is too small
+    assert address(big) != small_at
+    assert _buffers.idle_bytes() == 1 << 20
+    big_at = address(big)
+    del big
+    gc.collect()
+    small = _buffers.empty(1 << 18, np.int32)  # 1 MiB: takes the 1 MiB one, not the 4 MiB one
+    assert address(small) == small_at
+    assert _buffers.idle_bytes() == 4 << 20 and address(small) != big_at
+
+
+def test_the_pool_keeps_at_most_its_budget(pool: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_buffers, "POOL_BYTES", 3 << 20)
+    before = _buffers.idle_bytes()
+    held = [_buffers.empty((1 << 20) // 4, np.int32) for _ in range(6)]  # six 1 MiB mappings
+    del held
+    gc.collect()
+    assert _buffers.idle_bytes() - before >= 6 << 20
+    big = _buffers.empty((8 << 20) // 4, np.int32)  # a request none fits: the pool is trimmed on the way
+    assert _buffers.idle_bytes() <= 3 << 20
+    assert len(big) == 2 << 20
+
+
+def test_pool_off_uses_arrows_allocator(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_buffers, "POOL_BYTES", 0)
+    values = _buffers.empty(1 << 20, np.int32)
+    assert isinstance(values.base, pa.Buffer) and values.flags.writeable
+    assert not isinstance(np.frombuffer(values.base, np.uint8), _buffers._Owner)
+
+
+def test_views_stay_exact_on_reused_dirty_memory(fixture_db, pool: None) -> None:
+    """Columns are written whole: a view built on pages an earlier, different view left
+    behind equals the same view built on fresh memory."""
+    import tracedb.views as views
+
+    shapes = [
+        {},
+        {"columns": ["token_ids", "logprobs"]},
+        {"trainable": True},
+        {"train_once": True},
+        {"columns": ["advantages", "sampled_mask"], "trainable": False},
+    ]
+    expected = []
+    with pytest.MonkeyPatch.context() as off:
+        off.setattr(_buffers, "POOL_BYTES", 0)
+        for shape in shapes:
+            fixture_db._cache = None
+            expected.append(fixture_db.branches(**shape))
+    for _ in range(3):
+        for shape, want in zip(shapes, expected, strict=True):
+            fixture_db._cache = None
+            got = fixture_db.branches(**shape)
+            assert got.equals(want), shape
+            del got
+            gc.collect()  # mappings go back to the pool, dirty
+    assert views._fresh(10, np.int32).base is not None

@@ -1,0 +1,86 @@
+"""Memory for view columns that stays mapped between views.
+
+A view of the benchmark database writes ~111 MB of columns and reads ~60 MB from DuckDB.
+Fresh memory costs a page fault per 4 KiB page on first touch (~25 ms per 34 MB column
+on the CI machine), and Arrow's allocator (mimalloc) hands freed memory back to the
+kernel within milliseconds; it asks for transparent huge pages, whose faults are cheap
+until memory is fragmented (say, after a few GB of Python objects were freed), when each
+one waits for the kernel to compact memory: 60-250 ms per view measured. A trainer that
+builds a view every few seconds would pay that on every view.
+
+So large columns live in anonymous mappings of their own, and a mapping goes back to a
+small pool when Arrow releases the last array that uses it (the array's buffer holds an
+``_Owner``, whose ``__del__`` returns the mapping); the next view of a similar size writes
+into pages that are already there. The pool keeps at most ``TRACEDB_BUFFER_POOL_MB``
+(default 1024) MiB of idle mappings, largest first; ``0`` turns it off (every column then
+comes from Arrow's allocator).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections import deque
+
+import numpy as np
+import pyarrow as pa
+
+POOL_BYTES = int(os.environ.get("TRACEDB_BUFFER_POOL_MB", "1024")) << 20
+"""Idle mappings kept for reuse, at most (bytes)."""
+SMALL = 1 << 20
+"""Columns under this size come from Arrow's allocator (faults matter little there)."""
+_GRAIN = 1 << 20  # mapping sizes are whole MiB, so views of nearly the same size share them
+
+_idle: deque[mmap.mmap] = deque()  # appended to by __del__ (any thread, inside GC too): no lock
+
+
+class _Owner(np.ndarray):
+    """The bytes of one mapping while an Arrow buffer uses them."""
+
+    def __del__(self) -> None:
+        mapping = self.__dict__.get("_tdb_mapping")
+        if mapping is not None:
+            _idle.append(mapping)  # atomic; taking a lock here could deadlock under GC
+
+
+def empty(n: int, dtype: type) -> np.ndarray:
+    """An uninitialised array of ``n`` items whose memory Arrow can take without a copy
+    (``values.base`` is the ``pa.Buffer``)."""
+    size = n * np.dtype(dtype).itemsize
+    if size < SMALL or POOL_BYTES <= 0:
+        return np.frombuffer(pa.allocate_buffer(max(size, 1)), dtype, count=n)
+    mapping = _take(size)
+    owner = np.frombuffer(mapping, np.uint8, count=size).view(_Owner)
+    owner._tdb_mapping = mapping
+    return np.frombuffer(pa.py_buffer(owner), dtype, count=n)
+
+
+def _take(size: int) -> mmap.mmap:
+    """An idle mapping of ``size`` (rounded up to whole MiB) to twice that, or a new one;
+    trims the pool."""
+    need = -(-size // _GRAIN) * _GRAIN
+    found = None
+    others = []
+    while True:
+        try:
+            mapping = _idle.popleft()
+        except IndexError:
+            break
+        if found is None and need <= len(mapping) <= 2 * need:
+            found = mapping
+        else:
+            others.append(mapping)
+    kept = 0
+    for mapping in sorted(others, key=len, reverse=True):
+        if kept + len(mapping) <= POOL_BYTES:
+            _idle.append(mapping)
+            kept += len(mapping)
+        # else dropped: unmapped once collected
+    if found is not None:
+        return found
+    return mmap.mmap(-1, need)
+
+
+def idle_bytes() -> int:
+    """Bytes of mappings waiting in the pool."""
+    return sum(len(m) for m in list(_idle))
