@@ -40,7 +40,10 @@ class _Owner(np.ndarray):
     def __del__(self) -> None:
         mapping = self.__dict__.get("_tdb_mapping")
         if mapping is not None:
-            _idle.append(mapping)  # atomic; taking a lock here could deadlock under GC
+            try:
+                _idle.append(mapping)  # atomic; taking a lock here could deadlock under GC
+            except Exception:  # interpreter shutdown: module globals may be gone already
+                pass
 
 
 def empty(n: int, dtype: type) -> np.ndarray:
