@@ -58,13 +58,13 @@ def test_sizes_far_apart_do_not_share(pool: None) -> None:
     assert _buffers.idle_bytes() == 4 << 20 and address(small) != big_at
 
 
-def test_the_pool_keeps_at_most_its_budget(pool: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_buffers, "POOL_BYTES", 3 << 20)
+def test_taking_trims_the_pool_to_its_budget(pool: None, monkeypatch: pytest.MonkeyPatch) -> None:
     before = _buffers.idle_bytes()
     held = [_buffers.empty((1 << 20) // 4, np.int32) for _ in range(6)]  # six 1 MiB mappings
     del held
     gc.collect()
     assert _buffers.idle_bytes() - before >= 6 << 20
+    monkeypatch.setattr(_buffers, "POOL_BYTES", 3 << 20)  # a smaller budget from now on
     big = _buffers.empty((8 << 20) // 4, np.int32)  # a request none fits: the pool is trimmed on the way
     assert _buffers.idle_bytes() <= 3 << 20
     assert len(big) == 2 << 20
@@ -103,3 +103,44 @@ def test_views_stay_exact_on_reused_dirty_memory(fixture_db, pool: None) -> None
             del got
             gc.collect()  # mappings go back to the pool, dirty
     assert views._fresh(10, np.int32).base is not None
+
+
+def test_release_keeps_the_pool_within_budget(pool: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_buffers, "POOL_BYTES", 3 << 20)
+    held = [_buffers.empty((1 << 20) // 4, np.int32) for _ in range(8)]  # eight 1 MiB mappings
+    del held
+    gc.collect()
+    assert _buffers.idle_bytes() <= 3 << 20  # the others were dropped as they came back
+
+
+def test_an_empty_column_through_the_pool(pool: None) -> None:
+    values = _buffers.empty(0, np.float32)
+    assert len(values) == 0 and isinstance(values.base, pa.Buffer)
+
+
+def _child_checks(view: pa.Table, digest: int, go, queue) -> None:
+    go.wait(60)
+    queue.put(hash(view.column("token_ids").combine_chunks().values.to_numpy().tobytes()) == digest)
+
+
+def test_a_forked_childs_view_is_not_overwritten_by_its_parent(fixture_db, pool: None) -> None:
+    """Pooled mappings are private: after fork, the parent reusing a mapping for its next
+    view must not change the view the child inherited (and the other way round)."""
+    import multiprocessing
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        pytest.skip("needs fork")
+    view = fixture_db.branches()
+    digest = hash(view.column("token_ids").combine_chunks().values.to_numpy().tobytes())
+    ctx = multiprocessing.get_context("fork")
+    go, queue = ctx.Event(), ctx.Queue()
+    child = ctx.Process(target=_child_checks, args=(view, digest, go, queue))
+    child.start()
+    del view
+    gc.collect()  # the parent's mappings go back to its pool...
+    for shape in ({"columns": ["token_ids"], "trainable": True}, {}, {"columns": ["token_ids"]}):
+        fixture_db._cache = None
+        fixture_db.branches(**shape)  # ...and are written again
+    go.set()
+    child.join(60)
+    assert child.exitcode == 0 and queue.get(timeout=5) is True

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
+import pyarrow as pa
 import pytest
 import zstandard
 from conftest import FIXTURES
@@ -683,3 +684,98 @@ def test_a_failed_insert_leaves_the_database_as_it_was(tmp_path, monkeypatch):
         assert report.ok and report.traces > 3
     with tracedb.connect(path, read_only=True) as db:
         assert counts(db)["traces"] == 1 + report.traces
+
+
+def test_a_failing_insert_reports_its_own_error(tmp_path, monkeypatch):
+    """The writer thread's INSERT error reaches the caller as itself, not as the
+    "transaction is aborted" that cleaning up after it would raise."""
+    import duckdb
+
+    real = tracedb.ingest._batch_inserts
+
+    def with_a_bad_row(batch):
+        bad = pa.table({"trace_id": pa.array([None], pa.string())})
+        return [
+            *real(batch),
+            ("_tdb_bad", "INSERT INTO traces (trace_id, record) SELECT trace_id, '{}' FROM _tdb_bad", bad),
+        ]
+
+    monkeypatch.setattr(tracedb.ingest, "_batch_inserts", with_a_bad_row)
+    with tracedb.connect(tmp_path / "runs.duckdb") as db:
+        before = content(db)
+        with pytest.raises(duckdb.ConstraintException):
+            db.ingest(FIXTURES / "linear.traces.jsonl")
+        assert content(db) == before
+        monkeypatch.setattr(tracedb.ingest, "_batch_inserts", real)
+        assert db.ingest(FIXTURES / "linear.traces.jsonl").traces == 1
+
+
+def test_a_failed_commit_reports_its_own_error(tmp_path, monkeypatch):
+    """DuckDB ends the transaction when COMMIT fails; the ROLLBACK after it must not hide
+    the commit's error behind "no transaction is active"."""
+    import duckdb
+
+    def failing_commit(db):
+        db.con.execute("ROLLBACK")  # what a failed COMMIT leaves behind
+        raise duckdb.ConstraintException("commit failed (simulated)")
+
+    monkeypatch.setattr(tracedb.ingest, "_commit_into_file", failing_commit)
+    with tracedb.connect(tmp_path / "runs.duckdb") as db:
+        with pytest.raises(duckdb.ConstraintException, match="simulated"):
+            db.ingest(FIXTURES / "linear.traces.jsonl")
+        assert counts(db)["traces"] == 0
+
+
+def test_interrupted_twice_the_ingest_still_rolls_back_after_the_writer(tmp_path, monkeypatch):
+    """Ctrl-C while the writer inserts, and again while ingest waits for it: the ROLLBACK
+    comes only once the writer is done (an INSERT after it would autocommit)."""
+    import threading
+    import time
+
+    monkeypatch.setattr(tracedb.ingest, "BATCH_TOKENS", 1)
+    real_write, real_join = tracedb.ingest._Writer._write, threading.Thread.join
+    inserting = threading.Event()
+
+    def slow_write(self, inserts):
+        inserting.set()
+        time.sleep(0.3)  # a large INSERT
+        real_write(self, inserts)
+
+    def join_interrupted_once(self, timeout=None):
+        if self.name == "tracedb-ingest-writer" and not getattr(self, "_tdb_interrupted", False):
+            self._tdb_interrupted = True
+            raise KeyboardInterrupt  # the second Ctrl-C, while ingest waits for the writer
+        return real_join(self, timeout)
+
+    def interrupted_flush(*args, **kwargs):
+        real_flush(*args, **kwargs)
+        if inserting.is_set():
+            raise KeyboardInterrupt  # the first Ctrl-C, in the parsing thread
+
+    real_flush = tracedb.ingest._flush
+    with tracedb.connect(tmp_path / "runs.duckdb") as db:
+        db.ingest(FIXTURES / "linear.traces.jsonl")
+        before = content(db)
+        monkeypatch.setattr(tracedb.ingest._Writer, "_write", slow_write)
+        monkeypatch.setattr(threading.Thread, "join", join_interrupted_once)
+        monkeypatch.setattr(tracedb.ingest, "_flush", interrupted_flush)
+        with pytest.raises(KeyboardInterrupt):
+            db.ingest(FIXTURES / "groups.traces.jsonl")
+        time.sleep(0.5)  # a writer left running would insert (and autocommit) by now
+        assert content(db) == before
+        assert not [t for t in threading.enumerate() if t.name == "tracedb-ingest-writer"]
+        monkeypatch.undo()
+        assert db.ingest(FIXTURES / "groups.traces.jsonl").ok
+
+
+def test_an_ingest_that_cannot_begin_leaves_nothing_running(fresh_db):
+    import threading
+
+    import duckdb
+
+    fresh_db.con.execute("BEGIN TRANSACTION")  # the caller's own, still open
+    before = {t.ident for t in threading.enumerate()}
+    with pytest.raises(duckdb.TransactionException):
+        fresh_db.ingest(FIXTURES / "linear.traces.jsonl", progress=True)
+    assert {t.ident for t in threading.enumerate() if t.is_alive()} <= before
+    fresh_db.con.execute("ROLLBACK")

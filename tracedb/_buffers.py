@@ -32,6 +32,7 @@ SMALL = 1 << 20
 _GRAIN = 1 << 20  # mapping sizes are whole MiB, so views of nearly the same size share them
 
 _idle: deque[mmap.mmap] = deque()  # appended to by __del__ (any thread, inside GC too): no lock
+os.register_at_fork(after_in_child=_idle.clear)  # a child starts with its own, empty pool
 
 
 class _Owner(np.ndarray):
@@ -41,7 +42,10 @@ class _Owner(np.ndarray):
         mapping = self.__dict__.get("_tdb_mapping")
         if mapping is not None:
             try:
-                _idle.append(mapping)  # atomic; taking a lock here could deadlock under GC
+                # No lock (this may run inside GC, anywhere): append is atomic, and a race
+                # can overshoot the budget by a mapping at most.
+                if idle_bytes() + len(mapping) <= POOL_BYTES:
+                    _idle.append(mapping)
             except Exception:  # interpreter shutdown: module globals may be gone already
                 pass
 
@@ -50,7 +54,7 @@ def empty(n: int, dtype: type) -> np.ndarray:
     """An uninitialised array of ``n`` items whose memory Arrow can take without a copy
     (``values.base`` is the ``pa.Buffer``)."""
     size = n * np.dtype(dtype).itemsize
-    if size < SMALL or POOL_BYTES <= 0:
+    if size == 0 or size < SMALL or POOL_BYTES <= 0:
         return np.frombuffer(pa.allocate_buffer(max(size, 1)), dtype, count=n)
     mapping = _take(size)
     owner = np.frombuffer(mapping, np.uint8, count=size).view(_Owner)
@@ -81,7 +85,9 @@ def _take(size: int) -> mmap.mmap:
         # else dropped: unmapped once collected
     if found is not None:
         return found
-    return mmap.mmap(-1, need)
+    if hasattr(mmap, "MAP_PRIVATE"):  # private: a forked child's writes must not reach its parent's views
+        return mmap.mmap(-1, need, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return mmap.mmap(-1, need)  # Windows: process-private already, and no fork
 
 
 def idle_bytes() -> int:

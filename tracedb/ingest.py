@@ -9,6 +9,7 @@ or not at all, and with ``strict=True`` any rejection aborts it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import duckdb
 import numpy as np
 import pyarrow as pa
 import simdjson
@@ -42,8 +44,8 @@ if TYPE_CHECKING:
 
 BATCH_TOKENS = 2_000_000
 """Write buffered rows to DuckDB after this many tokens, which bounds ingest memory
-whatever the input size. (A writer thread overlapping DuckDB with parsing was measured
-and dropped: both halves are Python-bound and only took turns on the GIL.)"""
+whatever the input size (a batch is parsed while the one before it is inserted by
+``_Writer``, and at most one more waits)."""
 
 
 @dataclass
@@ -429,14 +431,15 @@ class _Writer:
         self.con = con
         self.segments_added = 0
         self.error: BaseException | None = None
+        self.cancelled = False
         self._queue: queue.Queue[list[_Insert] | None] = queue.Queue(maxsize=1)
         self._thread = threading.Thread(target=self._run, name="tracedb-ingest-writer", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while (inserts := self._queue.get()) is not None:
-            if self.error is not None:
-                continue  # failed: drain until stopped
+            if self.error is not None or self.cancelled:
+                continue  # failed or cancelled: drain until stopped
             try:
                 self._write(inserts)
             except BaseException as e:  # handed to the ingesting thread
@@ -445,14 +448,19 @@ class _Writer:
     def _write(self, inserts: list[_Insert]) -> None:
         con = self.con
         for name, statement, table in inserts:
+            if self.cancelled:
+                return
             segments = name == "_tdb_segments"
             if segments:
                 before = con.execute("SELECT count(*) FROM segments").fetchall()[0][0]
             con.register(name, table)
             try:
                 con.execute(statement)
-            finally:
-                con.unregister(name)
+            except BaseException:
+                with contextlib.suppress(duckdb.Error):  # the aborted transaction refuses it; ROLLBACK drops it
+                    con.unregister(name)
+                raise  # the INSERT's own error, not the unregister's
+            con.unregister(name)
             if segments:
                 self.segments_added += con.execute("SELECT count(*) FROM segments").fetchall()[0][0] - before
 
@@ -469,6 +477,22 @@ class _Writer:
     def finish(self) -> None:
         self.stop()
         self._raise()
+
+    def cancel(self) -> None:
+        """Drop what is queued and interrupt a running INSERT (then ``wait``)."""
+        self.cancelled = True
+        with contextlib.suppress(queue.Empty):
+            self._queue.get_nowait()  # the one waiting batch, if any: room for the stop
+        with contextlib.suppress(queue.Full):
+            self._queue.put_nowait(None)
+        self.con.interrupt()
+
+    def wait(self) -> None:
+        """Until the thread is gone, through further Ctrl-C: the connection must be
+        idle before anyone rolls back (an INSERT after the ROLLBACK would autocommit)."""
+        while self._thread.is_alive():
+            with contextlib.suppress(KeyboardInterrupt):
+                self._thread.join()
 
     def _raise(self) -> None:
         if self.error is not None:
@@ -581,11 +605,14 @@ def ingest(
     seen: set[str] = set()
     seen_episodes: set[str] = set()
     con = db.con
-    bar = _progress(files) if progress else None
-    reader = db.cursor()
     con.execute("BEGIN TRANSACTION")
-    writer = _Writer(con)
+    reader: Any = None
+    writer: _Writer | None = None
+    bar = None
     try:
+        reader = db.cursor()
+        writer = _Writer(con)
+        bar = _progress(files) if progress else None
         batch = _Batch()
         for path in files:
             source = str(path)
@@ -615,11 +642,19 @@ def ingest(
         _record_rejects(db, rejects)
         _commit_into_file(db)
     except BaseException:
-        writer.stop()  # never roll back under a running INSERT
-        con.execute("ROLLBACK")
+        try:
+            if writer is not None:
+                writer.cancel()
+        finally:
+            if writer is not None:
+                writer.wait()  # never roll back under a running INSERT
+            # A failed COMMIT has ended the transaction already: its error is the one to see.
+            with contextlib.suppress(duckdb.TransactionException):
+                con.execute("ROLLBACK")
         raise
     finally:
-        reader.close()
+        if reader is not None:
+            reader.close()
         if bar is not None:
             bar.stop()
     db._changed()
