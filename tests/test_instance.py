@@ -144,6 +144,17 @@ def _child_opens(path: str, queue: multiprocessing.Queue) -> None:
         queue.put(db.branches().num_rows)
 
 
+def branches_in_a_forked_child(path: Path) -> int:
+    """The number of branches a forked child reads from ``path`` (it must exit cleanly)."""
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child_opens, args=(str(path), queue))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    return queue.get(timeout=5)
+
+
 @pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="needs fork")
 def test_a_forked_child_opens_databases_of_its_own(tmp_path: Path) -> None:
     path = tmp_path / "runs.duckdb"
@@ -151,13 +162,7 @@ def test_a_forked_child_opens_databases_of_its_own(tmp_path: Path) -> None:
         db.ingest(FIXTURES)
         expected = db.branches().num_rows
     with tracedb.connect(tmp_path / "held.duckdb"):  # the instance exists and holds a file at the fork
-        ctx = multiprocessing.get_context("fork")
-        queue = ctx.Queue()
-        child = ctx.Process(target=_child_opens, args=(str(path), queue))
-        child.start()
-        child.join(60)
-        assert child.exitcode == 0
-        assert queue.get(timeout=5) == expected
+        assert branches_in_a_forked_child(path) == expected
 
 
 @pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="needs fork")
@@ -169,13 +174,7 @@ def test_a_forked_child_opens_the_file_its_parent_holds(tmp_path: Path) -> None:
         db.ingest(FIXTURES)
         expected = db.branches().num_rows
     with tracedb.connect(path, read_only=True) as held:
-        ctx = multiprocessing.get_context("fork")
-        queue = ctx.Queue()
-        child = ctx.Process(target=_child_opens, args=(str(path), queue))
-        child.start()
-        child.join(60)
-        assert child.exitcode == 0
-        assert queue.get(timeout=5) == expected
+        assert branches_in_a_forked_child(path) == expected
         assert held.branches().num_rows == expected  # the child's close left the parent's attachment alone
 
 
