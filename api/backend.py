@@ -57,13 +57,17 @@ class PooledDatabase(Database):
 
     def __init__(self, root: Database, generation: _Generation) -> None:
         # No super().__init__(): that would open a new connection and install the schema.
-        self.path = root.path
-        self._catalog = root._catalog
-        self._instance_key = root._instance_key
+        self._follow(root, generation)
         self.con = root.cursor()
         self._release = self.con.close
         self._cache = None
         self._in_transaction = False
+
+    def _follow(self, root: Database, generation: _Generation) -> None:
+        """What a handle over the server's database takes from its root handle."""
+        self.path = root.path
+        self._catalog = root._catalog
+        self._instance_key = root._instance_key
         self._shared = generation
 
     @property  # type: ignore[override]
@@ -83,11 +87,8 @@ class ThreadDatabase(PooledDatabase):
     """One object for every reading thread; each thread gets its own cursor and cache."""
 
     def __init__(self, root: Database, generation: _Generation) -> None:
-        self.path = root.path
-        self._catalog = root._catalog
-        self._instance_key = root._instance_key
+        self._follow(root, generation)
         self._root = root
-        self._shared = generation
         self._local = threading.local()
         self._cursors: dict[threading.Thread, duckdb.DuckDBPyConnection] = {}
         self._lock = threading.Lock()

@@ -80,8 +80,6 @@ def test_pool_off_uses_arrows_allocator(monkeypatch: pytest.MonkeyPatch) -> None
 def test_views_stay_exact_on_reused_dirty_memory(fixture_db, pool: None) -> None:
     """Columns are written whole: a view built on pages an earlier, different view left
     behind equals the same view built on fresh memory."""
-    import tracedb.views as views
-
     shapes = [
         {},
         {"columns": ["token_ids", "logprobs"]},
@@ -102,7 +100,7 @@ def test_views_stay_exact_on_reused_dirty_memory(fixture_db, pool: None) -> None
             assert got.equals(want), shape
             del got
             gc.collect()  # mappings go back to the pool, dirty
-    assert views._fresh(10, np.int32).base is not None
+    assert _buffers.idle_bytes() > 0  # the views' columns went through the pool and came back
 
 
 def test_release_keeps_the_pool_within_budget(pool: None, monkeypatch: pytest.MonkeyPatch) -> None:

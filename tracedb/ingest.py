@@ -468,14 +468,10 @@ class _Writer:
         self._raise()
         self._queue.put(inserts)
 
-    def stop(self) -> None:
-        """Wait until every submitted batch is written (or the writer failed)."""
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
-
     def finish(self) -> None:
-        self.stop()
+        """Wait until every submitted batch is written; raise the writer's error, if any."""
+        self._queue.put(None)
+        self._thread.join()
         self._raise()
 
     def cancel(self) -> None:

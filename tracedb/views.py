@@ -259,12 +259,12 @@ logprobs of the benchmark database read in ~28 ms with ~0 page faults, ~40 ms wi
 
 def _flat_column(con: Any, query: str, lengths: pa.ChunkedArray, dtype: type) -> _Parts:
     """The values of ``query`` (one column of ``dtype``), cut by ``lengths``; streamed
-    batch by batch into one array from Arrow's pool."""
+    batch by batch into one array (:mod:`tracedb._buffers`)."""
     valid = lengths.is_valid().to_numpy(zero_copy_only=False)
     offsets = np.zeros(len(lengths) + 1, np.int64)
     np.cumsum(pc.fill_null(lengths, 0).to_numpy(zero_copy_only=False), out=offsets[1:])
     total = int(offsets[-1])
-    values = _fresh(total, dtype)
+    values = _buffers.empty(total, dtype)
     pos = end = 0
     for batch in con.sql(query).to_arrow_reader(_STREAM_ROWS):
         part = batch.column(0).to_numpy(zero_copy_only=False)
@@ -440,18 +440,12 @@ def _credit_stream(credit_rows: pa.Table, base: dict[str, int], n_sampled: np.nd
     return _Stream(np.concatenate([values.astype(np.float32, copy=False), broadcast]), src, take, has)
 
 
-def _fresh(n: int, dtype: type) -> np.ndarray:
-    """An uninitialised column; large ones in memory that stays mapped between views
-    (:mod:`tracedb._buffers`). ``_list`` hands the buffer to Arrow unchanged."""
-    return _buffers.empty(n, dtype)
-
-
 def _list(values: np.ndarray, offsets: pa.Array, value_type: pa.DataType, valid: np.ndarray | None = None) -> pa.Array:
     mask = None if valid is None or valid.all() else pa.array(~valid)
     if value_type == pa.bool_():  # numpy packs the bitmap several times faster than pa.array
         bits = pa.py_buffer(np.packbits(values, bitorder="little"))
         flat = pa.BooleanArray.from_buffers(pa.bool_(), len(values), [None, bits])
-    elif isinstance(values.base, pa.Buffer):  # written by a kernel into _fresh's buffer: no copy
+    elif isinstance(values.base, pa.Buffer):  # written by a kernel into _buffers.empty's buffer: no copy
         flat = pa.Array.from_buffers(value_type, len(values), [None, values.base])
     else:
         flat = pa.array(values, value_type)
@@ -506,8 +500,8 @@ def _branch_tables(
     }
     if "token_ids" in columns or "sampled_mask" in columns:
         keep = _first_use(data, br) if train_once else np.ones(len(path_rows), np.bool_)
-        tokens = _fresh(total, np.int32)
-        mask = _fresh(total, np.bool_)
+        tokens = _buffers.empty(total, np.int32)
+        mask = _buffers.empty(total, np.bool_)
         kernels.spread_tokens(
             0, n_branches, path_off, path_rows, keep, out_off, data.n_tok, data.tok_src, data.seg_values,
             data.prefix, data.slot_src, data.slots, tokens, mask,
@@ -518,7 +512,7 @@ def _branch_tables(
         if name not in data.streams:
             continue
         stream = data.streams[name]
-        values = _fresh(total, np.float32)
+        values = _buffers.empty(total, np.float32)
         kernels.spread_stream(
             0, n_branches, path_off, path_rows, out_off, data.n_tok, data.prefix, data.slot_src, data.slots,
             stream.src, stream.take, stream.values, values,
