@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import json
 import queue
 import threading
@@ -26,6 +25,7 @@ import numpy as np
 import pyarrow as pa
 import simdjson
 
+from tracedb.blocks import NODE_SCHEMA, Block, Scanner, _open, read_chunks, scan_chunk
 from tracedb.errors import IngestAborted, Location, RecordError
 from tracedb.models import COMPACT_STREAMS
 from tracedb.records import (
@@ -127,14 +127,6 @@ def find_files(paths: Iterable[str | Path]) -> list[Path]:
     return out
 
 
-def _open(path: Path) -> io.BufferedIOBase:
-    if path.name.endswith(".zst"):
-        import zstandard
-
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb")), 1 << 20)
-    return open(path, "rb", buffering=1 << 20)
-
-
 def read_lines(path: Path) -> Iterator[tuple[int, bytes]]:
     """(line number, bytes) of each non-blank record; a ``.json`` file is one record."""
     with _open(path) as f:
@@ -211,6 +203,8 @@ class _Batch:
         self.episodes: list[dict[str, Any]] = []
         self.traces: list[dict[str, Any]] = []
         self.nodes: list[tuple[str, int, ParsedNode, bytes]] = []
+        self.blocks: dict[int, tuple[Block, list[np.ndarray]]] = {}
+        """Per block (by id): the block and the node rows of its fresh traces."""
         self.branches: list[tuple[str, int, int, bool, list[int], int, int]] = []
         self.segments: dict[bytes, np.ndarray] = {}
         self.pending: list[tuple[ParsedLine, str, int]] = []
@@ -231,10 +225,18 @@ class _Batch:
                 }
             )
         for t in fresh:
-            parents = [n.parent for n in t.nodes]
-            links = [n.semantic_parents for n in t.nodes]
-            sizes = [len(n.token_ids) for n in t.nodes]
-            sampled = [n.n_sampled for n in t.nodes]
+            block = t.block
+            if block is None:
+                parents = [n.parent for n in t.nodes]
+                links = [n.semantic_parents for n in t.nodes]
+                sizes = [len(n.token_ids) for n in t.nodes]
+                sampled = [n.n_sampled for n in t.nodes]
+            else:
+                lo, hi = t.rows
+                parents = block.parents(lo, hi)
+                links = block.links(lo, hi)
+                sizes = block.n_tokens[lo:hi].tolist()
+                sampled = block.n_sampled[lo:hi].tolist()
             paths = branch_paths(parents, links)
             for i, (leaf, trainable, path) in enumerate(paths):
                 self.branches.append(
@@ -252,7 +254,7 @@ class _Batch:
                     "is_completed": meta.get("is_completed"),
                     "is_timeout": meta.get("is_timeout"),
                     "stop_condition": meta.get("stop_condition"),
-                    "n_nodes": len(t.nodes),
+                    "n_nodes": len(sizes),
                     "n_branches": len(paths),
                     "n_tokens": sum(sizes),
                     "n_sampled": sum(sampled),
@@ -261,12 +263,28 @@ class _Batch:
                     "line": number,
                 }
             )
-            for i, node in enumerate(t.nodes):
-                key = segment_key(node.token_ids)
-                self.segments.setdefault(key, node.token_ids)
-                self.nodes.append((t.trace_id, i, node, key))
+            if block is None:
+                for i, node in enumerate(t.nodes):
+                    key = segment_key(node.token_ids)
+                    self.segments.setdefault(key, node.token_ids)
+                    self.nodes.append((t.trace_id, i, node, key))
+                continue
+            lo, hi = t.rows
+            self.blocks.setdefault(id(block), (block, []))[1].append(np.arange(lo, hi))
+            segments = self.segments
+            for row in range(lo, hi):
+                key = block.key(row)
+                if key not in segments:
+                    segments[key] = block.token_ids(row)
 
     def node_table(self) -> pa.Table:
+        """The nodes of both parse paths, in :data:`NODE_SCHEMA`."""
+        parts = [self._legacy_table()] if self.nodes else []
+        for block, ranges in self.blocks.values():
+            parts.append(block.table(np.concatenate(ranges)))
+        return parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+
+    def _legacy_table(self) -> pa.Table:
 
         rows = self.nodes
         nodes = [r[2] for r in rows]
@@ -319,7 +337,7 @@ class _Batch:
         columns["message"] = pa.array([n.message for n in nodes], pa.string())
         columns["extra"] = pa.array([n.extra for n in nodes], pa.string())
         columns["present"] = pa.array([n.present for n in nodes], pa.int32())
-        return pa.table(columns)
+        return pa.table(columns).cast(NODE_SCHEMA)
 
     def segment_table(self) -> pa.Table:
         keys = list(self.segments)
@@ -333,15 +351,38 @@ class _Batch:
         )
 
 
-def _resolve(reader: Any, batch: _Batch, report: IngestReport, seen: set[str], seen_episodes: set[str]) -> None:
-    """Turn pending lines into rows, leaving out traces the database already holds.
+@dataclass
+class _Seen:
+    """What one ingest has added so far (not committed yet, so its reader cannot see it)."""
 
-    ``reader`` sees the database as committed before this ingest; ``seen`` and
-    ``seen_episodes`` are what this ingest has added so far (not committed yet)."""
+    traces: set[str] = field(default_factory=set)
+    episodes: set[str] = field(default_factory=set)
+    segments: set[bytes] = field(default_factory=set)
+
+
+def _existing_segments(reader: Any, keys: list[bytes]) -> set[bytes]:
+    if not keys:
+        return set()
+    reader.register("_tdb_keys", pa.table({"segment_id": pa.array(keys, pa.binary())}))
+    try:
+        rows = reader.execute(
+            "SELECT segment_id FROM segments WHERE segment_id IN (SELECT segment_id FROM _tdb_keys)"
+        ).fetchall()
+    finally:
+        reader.unregister("_tdb_keys")
+    return {r[0] for r in rows}
+
+
+def _resolve(reader: Any, batch: _Batch, report: IngestReport, seen: _Seen) -> None:
+    """Turn pending lines into rows, leaving out traces, episodes and token segments the
+    database already holds.
+
+    ``reader`` sees the database as committed before this ingest; ``seen`` is what this
+    ingest has added so far."""
     ids = [t.trace_id for line, _, _ in batch.pending for t in line.traces]
     episode_ids = [line.episode["id"] for line, _, _ in batch.pending if line.episode is not None]
-    known = existing_ids(reader, "traces", "trace_id", ids) | (seen & set(ids))
-    known_episodes = existing_ids(reader, "episodes", "episode_id", episode_ids) | (seen_episodes & set(episode_ids))
+    known = existing_ids(reader, "traces", "trace_id", ids) | (seen.traces & set(ids))
+    known_episodes = existing_ids(reader, "episodes", "episode_id", episode_ids) | (seen.episodes & set(episode_ids))
     for line, source, number in batch.pending:
         fresh = []
         for t in line.traces:
@@ -357,13 +398,21 @@ def _resolve(reader: Any, batch: _Batch, report: IngestReport, seen: set[str], s
                 line.episode = None  # already stored; its new traces still join it
             else:
                 known_episodes.add(line.episode["id"])
-                seen_episodes.add(line.episode["id"])
+                seen.episodes.add(line.episode["id"])
                 report.episodes += 1
         batch.add(line, source, number, group_id, fresh)
         report.traces += len(fresh)
-        report.nodes += sum(len(t.nodes) for t in fresh)
-        report.tokens += sum(len(n.token_ids) for t in fresh for n in t.nodes)
-    seen.update(known)
+        report.nodes += sum(t.n_nodes for t in fresh)
+        report.tokens += sum(t.n_tokens for t in fresh)
+    seen.traces.update(known)
+    segments = batch.segments
+    new = [k for k in segments if k not in seen.segments]
+    stored = _existing_segments(reader, new)
+    for key in list(segments):
+        if key in seen.segments or key in stored:
+            del segments[key]
+    seen.segments.update(segments)
+    report.segments_added += len(segments)
 
 
 _Insert = tuple[str, str, pa.Table]  # registered name, INSERT statement reading it, rows
@@ -396,11 +445,11 @@ def _batch_inserts(batch: _Batch) -> list[_Insert]:
         out.append(
             (
                 "_tdb_segments",
-                "INSERT OR IGNORE INTO segments SELECT segment_id, n_tokens, token_ids FROM _tdb_segments",
+                "INSERT INTO segments SELECT segment_id, n_tokens, token_ids FROM _tdb_segments",
                 batch.segment_table(),
             )
         )
-    if batch.nodes:
+    if batch.nodes or batch.blocks:
         table = batch.node_table()
         out.append(
             ("_tdb_nodes", f"INSERT INTO nodes ({', '.join(table.column_names)}) SELECT * FROM _tdb_nodes", table)
@@ -429,7 +478,6 @@ class _Writer:
 
     def __init__(self, con: Any) -> None:
         self.con = con
-        self.segments_added = 0
         self.error: BaseException | None = None
         self.cancelled = False
         self._queue: queue.Queue[list[_Insert] | None] = queue.Queue(maxsize=1)
@@ -450,9 +498,6 @@ class _Writer:
         for name, statement, table in inserts:
             if self.cancelled:
                 return
-            segments = name == "_tdb_segments"
-            if segments:
-                before = con.execute("SELECT count(*) FROM segments").fetchall()[0][0]
             con.register(name, table)
             try:
                 con.execute(statement)
@@ -461,8 +506,6 @@ class _Writer:
                     con.unregister(name)
                 raise  # the INSERT's own error, not the unregister's
             con.unregister(name)
-            if segments:
-                self.segments_added += con.execute("SELECT count(*) FROM segments").fetchall()[0][0] - before
 
     def submit(self, inserts: list[_Insert]) -> None:
         self._raise()
@@ -495,10 +538,8 @@ class _Writer:
             raise self.error
 
 
-def _flush(
-    reader: Any, writer: _Writer, batch: _Batch, report: IngestReport, seen: set[str], seen_episodes: set[str]
-) -> None:
-    _resolve(reader, batch, report, seen, seen_episodes)
+def _flush(reader: Any, writer: _Writer, batch: _Batch, report: IngestReport, seen: _Seen) -> None:
+    _resolve(reader, batch, report, seen)
     writer.submit(_batch_inserts(batch))
 
 
@@ -598,8 +639,7 @@ def ingest(
     report = IngestReport(files=len(files))
     parser = simdjson.Parser()
     rejects: list[tuple[Reject, bytes]] = []
-    seen: set[str] = set()
-    seen_episodes: set[str] = set()
+    seen = _Seen()
     con = db.con
     con.execute("BEGIN TRANSACTION")
     reader: Any = None
@@ -610,31 +650,38 @@ def ingest(
         writer = _Writer(con)
         bar = _progress(files) if progress else None
         batch = _Batch()
+        scanner = Scanner()
         for path in files:
             source = str(path)
-            for number, raw in read_lines(path):
-                report.lines += 1
+            for chunk in read_chunks(path):
                 if bar is not None:
-                    bar.advance(len(raw) + 1)
-                where = Location(source, number)
-                try:
-                    line = parse_line(parser, raw, where, allow_ragged=allow_ragged)
-                except RecordError as e:
-                    loc = e.location
-                    reject = Reject(loc.file, loc.line, loc.trace_id, loc.node, loc.field, e.reason)
-                    if strict:
-                        raise IngestAborted(e) from None
-                    rejects.append((reject, raw))
-                    report.rejected.append(reject)
-                    continue
-                batch.pending.append((line, source, number))
-                batch.tokens += sum(len(n.token_ids) for t in line.traces for n in t.nodes)
-                if batch.tokens >= BATCH_TOKENS:
-                    _flush(reader, writer, batch, report, seen, seen_episodes)
-                    batch = _Batch()
-        _flush(reader, writer, batch, report, seen, seen_episodes)
+                    bar.advance(len(chunk.data))
+                _, scanned = scan_chunk(chunk, scanner, allow_ragged=allow_ragged)
+                for k, line in enumerate(scanned):
+                    number = int(chunk.numbers[k])
+                    if line is None:  # not taken by the scanner (or blank)
+                        raw = chunk.raw(k)
+                        if not raw.strip():
+                            continue
+                        try:
+                            line = parse_line(parser, raw, Location(source, number), allow_ragged=allow_ragged)
+                        except RecordError as e:
+                            report.lines += 1
+                            loc = e.location
+                            reject = Reject(loc.file, loc.line, loc.trace_id, loc.node, loc.field, e.reason)
+                            if strict:
+                                raise IngestAborted(e) from None
+                            rejects.append((reject, raw))
+                            report.rejected.append(reject)
+                            continue
+                    report.lines += 1
+                    batch.pending.append((line, source, number))
+                    batch.tokens += sum(t.n_tokens for t in line.traces)
+                    if batch.tokens >= BATCH_TOKENS:
+                        _flush(reader, writer, batch, report, seen)
+                        batch = _Batch()
+        _flush(reader, writer, batch, report, seen)
         writer.finish()
-        report.segments_added = writer.segments_added
         _record_rejects(db, rejects)
         _commit_into_file(db)
     except BaseException:

@@ -66,8 +66,22 @@ class ParsedTrace:
     trace_id: str
     episode_id: str | None
     position: int
-    meta: dict[str, Any]  # the trace record without its nodes
+    meta: dict[str, Any]  # the trace record, its nodes (when present) None
     nodes: list[ParsedNode] = field(default_factory=list)
+    block: Any = None
+    """A :class:`tracedb.blocks.Block` holding this trace's nodes (rows ``rows``) instead of ``nodes``."""
+    rows: tuple[int, int] = (0, 0)
+
+    @property
+    def n_nodes(self) -> int:
+        return len(self.nodes) if self.block is None else self.rows[1] - self.rows[0]
+
+    @property
+    def n_tokens(self) -> int:
+        if self.block is None:
+            return sum(len(n.token_ids) for n in self.nodes)
+        lo, hi = self.rows
+        return int(self.block.tok_off[hi] - self.block.tok_off[lo])
 
 
 @dataclass
@@ -266,6 +280,7 @@ def _fast_trace(trace: Any, episode_id: str | None, position: int) -> tuple[Pars
     for key in trace.keys():
         if key == "nodes":
             nodes_value = trace[key]
+            meta[key] = None  # a placeholder in the key's place; the nodes are filled in on read
         else:
             meta[key] = _plain(trace[key])
     trace_id = meta.get("id")
@@ -281,7 +296,6 @@ def _fast_trace(trace: Any, episode_id: str | None, position: int) -> tuple[Pars
             pn, b = _fast_node(node)
             parsed.nodes.append(pn)
             brackets += b
-        meta["nodes"] = None  # placeholder keeps the key's position; filled on read
     try:  # the non-node part of the contract, cheap because it carries no tokens
         Trace.model_validate({**meta, "nodes": []})
     except pydantic.ValidationError as e:
@@ -307,6 +321,7 @@ def parse_fast(parser: simdjson.Parser, raw: bytes) -> ParsedLine:
             for key in doc.keys():
                 if key == "traces":
                     traces_value = doc[key]
+                    episode[key] = None  # in the key's place; the traces are filled in on read
                 else:
                     episode[key] = _plain(doc[key])
             if type(episode.get("id")) is not str or not isinstance(traces_value, simdjson.Array):
@@ -321,7 +336,6 @@ def parse_fast(parser: simdjson.Parser, raw: bytes) -> ParsedLine:
                 pt, b = _fast_trace(t, episode["id"], i)
                 traces.append(pt)
                 brackets += b
-            episode["traces"] = None
             result = ParsedLine(episode, traces)
         # Every "[" of the line must belong to an array we took apart; a nested list hidden
         # inside a numeric stream would otherwise be flattened silently.
@@ -425,9 +439,9 @@ def parse_slow(raw: bytes, where: Location) -> ParsedLine:
     traces = []
     for i, t in enumerate(traces_raw):
         meta = {**t}
-        nodes = meta.pop("nodes", None)
-        if nodes is not None:
-            meta["nodes"] = None
+        nodes = meta.get("nodes")
+        if "nodes" in meta:
+            meta["nodes"] = None  # in the key's place; the nodes are filled in on read
         pt = ParsedTrace(t["id"], None if bare else value["id"], i, meta)
         pt.nodes = [_slow_node(n) for n in nodes or []]
         traces.append(pt)

@@ -1,0 +1,397 @@
+"""Chunks of a ``traces.jsonl`` file, scanned into columnar node blocks.
+
+:func:`read_chunks` cuts a file into chunks of whole lines; :func:`scan_chunk` runs the
+compiled scanner (:mod:`tracedb._scan`) over one and returns a :class:`Block` (every
+node of the chunk's accepted lines, as flat buffers) plus, per line, either a
+:class:`~tracedb.records.ParsedLine` whose traces point into the block or ``None``:
+that line goes through :func:`tracedb.ingest.parse_line`, which parses what the scanner
+does not take and words every error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pydantic
+
+from tracedb import _scan as S
+from tracedb.models import COMPACT_STREAMS, Episode, Trace
+from tracedb.records import ParsedLine, ParsedTrace
+
+CHUNK_BYTES = 4 << 20
+"""Bytes read per chunk (a chunk grows to hold a longer line)."""
+
+NODE_SCHEMA = pa.schema(
+    [
+        ("trace_id", pa.string()),
+        ("node_index", pa.int32()),
+        ("parent", pa.int32()),
+        ("role", pa.string()),
+        ("sampled", pa.bool_()),
+        ("timestamp", pa.float64()),
+        ("segment_id", pa.binary()),
+        ("n_tokens", pa.int32()),
+        ("n_sampled", pa.int32()),
+        ("mask_prefix", pa.int32()),
+        ("mask_slots", pa.list_(pa.int32())),
+        ("is_content", pa.list_(pa.bool_())),
+        *((name, pa.list_(pa.float32())) for name in COMPACT_STREAMS),
+        ("loss_weights", pa.map_(pa.string(), pa.list_(pa.float32()))),
+        ("semantic_parents", pa.list_(pa.struct([("node", pa.int32()), ("type", pa.string())]))),
+        ("semantic_parents_record", pa.string()),
+        ("message", pa.string()),
+        ("extra", pa.string()),
+        ("present", pa.int32()),
+    ]
+)
+"""The ``nodes`` rows an ingest batch inserts, from either parse path."""
+
+
+def _open(path: Path) -> io.BufferedIOBase:
+    if path.name.endswith(".zst"):
+        import zstandard
+
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb")), 1 << 20)
+    return open(path, "rb", buffering=1 << 20)
+
+
+@dataclass
+class Chunk:
+    """Whole lines of a file: ``data[starts[k]:ends[k]]`` is line ``numbers[k]``."""
+
+    data: bytes
+    starts: np.ndarray
+    ends: np.ndarray
+    numbers: np.ndarray
+
+    def raw(self, k: int) -> bytes:
+        """Line ``k`` as ``read_lines`` gives it (without its line break)."""
+        return self.data[self.starts[k] : self.ends[k]].rstrip(b"\r\n")
+
+
+def _chunk(data: bytes, first_number: int) -> Chunk:
+    if not data.endswith(b"\n"):
+        data += b"\n"  # every line is followed by a byte (see _scan.scan)
+    arr = np.frombuffer(data, dtype=np.uint8)
+    breaks = np.flatnonzero(arr == 10)
+    starts = np.concatenate(([0], breaks + 1))
+    ends = np.concatenate((breaks, [len(data)]))
+    if starts[-1] == len(data):  # the text ends with a line break
+        starts, ends = starts[:-1], ends[:-1]
+    numbers = np.arange(first_number, first_number + len(starts), dtype=np.int64)
+    return Chunk(data, starts.astype(np.int64), ends.astype(np.int64), numbers)
+
+
+def read_chunks(path: Path, chunk_bytes: int = CHUNK_BYTES) -> Iterator[Chunk]:
+    """The file's lines in chunks (a ``.json`` file is one record)."""
+    with _open(path) as f:
+        if path.suffix == ".json":
+            data = f.read()
+            if data:
+                end = np.array([len(data)], np.int64)
+                yield Chunk(data + b"\n", np.zeros(1, np.int64), end, np.ones(1, np.int64))
+            return
+        carry = b""
+        number = 1
+        while True:
+            data = f.read(chunk_bytes)
+            if not data:
+                if carry:
+                    yield _chunk(carry, number)
+                return
+            data = carry + data if carry else data
+            cut = data.rfind(b"\n")
+            if cut < 0:
+                carry = data
+                continue
+            chunk = _chunk(data[: cut + 1], number)
+            number += len(chunk.starts)
+            carry = data[cut + 1 :]
+            yield chunk
+
+
+# --------------------------------------------------------------------------- scanning
+
+
+def _strings(n: int, offsets: np.ndarray, data: np.ndarray, valid: np.ndarray | None) -> pa.Array:
+    """A string array over ``data`` (offsets per entry plus the end), nulls where not valid."""
+    bitmap = None
+    if valid is not None and not valid.all():
+        bitmap = pa.array(valid).buffers()[1]
+    arr = pa.Array.from_buffers(pa.string(), n, [bitmap, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(data)])
+    arr.validate(full=True)  # UTF-8
+    return arr
+
+
+def _lists(offsets: np.ndarray, values: pa.Array, null: np.ndarray) -> pa.Array:
+    mask = pa.array(null) if null.any() else None
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), values, mask=mask)
+
+
+class Block:
+    """The nodes a scan accepted, as columns; traces refer to them by row range."""
+
+    def __init__(self, out: dict[str, np.ndarray]) -> None:
+        """Copy what the scan wrote out of the scanner's buffers (which the next chunk reuses)."""
+        counts = out["counts"]
+        n = int(counts[S.C_NODE])
+        nodes = out["nodes"][:n].copy()
+        self.n = n
+        self.nodes = nodes
+        self.nulls = nodes[:, S.N_NULLS]
+
+        def ends(col: int, counter: int) -> np.ndarray:
+            return np.append(nodes[:, col], counts[counter])
+
+        def used(name: str, counter: int) -> np.ndarray:
+            return out[name][: counts[counter]].copy()
+
+        self.tok_off = ends(S.N_TOK_OFF, S.C_TOK)
+        self.tokens = used("tokens", S.C_TOK)
+        self.n_tokens = np.diff(self.tok_off).astype(np.int32)
+        self.n_sampled = nodes[:, S.N_NSAMP].astype(np.int32)
+        self.link_off = ends(S.N_LINK_OFF, S.C_LINK)
+        self.link_nodes = used("link_nodes", S.C_LINK)
+        type_off = np.append(out["link_type_off"][: counts[S.C_LINK]], counts[S.C_LTXT])
+        self.link_types = _strings(len(self.link_nodes), type_off, used("link_text", S.C_LTXT), None)
+        self.message = _strings(n, ends(S.N_MSG_OFF, S.C_MSG), used("messages", S.C_MSG), None)
+        self.role = _strings(n, ends(S.N_ROLE_OFF, S.C_ROLE), used("roles", S.C_ROLE), (self.nulls & S.NULL_ROLE) == 0)
+        self.extra = _strings(
+            n, ends(S.N_EXTRA_OFF, S.C_EXTRA), used("extras", S.C_EXTRA), (self.nulls & S.NULL_EXTRA) == 0
+        )
+        self.timestamps = out["timestamps"][:n].copy()
+        self.stream_off = [ends(S.N_STREAM_OFF + s, S.C_STREAM + s) for s in range(len(COMPACT_STREAMS))]
+        self.streams = [out["streams"][s, : counts[S.C_STREAM + s]].copy() for s in range(len(COMPACT_STREAMS))]
+        self.slot_off = ends(S.N_SLOT_OFF, S.C_SLOT)
+        self.slots = used("slots", S.C_SLOT)
+        self.ic_off = ends(S.N_IC_OFF, S.C_IC)
+        self.is_content = used("is_content", S.C_IC)
+        self._hard(out)
+        self.keys: list[bytes | None] = [None] * n
+        self.trace_ids: list[str | None] = [None] * int(counts[S.C_TRACE])
+        """Per trace of the scan, its id once its line is accepted."""
+
+    def _hard(self, out: dict[str, np.ndarray]) -> None:
+        """Convert the floats the scanner left as text (Arrow's parser is exact)."""
+        counts = out["counts"]
+        h = int(counts[S.C_HARD])
+        if not h:
+            return
+        offsets = np.append(out["hard_off"][:h], counts[S.C_HTXT])
+        text = pa.Array.from_buffers(
+            pa.string(), h, [None, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(out["hard_text"])]
+        )
+        values = pc.cast(text, pa.float64()).to_numpy()  # float32 streams round from these doubles
+        if not np.isfinite(values).all():
+            raise ValueError("a float beyond the double range")  # the slow path decides
+        target, index = out["hard"][:h, 0], out["hard"][:h, 1]
+        ts = target == S.HARD_TS
+        self.timestamps[index[ts]] = values[ts]
+        for s in range(len(COMPACT_STREAMS)):
+            mine = target == s
+            self.streams[s][index[mine]] = values[mine]
+
+    def key(self, row: int) -> bytes:
+        """Content address of the row's tokens (see :func:`tracedb.ingest.segment_key`)."""
+        key = self.keys[row]
+        if key is None:
+            key = self.keys[row] = hashlib.blake2b(
+                memoryview(self.tokens[self.tok_off[row] : self.tok_off[row + 1]]), digest_size=16
+            ).digest()
+        return key
+
+    def token_ids(self, row: int) -> np.ndarray:
+        return self.tokens[self.tok_off[row] : self.tok_off[row + 1]]
+
+    def parents(self, lo: int, hi: int) -> list[int | None]:
+        return [None if p < 0 else p for p in self.nodes[lo:hi, S.N_PARENT].tolist()]
+
+    def links(self, lo: int, hi: int) -> list[list[dict[str, Any]] | None]:
+        out: list[list[dict[str, Any]] | None] = [None] * (hi - lo)
+        off = self.link_off
+        for r in np.flatnonzero(np.diff(off[lo : hi + 1])).tolist():
+            a, b = off[lo + r], off[lo + r + 1]
+            out[r] = [
+                {"node": int(node), "type": kind}
+                for node, kind in zip(self.link_nodes[a:b].tolist(), self.link_types[a:b].to_pylist(), strict=True)
+            ]
+        return out
+
+    def table(self, rows: np.ndarray) -> pa.Table:
+        """The ``nodes`` rows of ``rows`` (block row numbers), in :data:`NODE_SCHEMA`."""
+        nodes, nulls = self.nodes, self.nulls
+        ids = pa.array(self.trace_ids, pa.string()).take(pa.array(nodes[:, S.N_TRACE]))
+        parent = nodes[:, S.N_PARENT]
+        sampled = nodes[:, S.N_SAMPLED]
+        prefix = nodes[:, S.N_PREFIX]
+        links = pa.StructArray.from_arrays(
+            [pa.array(self.link_nodes, pa.int32()), self.link_types], names=["node", "type"]
+        )
+        columns = [
+            ids,
+            pa.array(nodes[:, S.N_INDEX].astype(np.int32)),
+            pa.array(parent.astype(np.int32), mask=parent < 0),
+            self.role,
+            pa.array(sampled == 1, mask=sampled < 0),
+            pa.array(self.timestamps, mask=(nulls & S.NULL_TS) != 0),
+            None,  # segment ids: only for the rows taken
+            pa.array(self.n_tokens),
+            pa.array(self.n_sampled),
+            pa.array(prefix.astype(np.int32), mask=prefix < 0),
+            _lists(self.slot_off, pa.array(self.slots, pa.int32()), (nulls & S.NULL_SLOTS) != 0),
+            _lists(self.ic_off, pa.array(self.is_content.view(np.bool_)), (nulls & S.NULL_IC) != 0),
+            *(
+                _lists(off, pa.array(values), (nulls & (1 << (S.NULL_STREAM + s))) != 0)
+                for s, (off, values) in enumerate(zip(self.stream_off, self.streams, strict=True))
+            ),
+            pa.nulls(self.n, NODE_SCHEMA.field("loss_weights").type),
+            _lists(self.link_off, links, (nulls & S.NULL_LINKS) != 0),
+            pa.nulls(self.n, pa.string()),
+            self.message,
+            self.extra,
+            pa.array(nodes[:, S.N_PRESENT].astype(np.int32)),
+        ]
+        if len(rows) != self.n or (len(rows) and (rows[0] != 0 or (np.diff(rows) != 1).any())):
+            index = pa.array(rows)
+            columns = [None if c is None else c.take(index) for c in columns]
+        columns[6] = pa.array([self.key(r) for r in rows.tolist()], pa.binary())
+        return pa.Table.from_arrays(columns, schema=NODE_SCHEMA)
+
+
+_BUFFERS = (
+    # name, dtype, capacity per input byte, extra
+    ("tokens", np.int32, 2),
+    ("slots", np.int32, 5),
+    ("is_content", np.uint8, 5),
+    ("link_nodes", np.int32, 20),
+    ("link_type_off", np.int64, 20),
+    ("link_text", np.uint8, 1),
+    ("messages", np.uint8, 1),
+    ("roles", np.uint8, 1),
+    ("extras", np.uint8, 1),
+    ("hard_text", np.uint8, 1),
+    ("hard_off", np.int64, 2),
+)
+
+
+class Scanner:
+    """The scanner's output buffers, reused from chunk to chunk: fresh memory costs a
+    page fault per 4 KiB on first touch, and a chunk writes ~4x its size."""
+
+    def __init__(self) -> None:
+        self.size = -1
+        self.n_lines = -1
+        self.out: dict[str, np.ndarray] = {}
+        self.stack = np.empty(S.MAX_DEPTH, np.uint8)
+
+    def buffers(self, size: int, n_lines: int) -> dict[str, np.ndarray]:
+        """Buffers a scan of ``size`` bytes and ``n_lines`` lines cannot overrun (pages
+        never written cost nothing)."""
+        if size > self.size:
+            self.size = max(size, CHUNK_BYTES)
+            size = self.size
+            out = {name: np.empty(size // per + 4, dtype) for name, dtype, per in _BUFFERS}
+            n_nodes = size // 14 + 4  # {"message":{}} is the smallest node
+            out["traces"] = np.empty((size // 10 + 4, S.T_COLS), np.int64)
+            out["nodes"] = np.empty((n_nodes, S.N_COLS), np.int64)
+            out["timestamps"] = np.empty(n_nodes, np.float64)
+            out["hard"] = np.empty((size // 2 + 4, 2), np.int64)
+            out["streams"] = np.empty((len(COMPACT_STREAMS), size // 2 + 4), np.float32)
+            out["counts"] = np.zeros(S.C_COLS, np.int64)
+            self.out.update(out)
+        if n_lines > self.n_lines:
+            self.n_lines = n_lines
+            self.out["lines"] = np.empty((n_lines, S.L_COLS), np.int64)
+        self.out["counts"][:] = 0
+        return self.out
+
+
+def scan_chunk(
+    chunk: Chunk, scanner: Scanner | None = None, *, allow_ragged: bool = False
+) -> tuple[Block | None, list[ParsedLine | None]]:
+    """Scan a chunk: its block and a ParsedLine per line (None: blank, or parse it the other way)."""
+    data = chunk.data
+    buf = np.frombuffer(data, dtype=np.uint8)
+    scanner = scanner or Scanner()
+    out = scanner.buffers(len(data), len(chunk.starts))
+    S.scan(
+        buf,
+        chunk.starts,
+        chunk.ends,
+        allow_ragged,
+        scanner.stack,
+        out["lines"],
+        out["traces"],
+        out["nodes"],
+        out["timestamps"],
+        out["tokens"],
+        out["slots"],
+        out["is_content"],
+        out["link_nodes"],
+        out["link_type_off"],
+        out["link_text"],
+        out["messages"],
+        out["roles"],
+        out["extras"],
+        out["hard"],
+        out["hard_text"],
+        out["hard_off"],
+        out["streams"],
+        out["counts"],
+    )
+    lines = out["lines"][: len(chunk.starts)]
+    status = lines[:, S.L_STATUS]
+    parsed: list[ParsedLine | None] = [None] * len(status)
+    if not (status == S.OK).any():
+        return None, parsed
+    try:
+        block = Block(out)
+    except (pa.ArrowInvalid, ValueError):
+        return None, parsed  # text that is not UTF-8, a float out of range: the other way
+    traces = out["traces"]
+    for k in np.flatnonzero(status == S.OK).tolist():
+        parsed[k] = _line(data, int(chunk.starts[k]), int(chunk.ends[k]), lines[k], traces, block)
+    return block, parsed
+
+
+def _meta(data: bytes, lo: int, hi: int, cut_lo: int, cut_hi: int) -> Any:
+    """JSON of ``data[lo:hi]`` with ``data[cut_lo:cut_hi]`` (a node or trace list) read as null."""
+    if cut_lo < 0:
+        return json.loads(data[lo:hi])
+    return json.loads(b"".join((data[lo:cut_lo], b"null", data[cut_hi:hi])))
+
+
+def _line(data: bytes, start: int, end: int, line: np.ndarray, traces: np.ndarray, block: Block) -> ParsedLine | None:
+    """The record of ``data[start:end]``, its traces' nodes left in the block; None when
+    Python's JSON or the contract of the non-node fields disagrees (the other path words it)."""
+    try:
+        episode = None
+        lo, hi = int(line[S.L_TRACE_LO]), int(line[S.L_TRACE_HI])
+        if not line[S.L_BARE]:
+            episode = _meta(data, start, end, line[S.L_TRACES_LO], line[S.L_TRACES_HI])
+            if type(episode) is not dict or type(episode.get("id")) is not str:
+                return None
+            Episode.model_validate({**episode, "traces": []})
+        out = []
+        for t in range(lo, hi):
+            row = traces[t]
+            meta = _meta(data, row[S.T_LO], row[S.T_HI], row[S.T_NODES_LO], row[S.T_NODES_HI])
+            if type(meta) is not dict or type(meta.get("id")) is not str:
+                return None
+            Trace.model_validate({**meta, "nodes": []})
+            parsed = ParsedTrace(meta["id"], None if episode is None else episode["id"], t - lo, meta)
+            parsed.block, parsed.rows = block, (int(row[S.T_NODE_LO]), int(row[S.T_NODE_HI]))
+            block.trace_ids[t] = meta["id"]
+            out.append(parsed)
+        return ParsedLine(episode, out)
+    except (ValueError, pydantic.ValidationError):
+        return None
