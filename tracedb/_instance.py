@@ -44,6 +44,15 @@ from dataclasses import dataclass
 
 import duckdb
 
+ROW_GROUP_ROWS = 2048
+"""Rows per row group in files tracedb writes (DuckDB's default is 122,880). A
+transaction writes each full row group of a table into the file while it inserts
+(DuckDB's optimistic writes); with the default a whole ingest of ~20k nodes is compressed
+and written at COMMIT instead: 0.30 s of a 0.84 s benchmark ingest, against 0.035 s with
+2,048-row groups, whose compression then overlaps the parse of the next batch. The file
+grows ~3% and reads are as fast (measured on the benchmark database). The size belongs to
+the attachment: a file written by another client keeps the row groups it has."""
+
 
 @dataclass
 class _Attachment:
@@ -138,8 +147,13 @@ def attach(path: str, *, read_only: bool) -> tuple[duckdb.DuckDBPyConnection, st
                 attachment, fresh = found, False
             else:
                 alias = _alias(inst, path)
-                options = " (READ_ONLY)" if read_only else ""
                 target = path if key is not None and not key.startswith(":memory:") else ":memory:"
+                if read_only:
+                    options = " (READ_ONLY)"
+                elif target != ":memory:":
+                    options = f" (ROW_GROUP_SIZE {ROW_GROUP_ROWS})"
+                else:
+                    options = ""
                 inst.root.execute(f"ATTACH {_literal(target)} AS {_identifier(alias)}{options}")
                 attachment, fresh = _Attachment(alias, read_only, 1, os.getpid()), True
                 if key is not None:
