@@ -16,6 +16,7 @@ import zstandard
 from conftest import FIXTURES
 
 import tracedb
+import tracedb.blocks
 import tracedb.ingest
 from tracedb.errors import SchemaVersionError
 from tracedb.ingest import IngestReport
@@ -320,6 +321,7 @@ def test_reingest_bare_trace(fresh_db, tmp_path):
 def test_trace_twice_in_one_file(fresh_db, tmp_path, monkeypatch, batch_tokens):
     if batch_tokens is not None:
         monkeypatch.setattr(tracedb.ingest, "BATCH_TOKENS", batch_tokens)
+        monkeypatch.setattr(tracedb.blocks, "CHUNK_BYTES", 1)  # a chunk per line
     a, b = one_episode("linear"), one_episode("forest")
     path = write_jsonl(tmp_path / "dup.jsonl", [a, b, a])
     report = fresh_db.ingest(path)
@@ -337,6 +339,7 @@ def test_trace_twice_in_one_file(fresh_db, tmp_path, monkeypatch, batch_tokens):
 
 def test_idempotency_across_batches_and_files(fresh_db, tmp_path, monkeypatch):
     monkeypatch.setattr(tracedb.ingest, "BATCH_TOKENS", 1)  # every line is its own batch
+    monkeypatch.setattr(tracedb.blocks, "CHUNK_BYTES", 1)  # a chunk per line
     head = groups_head(tmp_path, 6)
     files = [FIXTURES / "linear.traces.jsonl", head, FIXTURES / "forest.traces.jsonl", head]
     report = fresh_db.ingest(files)
@@ -646,6 +649,7 @@ def test_one_episode_over_two_lines_is_stored_once(fresh_db, tmp_path, monkeypat
     both traces, whether or not the lines land in the same batch."""
     if batch_tokens is not None:
         monkeypatch.setattr(tracedb.ingest, "BATCH_TOKENS", batch_tokens)
+        monkeypatch.setattr(tracedb.blocks, "CHUNK_BYTES", 1)  # a chunk per line
     first = one_episode("linear")
     second = renamed(first, "-second")
     second["id"] = first["id"]
@@ -661,6 +665,7 @@ def test_a_failed_insert_leaves_the_database_as_it_was(tmp_path, monkeypatch):
     """The INSERTs run on the writer thread; its failure reaches the caller, after the
     batches written before it, and the whole ingest is rolled back."""
     monkeypatch.setattr(tracedb.ingest, "BATCH_TOKENS", 1)
+    monkeypatch.setattr(tracedb.blocks, "CHUNK_BYTES", 1)  # a chunk per line
     path = tmp_path / "runs.duckdb"
     with tracedb.connect(path) as db:
         db.ingest(FIXTURES / "linear.traces.jsonl")
@@ -733,6 +738,8 @@ def test_interrupted_twice_the_ingest_still_rolls_back_after_the_writer(tmp_path
     import time
 
     monkeypatch.setattr(tracedb.ingest, "BATCH_TOKENS", 1)
+
+    monkeypatch.setattr(tracedb.blocks, "CHUNK_BYTES", 1)  # a chunk per line
     real_write, real_join = tracedb.ingest._Writer._write, threading.Thread.join
     inserting = threading.Event()
 
@@ -779,3 +786,31 @@ def test_an_ingest_that_cannot_begin_leaves_nothing_running(fresh_db):
         fresh_db.ingest(FIXTURES / "linear.traces.jsonl", progress=True)
     assert {t.ident for t in threading.enumerate() if t.is_alive()} <= before
     fresh_db.con.execute("ROLLBACK")
+
+
+def test_inserts_fill_whole_row_groups(tmp_path, monkeypatch):
+    """Every INSERT of an ingest but the last of each table adds whole row groups, from one
+    Arrow chunk (else DuckDB writes the rows again at COMMIT and the file keeps both); the
+    rows held back between batches all arrive."""
+    inserted: dict[str, list[tuple[int, int]]] = {}
+    real = tracedb.ingest._Writer._insert
+
+    def recording(self, name, statement, table):
+        inserted.setdefault(name, []).append((len(table), len(table.column(0).chunks)))
+        real(self, name, statement, table)
+
+    monkeypatch.setattr(tracedb.ingest._Writer, "_insert", recording)
+    monkeypatch.setattr(tracedb.ingest, "BATCH_TOKENS", 1)
+    monkeypatch.setattr(tracedb.blocks, "CHUNK_BYTES", 1)  # a batch per line
+    monkeypatch.setattr(tracedb.ingest, "ROW_GROUP_ROWS", 4)  # the fixtures are small
+    with tracedb.connect(tmp_path / "runs.duckdb") as db:
+        report = db.ingest(FIXTURES / "groups.traces.jsonl")
+        assert report.ok
+        stats = db.stats()
+    assert sum(n for n, _ in inserted["_tdb_nodes"]) == stats["nodes"] == report.nodes
+    assert sum(n for n, _ in inserted["_tdb_traces"]) == stats["traces"]
+    assert sum(n for n, _ in inserted["_tdb_branches"]) == stats["branches"]
+    assert len(inserted["_tdb_nodes"]) > 3
+    for name, rows in inserted.items():
+        assert all(n % 4 == 0 for n, _ in rows[:-1]), (name, rows)
+        assert all(chunks == 1 for _, chunks in rows), (name, rows)

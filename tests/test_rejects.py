@@ -22,6 +22,7 @@ import zstandard
 from conftest import FIXTURES
 
 import tracedb
+import tracedb.blocks
 import tracedb.ingest
 from tracedb.errors import IngestAborted, Location, RecordError
 from tracedb.ingest import parse_line
@@ -472,6 +473,7 @@ STRICT_CASES = [c for c in CASES if c.id in ("mask_shorter_than_token_ids", "mis
 def test_strict_aborts_and_leaves_database_unchanged(fresh_db, tmp_path, monkeypatch, case, batch_tokens):
     if batch_tokens is not None:  # earlier lines are already written when the bad one comes
         monkeypatch.setattr(tracedb.ingest, "BATCH_TOKENS", batch_tokens)
+        monkeypatch.setattr(tracedb.blocks, "CHUNK_BYTES", 1)  # a chunk per line
     _preloaded(fresh_db, tmp_path)
     before_counts, before = counts(fresh_db), content(fresh_db)
     before_stats = fresh_db.stats()
@@ -527,6 +529,7 @@ def test_strict_file_database_unchanged_after_abort(tmp_path):
 def test_non_strict_commits_good_lines(tmp_path, monkeypatch, batch_tokens):
     if batch_tokens is not None:
         monkeypatch.setattr(tracedb.ingest, "BATCH_TOKENS", batch_tokens)
+        monkeypatch.setattr(tracedb.blocks, "CHUNK_BYTES", 1)  # a chunk per line
     path = tmp_path / "db.duckdb"
     bad, raw = bad_file(tmp_path, CASES[0])
     with tracedb.connect(path) as db:

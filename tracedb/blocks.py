@@ -81,18 +81,20 @@ class Chunk:
 def _chunk(data: bytes, first_number: int) -> Chunk:
     if not data.endswith(b"\n"):
         data += b"\n"  # every line is followed by a byte (see _scan.scan)
-    arr = np.frombuffer(data, dtype=np.uint8)
-    breaks = np.flatnonzero(arr == 10)
-    starts = np.concatenate(([0], breaks + 1))
-    ends = np.concatenate((breaks, [len(data)]))
-    if starts[-1] == len(data):  # the text ends with a line break
-        starts, ends = starts[:-1], ends[:-1]
+    starts, ends = [], []
+    start, find = 0, data.find
+    while (end := find(b"\n", start)) >= 0:
+        starts.append(start)
+        ends.append(end)
+        start = end + 1
     numbers = np.arange(first_number, first_number + len(starts), dtype=np.int64)
-    return Chunk(data, starts.astype(np.int64), ends.astype(np.int64), numbers)
+    return Chunk(data, np.array(starts, np.int64), np.array(ends, np.int64), numbers)
 
 
-def read_chunks(path: Path, chunk_bytes: int = CHUNK_BYTES) -> Iterator[Chunk]:
-    """The file's lines in chunks (a ``.json`` file is one record)."""
+def read_chunks(path: Path, chunk_bytes: int | None = None) -> Iterator[Chunk]:
+    """The file's lines in chunks of at least ``chunk_bytes`` (default
+    :data:`CHUNK_BYTES`) up to the next line break; a ``.json`` file is one record."""
+    size = max(chunk_bytes or CHUNK_BYTES, 1)
     with _open(path) as f:
         if path.suffix == ".json":
             data = f.read()
@@ -100,23 +102,23 @@ def read_chunks(path: Path, chunk_bytes: int = CHUNK_BYTES) -> Iterator[Chunk]:
                 end = np.array([len(data)], np.int64)
                 yield Chunk(data + b"\n", np.zeros(1, np.int64), end, np.ones(1, np.int64))
             return
-        carry = b""
+        pending = b""
         number = 1
         while True:
-            data = f.read(chunk_bytes)
+            data = f.read(max(2 * size, 1 << 20))
+            if data:
+                pending = pending + data if pending else data
+            start = 0
+            while (cut := pending.find(b"\n", start + size - 1)) >= 0:
+                chunk = _chunk(pending[start : cut + 1], number)
+                number += len(chunk.starts)
+                start = cut + 1
+                yield chunk
+            pending = pending[start:]
             if not data:
-                if carry:
-                    yield _chunk(carry, number)
+                if pending:
+                    yield _chunk(pending, number)
                 return
-            data = carry + data if carry else data
-            cut = data.rfind(b"\n")
-            if cut < 0:
-                carry = data
-                continue
-            chunk = _chunk(data[: cut + 1], number)
-            number += len(chunk.starts)
-            carry = data[cut + 1 :]
-            yield chunk
 
 
 # --------------------------------------------------------------------------- scanning
@@ -135,6 +137,14 @@ def _strings(n: int, offsets: np.ndarray, data: np.ndarray, valid: np.ndarray | 
 def _lists(offsets: np.ndarray, values: pa.Array, null: np.ndarray) -> pa.Array:
     mask = pa.array(null) if null.any() else None
     return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), values, mask=mask)
+
+
+def _segment_keys(tokens: np.ndarray, offsets: np.ndarray) -> list[bytes]:
+    """BLAKE2b-128 of each ``tokens[offsets[k]:offsets[k + 1]]`` (as int32 bytes)."""
+    view = memoryview(np.ascontiguousarray(tokens, dtype=np.int32)).cast("B")
+    ends = (offsets * 4).tolist()
+    blake2b = hashlib.blake2b
+    return [blake2b(view[a:b], digest_size=16).digest() for a, b in zip(ends[:-1], ends[1:], strict=True)]
 
 
 class Block:
@@ -176,7 +186,8 @@ class Block:
         self.ic_off = ends(S.N_IC_OFF, S.C_IC)
         self.is_content = used("is_content", S.C_IC)
         self._hard(out)
-        self.keys: list[bytes | None] = [None] * n
+        self.keys = _segment_keys(self.tokens, self.tok_off)
+        """Per row, the content address of its tokens (see :func:`tracedb.ingest.segment_key`)."""
         self.trace_ids: list[str | None] = [None] * int(counts[S.C_TRACE])
         """Per trace of the scan, its id once its line is accepted."""
 
@@ -199,15 +210,6 @@ class Block:
         for s in range(len(COMPACT_STREAMS)):
             mine = target == s
             self.streams[s][index[mine]] = values[mine]
-
-    def key(self, row: int) -> bytes:
-        """Content address of the row's tokens (see :func:`tracedb.ingest.segment_key`)."""
-        key = self.keys[row]
-        if key is None:
-            key = self.keys[row] = hashlib.blake2b(
-                memoryview(self.tokens[self.tok_off[row] : self.tok_off[row + 1]]), digest_size=16
-            ).digest()
-        return key
 
     def token_ids(self, row: int) -> np.ndarray:
         return self.tokens[self.tok_off[row] : self.tok_off[row + 1]]
@@ -263,7 +265,8 @@ class Block:
         if len(rows) != self.n or (len(rows) and (rows[0] != 0 or (np.diff(rows) != 1).any())):
             index = pa.array(rows)
             columns = [None if c is None else c.take(index) for c in columns]
-        columns[6] = pa.array([self.key(r) for r in rows.tolist()], pa.binary())
+        keys = self.keys
+        columns[6] = pa.array([keys[r] for r in rows.tolist()], pa.binary())
         return pa.Table.from_arrays(columns, schema=NODE_SCHEMA)
 
 
