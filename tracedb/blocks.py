@@ -271,7 +271,7 @@ class Block:
 
 
 _BUFFERS = (
-    # name, dtype, capacity per input byte, extra
+    # name, dtype, input bytes per value at least (a capacity of size // that + 4)
     ("tokens", np.int32, 2),
     ("slots", np.int32, 5),
     ("is_content", np.uint8, 5),
@@ -304,7 +304,7 @@ class Scanner:
             size = self.size
             out = {name: np.empty(size // per + 4, dtype) for name, dtype, per in _BUFFERS}
             n_nodes = size // 14 + 4  # {"message":{}} is the smallest node
-            out["traces"] = np.empty((size // 10 + 4, S.T_COLS), np.int64)
+            out["traces"] = np.empty((size // 6 + 4, S.T_COLS), np.int64)  # {"":0}, is the smallest trace
             out["nodes"] = np.empty((n_nodes, S.N_COLS), np.int64)
             out["timestamps"] = np.empty(n_nodes, np.float64)
             out["hard"] = np.empty((size // 2 + 4, 2), np.int64)
