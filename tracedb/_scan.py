@@ -102,7 +102,8 @@ WORD_OFF = np.cumsum([0] + [len(w) for w in _WORDS]).astype(np.int64)
 W_NODES, W_TRACES, W_ROLE, W_NODE, W_TYPE = range(5)
 
 POW10 = np.array([10.0**k for k in range(23)], dtype=np.float64)
-MAX_DEPTH = 1024
+MAX_DEPTH = 512
+"""Deeper JSON values go the slow way (Python's json reads ~1,000 levels at most)."""
 
 # Bytes.
 _QUOTE, _BSLASH, _COMMA, _COLON = 34, 92, 44, 58
@@ -143,6 +144,25 @@ def _node_key(buf: np.ndarray, lo: int, hi: int) -> int:
     return -1
 
 
+@_inline
+def _hex4(buf: np.ndarray, i: int, end: int) -> int:
+    """The value of four hex digits at ``i``, or -1."""
+    if i + 4 > end:
+        return -1
+    v = 0
+    for j in range(i, i + 4):
+        h = buf[j]
+        if 48 <= h <= 57:
+            v = v * 16 + (h - 48)
+        elif 65 <= h <= 70:
+            v = v * 16 + (h - 55)
+        elif 97 <= h <= 102:
+            v = v * 16 + (h - 87)
+        else:
+            return -1
+    return v
+
+
 @_jit
 def _string(buf: np.ndarray, i: int, end: int, out: np.ndarray, o: int, copy: bool) -> tuple[int, int, bool]:
     """A string starting at the quote ``buf[i]``: (index after it or -1, new ``o``, escaped)."""
@@ -166,14 +186,18 @@ def _string(buf: np.ndarray, i: int, end: int, out: np.ndarray, o: int, copy: bo
             if i + 1 >= end:
                 return -1, o, escaped
             d = buf[i + 1]
-            if d == 117:  # \uXXXX
-                if i + 6 > end:
-                    return -1, o, escaped
-                for j in range(i + 2, i + 6):
-                    h = buf[j]
-                    if not ((48 <= h <= 57) or (65 <= h <= 70) or (97 <= h <= 102)):
-                        return -1, o, escaped
+            if d == 117:  # \uXXXX; a UTF-16 surrogate only as a high-low pair (else not Unicode)
+                v = _hex4(buf, i + 2, end)
                 n = 6
+                if 0xD800 <= v <= 0xDBFF:
+                    if i + 12 > end or buf[i + 6] != _BSLASH or buf[i + 7] != 117:
+                        return -1, o, escaped
+                    w = _hex4(buf, i + 8, end)
+                    if w < 0xDC00 or w > 0xDFFF:
+                        return -1, o, escaped
+                    n = 12
+                elif v < 0 or 0xDC00 <= v <= 0xDFFF:
+                    return -1, o, escaped
             elif d == _QUOTE or d == _BSLASH or d == 47 or d == 98 or d == 102 or d == 110 or d == 114 or d == 116:
                 n = 2
             else:
@@ -251,6 +275,8 @@ def _number(buf: np.ndarray, i: int, end: int) -> tuple[int, float, bool, bool]:
     if i - start > 400:
         return i, 0.0, False, integral
     if mant == 0 and not dropped:
+        if integral:
+            return i, 0.0, True, True  # JSON -0 is the integer 0, as float("-0") is not
         value = 0.0
     elif dropped or mant > np.uint64(1 << 53) or exp10 > 22 or exp10 < -22:
         return i, 0.0, False, integral
@@ -542,7 +568,7 @@ def _float_list(
             return -1, o
         elif digits <= 18 and mant <= 9007199254740992 and exp10 >= -22:
             value = float(mant) / POW10[-exp10]
-            out[o] = -value if neg else value
+            out[o] = -value if neg and (mant != 0 or exp10 < 0) else value  # -0 is the integer 0, -0.0 a float
         else:
             _hard(buf, lo, i, target, o, hard, hard_text, hard_off, counts)
         o += 1
@@ -1084,8 +1110,8 @@ def _node(
             s = key - K_STREAM
             j, v = _literal(buf, i, end)
             if j >= 0:
-                if v != 2:
-                    return -1
+                if v != 2 or s == 0:
+                    return -1  # logprobs is a list, empty when unknown: null is for the slow path to word
                 i = j
             else:
                 nulls &= ~(1 << (NULL_STREAM + s))

@@ -366,11 +366,28 @@ def scan_chunk(
     return block, parsed
 
 
+class _Duplicate(ValueError):
+    pass
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object whose keys are all distinct (which value a repeated key means differs
+    between JSON readers; the other path decides)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise _Duplicate
+    return out
+
+
+def _json(text: bytes | str) -> Any:
+    return json.loads(text, object_pairs_hook=_unique)
+
+
 def _meta(data: bytes, lo: int, hi: int, cut_lo: int, cut_hi: int) -> Any:
     """JSON of ``data[lo:hi]`` with ``data[cut_lo:cut_hi]`` (a node or trace list) read as null."""
     if cut_lo < 0:
-        return json.loads(data[lo:hi])
-    return json.loads(b"".join((data[lo:cut_lo], b"null", data[cut_hi:hi])))
+        return _json(data[lo:hi])
+    return _json(b"".join((data[lo:cut_lo], b"null", data[cut_hi:hi])))
 
 
 def _line(data: bytes, start: int, end: int, line: np.ndarray, traces: np.ndarray, block: Block) -> ParsedLine | None:
@@ -393,8 +410,10 @@ def _line(data: bytes, start: int, end: int, line: np.ndarray, traces: np.ndarra
             Trace.model_validate({**meta, "nodes": []})
             parsed = ParsedTrace(meta["id"], None if episode is None else episode["id"], t - lo, meta)
             parsed.block, parsed.rows = block, (int(row[S.T_NODE_LO]), int(row[S.T_NODE_HI]))
+            for r in np.flatnonzero((block.nulls[parsed.rows[0] : parsed.rows[1]] & S.NULL_EXTRA) == 0).tolist():
+                _json(block.extra[parsed.rows[0] + r].as_py())  # unknown node fields: distinct keys
             block.trace_ids[t] = meta["id"]
             out.append(parsed)
         return ParsedLine(episode, out)
-    except (ValueError, pydantic.ValidationError):
+    except (ValueError, RecursionError, pydantic.ValidationError):
         return None

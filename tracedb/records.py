@@ -11,6 +11,7 @@ wrong. Both paths produce the same :class:`ParsedTrace` values.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -239,6 +240,8 @@ def _fast_node(node: Any) -> tuple[ParsedNode, int]:
                 brackets += 1 + name.count("[")
         else:  # a compact stream
             if value is None:
+                if key == "logprobs":
+                    raise _Fallback  # a list, empty when unknown: pydantic words it
                 streams[key] = None
                 continue
             streams[key] = _num(value, "d").astype(np.float32)
@@ -342,6 +345,8 @@ def parse_fast(parser: simdjson.Parser, raw: bytes) -> ParsedLine:
         if raw.count(b"[") != brackets:
             raise _Fallback
         return result
+    except (KeyError, RecursionError) as e:  # e.g. a key holding "\u0000", a deep value
+        raise _Fallback from e
     finally:
         del doc
 
@@ -415,8 +420,49 @@ def _check_types(value: Any, where: Location) -> None:
                 )
 
 
+_SURROGATE = re.compile(rb"\\u[dD][89abcdefABCDEF]|\xed[\xa0-\xbf]")
+"""A UTF-16 surrogate written as an escape or encoded as UTF-8: maybe a lone one."""
+
+
+def _lone_surrogate(value: Any, bare: bool, where: Location) -> RecordError | None:
+    """Where a string of the record holds a lone surrogate (not Unicode; DuckDB refuses it)."""
+
+    def bad(v: Any) -> bool:
+        try:
+            json.dumps(v, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+
+    def error(trace_id: Any = None, node: int | None = None, key: str | None = None) -> RecordError:
+        loc = Location(where.file, where.line, trace_id if isinstance(trace_id, str) else None, node, key)
+        return RecordError("holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not Unicode text", loc)
+
+    traces = [value] if bare else value.get("traces") or []
+    if not bare:
+        for key, v in value.items():
+            if key != "traces" and (bad(key) or bad(v)):
+                return error(key=key)
+    for t in traces:
+        for key, v in t.items():
+            if key != "nodes" and (bad(key) or bad(v)):
+                return error(t.get("id"), key=key)
+        for i, node in enumerate(t.get("nodes") or []):
+            for key, v in node.items():
+                if bad(key) or bad(v):
+                    return error(t.get("id"), i, key)
+    return None
+
+
 def parse_slow(raw: bytes, where: Location) -> ParsedLine:
     """Parse and validate one line with ``json`` and the pydantic models."""
+    try:
+        return _parse_slow(raw, where)
+    except RecursionError:
+        raise RecordError("nested too deeply to read (over ~900 levels of lists and objects)", where) from None
+
+
+def _parse_slow(raw: bytes, where: Location) -> ParsedLine:
     try:
         value = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -434,8 +480,12 @@ def parse_slow(raw: bytes, where: Location) -> ParsedLine:
         loc.file, loc.line = where.file, where.line
         raise RecordError(message, loc) from None
     _check_types(value, where)
-    traces_raw = [value] if bare else value["traces"]
-    episode = None if bare else {**value, "traces": None}
+    if _SURROGATE.search(raw) and (error := _lone_surrogate(value, bare, where)) is not None:
+        raise error
+    traces_raw = [value] if bare else value.get("traces", [])
+    episode = None if bare else {**value}
+    if episode is not None and "traces" in episode:
+        episode["traces"] = None  # in the key's place; the traces are filled in on read
     traces = []
     for i, t in enumerate(traces_raw):
         meta = {**t}
