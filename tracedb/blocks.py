@@ -93,8 +93,22 @@ def _chunk(data: bytes, first_number: int) -> Chunk:
 
 def read_chunks(path: Path, chunk_bytes: int | None = None) -> Iterator[Chunk]:
     """The file's lines in chunks of at least ``chunk_bytes`` (default
-    :data:`CHUNK_BYTES`) up to the next line break; a ``.json`` file is one record."""
+    :data:`CHUNK_BYTES`) up to a line break; a ``.json`` file is one record. Each byte
+    is copied once on the way (from the read block into its chunk)."""
     size = max(chunk_bytes or CHUNK_BYTES, 1)
+    number = 1
+
+    def cut(data: bytes) -> Iterator[Chunk]:
+        nonlocal number
+        start = 0
+        while start < len(data):
+            end = data.find(b"\n", start + size - 1) + 1 if len(data) - start >= 2 * size else 0
+            piece = data[start : end or len(data)] if start or end else data
+            chunk = _chunk(piece, number)
+            number += len(chunk.starts)
+            start = end or len(data)
+            yield chunk
+
     with _open(path) as f:
         if path.suffix == ".json":
             data = f.read()
@@ -102,23 +116,20 @@ def read_chunks(path: Path, chunk_bytes: int | None = None) -> Iterator[Chunk]:
                 end = np.array([len(data)], np.int64)
                 yield Chunk(data + b"\n", np.zeros(1, np.int64), end, np.ones(1, np.int64))
             return
-        pending = b""
-        number = 1
-        while True:
-            data = f.read(max(2 * size, 1 << 20))
-            if data:
-                pending = pending + data if pending else data
-            start = 0
-            while (cut := pending.find(b"\n", start + size - 1)) >= 0:
-                chunk = _chunk(pending[start : cut + 1], number)
-                number += len(chunk.starts)
-                start = cut + 1
-                yield chunk
-            pending = pending[start:]
-            if not data:
-                if pending:
-                    yield _chunk(pending, number)
-                return
+        carry = b""
+        while block := f.read(max(size, 1 << 16)):
+            last = block.rfind(b"\n")
+            if last < 0:
+                carry += block  # a line longer than a block
+                continue
+            if carry or last + 1 < len(block):
+                data = b"".join((carry, memoryview(block)[: last + 1]))
+            else:
+                data = block
+            carry = block[last + 1 :]
+            yield from cut(data)
+        if carry:
+            yield from cut(carry)
 
 
 # --------------------------------------------------------------------------- scanning
