@@ -579,30 +579,36 @@ def _float_list(
 
 
 @_jit
-def _bool_list(buf: np.ndarray, i: int, end: int, out: np.ndarray, o: int) -> tuple[int, int]:
-    """A list of booleans at ``buf[i] == '['`` into ``out[o:]`` as 0/1."""
+def _bool_list(buf: np.ndarray, i: int, end: int, out: np.ndarray, o: int) -> tuple[int, int, int, int, int]:
+    """A list of booleans at ``buf[i] == '['`` into ``out[o:]`` as 0/1: (index after it or
+    -1, new ``o``, trues, position of the first true, of the last false; -1 for none)."""
+    trues, first_true, last_false = 0, -1, -1
     i, done = _list_start(buf, i, end)
     if i < 0:
-        return -1, o
+        return -1, o, trues, first_true, last_false
     while not done:
         if i + 4 > end:
-            return -1, o
+            return -1, o, trues, first_true, last_false
         c = buf[i]
         if c == 116 and buf[i + 1] == 114 and buf[i + 2] == 117 and buf[i + 3] == 101:
             out[o] = 1
+            trues += 1
+            if first_true < 0:
+                first_true = o
             i += 4
         elif c == 102 and i + 5 <= end and buf[i + 1] == 97 and buf[i + 2] == 108 and buf[i + 3] == 115:
             if buf[i + 4] != 101:
-                return -1, o
+                return -1, o, trues, first_true, last_false
             out[o] = 0
+            last_false = o
             i += 5
         else:
-            return -1, o
+            return -1, o, trues, first_true, last_false
         o += 1
         i, done = _after_item(buf, i, end)
         if i < 0:
-            return -1, o
-    return i, o
+            return -1, o, trues, first_true, last_false
+    return i, o, trues, first_true, last_false
 
 
 @_jit
@@ -961,7 +967,7 @@ def _node(
             # A mask is read into the free end of the is_content buffer: only its
             # counts and slots are kept, so the next bools write over it.
             start = counts[C_IC]
-            i, o = _bool_list(buf, i, end, is_content, start)
+            i, o, sampled, first_true, last_false = _bool_list(buf, i, end, is_content, start)
             if i < 0:
                 return -1
             if key == K_IC:
@@ -969,16 +975,6 @@ def _node(
                 nulls &= ~NULL_IC
             else:
                 n_mask = o - start
-                sampled = 0
-                first_true = -1
-                last_false = -1
-                for k in range(start, o):
-                    if is_content[k]:
-                        sampled += 1
-                        if first_true < 0:
-                            first_true = k
-                    else:
-                        last_false = k
                 nodes[n, N_NSAMP] = sampled
                 if sampled == 0 or last_false < first_true:
                     nodes[n, N_PREFIX] = n_mask - sampled
