@@ -396,9 +396,10 @@ def _json(text: bytes | str) -> Any:
 
 def _meta(data: bytes, lo: int, hi: int, cut_lo: int, cut_hi: int) -> Any:
     """JSON of ``data[lo:hi]`` with ``data[cut_lo:cut_hi]`` (a node or trace list) read as null."""
+    # Decoded strictly: json.loads(bytes) would let UTF-8-encoded surrogates through.
     if cut_lo < 0:
-        return _json(data[lo:hi])
-    return _json(b"".join((data[lo:cut_lo], b"null", data[cut_hi:hi])))
+        return _json(data[lo:hi].decode("utf-8"))
+    return _json(b"".join((data[lo:cut_lo], b"null", data[cut_hi:hi])).decode("utf-8"))
 
 
 def _line(data: bytes, start: int, end: int, line: np.ndarray, traces: np.ndarray, block: Block) -> ParsedLine | None:

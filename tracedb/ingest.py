@@ -65,6 +65,17 @@ class Reject:
         return str(RecordError(self.reason, Location(self.file, self.line, self.trace_id, self.node, self.field)))
 
 
+def _text(value: str | None) -> str | None:
+    """``value`` as storable text: a lone surrogate (not Unicode) is written as its escape."""
+    if value is None:
+        return None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    return value
+
+
 @dataclass
 class IngestReport:
     """What one ``ingest`` call did."""
@@ -700,7 +711,8 @@ def ingest(
                         except RecordError as e:
                             report.lines += 1
                             loc = e.location
-                            reject = Reject(loc.file, loc.line, loc.trace_id, loc.node, loc.field, e.reason)
+                            trace_id, field, reason = _text(loc.trace_id), _text(loc.field), _text(e.reason)
+                            reject = Reject(_text(loc.file), loc.line, trace_id, loc.node, field, reason)
                             if strict:
                                 raise IngestAborted(e) from None
                             rejects.append((reject, raw))
