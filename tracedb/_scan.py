@@ -86,6 +86,14 @@ NULL_STREAM = 8  # bit NULL_STREAM + s: compact stream s is None
 ) = range(14)
 C_COLS = C_STREAM + len(COMPACT_STREAMS)
 HARD_TS = -1  # a hard float's target: a node's timestamp (else the stream index)
+# Rows of the value buffers, by type (few arguments keep numba's compile time down):
+# ``u8`` bytes, ``i32`` and ``i64`` integers; each row is filled from its start.
+U_IS_CONTENT, U_LINK_TEXT, U_MESSAGES, U_ROLES, U_EXTRAS, U_HARD_TEXT = range(6)
+U_ROWS = 6
+I_TOKENS, I_SLOTS, I_LINK_NODES = range(3)
+I_ROWS = 3
+J_LINK_TYPE_OFF, J_HARD_OFF, J_HARD_TARGET, J_HARD_INDEX = range(4)
+J_ROWS = 4
 
 N_KEYS = len(NODE_KEYS)
 K_PARENT, K_SEMANTIC, K_MESSAGE, K_SAMPLED, K_TS, K_TOKENS, K_MASK, K_IC = range(8)
@@ -112,10 +120,12 @@ _MINUS, _PLUS, _DOT, _ZERO, _NINE = 45, 43, 46, 48, 57
 
 
 # Validating without copying passes ``stack`` as the (untouched) output: numba needs a
-# writable array there, and the input bytes are read-only.
+# writable array there, and the input bytes are read-only. Calls between these functions
+# pass no literal constants where a variable goes otherwise (np.int64(0), not 0): numba
+# would compile the callee once more for the literal, and these take seconds to compile.
 
 
-@_inline
+@_jit
 def _ws(buf: np.ndarray, i: int, end: int) -> int:
     while i < end:
         c = buf[i]
@@ -125,7 +135,7 @@ def _ws(buf: np.ndarray, i: int, end: int) -> int:
     return i
 
 
-@_inline
+@_jit
 def _match(buf: np.ndarray, lo: int, hi: int, table: np.ndarray, off: np.ndarray, k: int) -> bool:
     a, b = off[k], off[k + 1]
     if hi - lo != b - a:
@@ -287,7 +297,7 @@ def _number(buf: np.ndarray, i: int, end: int) -> tuple[int, float, bool, bool]:
     return i, -value if neg else value, True, integral
 
 
-@_inline
+@_jit
 def _literal(buf: np.ndarray, i: int, end: int) -> tuple[int, int]:
     """true / false / null at ``i``: (index after it or -1, 1 / 0 / 2)."""
     if i + 4 <= end and buf[i] == 116 and buf[i + 1] == 114 and buf[i + 2] == 117 and buf[i + 3] == 101:
@@ -428,7 +438,7 @@ def _value(
             state = 0
 
 
-@_inline
+@_jit
 def _list_start(buf: np.ndarray, i: int, end: int) -> tuple[int, bool]:
     """After ``[`` at ``i``: (index of the first element or after ``]``, empty)."""
     if i >= end or buf[i] != _LBRACKET:
@@ -439,7 +449,7 @@ def _list_start(buf: np.ndarray, i: int, end: int) -> tuple[int, bool]:
     return i, False
 
 
-@_inline
+@_jit
 def _list_next(buf: np.ndarray, i: int, end: int) -> tuple[int, bool]:
     """After an element: (index of the next element or after ``]``, done); -1 on error."""
     i = _ws(buf, i, end)
@@ -512,9 +522,8 @@ def _float_list(
     out: np.ndarray,
     o: int,
     target: int,
-    hard: np.ndarray,
-    hard_text: np.ndarray,
-    hard_off: np.ndarray,
+    u8: np.ndarray,
+    i64: np.ndarray,
     counts: np.ndarray,
 ) -> tuple[int, int]:
     """A list of numbers at ``buf[i] == '['`` into ``out[o:]``, the fast path inline (the
@@ -563,14 +572,14 @@ def _float_list(
             if exact:
                 out[o] = value
             else:
-                _hard(buf, lo, j, target, o, hard, hard_text, hard_off, counts)
+                _hard(buf, lo, j, target, o, u8, i64, counts)
         elif i > end:
             return -1, o
         elif digits <= 18 and mant <= 9007199254740992 and exp10 >= -22:
             value = float(mant) / POW10[-exp10]
             out[o] = -value if neg and (mant != 0 or exp10 < 0) else value  # -0 is the integer 0, -0.0 a float
         else:
-            _hard(buf, lo, i, target, o, hard, hard_text, hard_off, counts)
+            _hard(buf, lo, i, target, o, u8, i64, counts)
         o += 1
         i, done = _after_item(buf, i, end)
         if i < 0:
@@ -622,18 +631,9 @@ def scan(
     traces: np.ndarray,
     nodes: np.ndarray,
     timestamps: np.ndarray,
-    tokens: np.ndarray,
-    slots: np.ndarray,
-    is_content: np.ndarray,
-    link_nodes: np.ndarray,
-    link_type_off: np.ndarray,
-    link_text: np.ndarray,
-    messages: np.ndarray,
-    roles: np.ndarray,
-    extras: np.ndarray,
-    hard: np.ndarray,
-    hard_text: np.ndarray,
-    hard_off: np.ndarray,
+    u8: np.ndarray,
+    i32: np.ndarray,
+    i64: np.ndarray,
     streams: np.ndarray,
     counts: np.ndarray,
 ) -> None:
@@ -660,9 +660,7 @@ def scan(
         if end >= len(buf):
             continue
         saved[:] = counts
-        if _line(buf, i, end, li, allow_ragged, stack, lines, traces, nodes, timestamps, tokens, slots, is_content,
-                 link_nodes, link_type_off, link_text, messages, roles, extras, hard, hard_text, hard_off, streams,
-                 counts):  # fmt: skip
+        if _line(buf, i, end, li, allow_ragged, stack, lines, traces, nodes, timestamps, u8, i32, i64, streams, counts):
             lines[li, L_STATUS] = OK
             lines[li, L_TRACE_HI] = counts[C_TRACE]
         else:
@@ -682,18 +680,9 @@ def _line(
     traces: np.ndarray,
     nodes: np.ndarray,
     timestamps: np.ndarray,
-    tokens: np.ndarray,
-    slots: np.ndarray,
-    is_content: np.ndarray,
-    link_nodes: np.ndarray,
-    link_type_off: np.ndarray,
-    link_text: np.ndarray,
-    messages: np.ndarray,
-    roles: np.ndarray,
-    extras: np.ndarray,
-    hard: np.ndarray,
-    hard_text: np.ndarray,
-    hard_off: np.ndarray,
+    u8: np.ndarray,
+    i32: np.ndarray,
+    i64: np.ndarray,
     streams: np.ndarray,
     counts: np.ndarray,
 ) -> bool:
@@ -708,7 +697,7 @@ def _line(
     while True:
         if i >= end or buf[i] != _QUOTE:
             return False
-        j, _, escaped = _string(buf, i, end, stack, 0, False)
+        j, _, escaped = _string(buf, i, end, stack, i, False)
         if j < 0 or escaped:
             return False
         k_lo, k_hi = i + 1, j - 1
@@ -724,13 +713,27 @@ def _line(
             i, empty = _list_start(buf, i, end)
             if i < 0:
                 return False
-            position = 0
+            position = np.int64(0)
             while not empty:
                 if i >= end or buf[i] != _LBRACE:
                     return False
-                i = _trace(buf, i, end, li, position, allow_ragged, stack, traces, nodes, timestamps, tokens, slots,
-                           is_content, link_nodes, link_type_off, link_text, messages, roles, extras, hard, hard_text,
-                           hard_off, streams, counts)  # fmt: skip
+                i = _trace(
+                    buf,
+                    i,
+                    end,
+                    li,
+                    position,
+                    allow_ragged,
+                    stack,
+                    traces,
+                    nodes,
+                    timestamps,
+                    u8,
+                    i32,
+                    i64,
+                    streams,
+                    counts,
+                )
                 if i < 0:
                     return False
                 position += 1
@@ -743,7 +746,7 @@ def _line(
                 return False
             seen_nodes = True
         if not _match(buf, k_lo, k_hi, WORD_BYTES, WORD_OFF, W_TRACES):
-            i, _, _, _ = _value(buf, i, end, stack, 0, False, stack, False)
+            i, _, _, _ = _value(buf, i, end, stack, i, False, stack, False)
             if i < 0:
                 return False
         i = _ws(buf, i, end)
@@ -763,9 +766,26 @@ def _line(
             return False
         # A bare Trace record: scan it again as one trace (the first pass only validated).
         lines[li, L_BARE] = 1
-        if _trace(buf, line_lo, end, li, 0, allow_ragged, stack, traces, nodes, timestamps, tokens, slots,
-                  is_content, link_nodes, link_type_off, link_text, messages, roles, extras, hard, hard_text,
-                  hard_off, streams, counts) < 0:  # fmt: skip
+        if (
+            _trace(
+                buf,
+                line_lo,
+                end,
+                li,
+                np.int64(0),
+                allow_ragged,
+                stack,
+                traces,
+                nodes,
+                timestamps,
+                u8,
+                i32,
+                i64,
+                streams,
+                counts,
+            )
+            < 0
+        ):
             return False
     elif not seen_traces:
         return False
@@ -784,18 +804,9 @@ def _trace(
     traces: np.ndarray,
     nodes: np.ndarray,
     timestamps: np.ndarray,
-    tokens: np.ndarray,
-    slots: np.ndarray,
-    is_content: np.ndarray,
-    link_nodes: np.ndarray,
-    link_type_off: np.ndarray,
-    link_text: np.ndarray,
-    messages: np.ndarray,
-    roles: np.ndarray,
-    extras: np.ndarray,
-    hard: np.ndarray,
-    hard_text: np.ndarray,
-    hard_off: np.ndarray,
+    u8: np.ndarray,
+    i32: np.ndarray,
+    i64: np.ndarray,
     streams: np.ndarray,
     counts: np.ndarray,
 ) -> int:
@@ -813,7 +824,7 @@ def _trace(
     while True:
         if i >= end or buf[i] != _QUOTE:
             return -1
-        j, _, escaped = _string(buf, i, end, stack, 0, False)
+        j, _, escaped = _string(buf, i, end, stack, i, False)
         if j < 0 or escaped:
             return -1
         is_nodes = _match(buf, i + 1, j - 1, WORD_BYTES, WORD_OFF, W_NODES)
@@ -828,11 +839,9 @@ def _trace(
             i, empty = _list_start(buf, i, end)
             if i < 0:
                 return -1
-            index = 0
+            index = np.int64(0)
             while not empty:
-                i = _node(buf, i, end, t, index, allow_ragged, stack, nodes, timestamps, tokens, slots, is_content,
-                          link_nodes, link_type_off, link_text, messages, roles, extras, hard, hard_text, hard_off,
-                          streams, counts)  # fmt: skip
+                i = _node(buf, i, end, t, index, allow_ragged, stack, nodes, timestamps, u8, i32, i64, streams, counts)
                 if i < 0:
                     return -1
                 index += 1
@@ -841,7 +850,7 @@ def _trace(
                     return -1
             traces[t, T_NODES_HI] = i
         else:
-            i, _, _, _ = _value(buf, i, end, stack, 0, False, stack, False)
+            i, _, _, _ = _value(buf, i, end, stack, i, False, stack, False)
             if i < 0:
                 return -1
         i = _ws(buf, i, end)
@@ -866,19 +875,18 @@ def _hard(
     hi: int,
     target: int,
     index: int,
-    hard: np.ndarray,
-    hard_text: np.ndarray,
-    hard_off: np.ndarray,
+    u8: np.ndarray,
+    i64: np.ndarray,
     counts: np.ndarray,
 ) -> None:
     """Record a float the fast path cannot compute: its text, where the value goes."""
     h = counts[C_HARD]
-    hard[h, 0] = target
-    hard[h, 1] = index
+    i64[J_HARD_TARGET, h] = target
+    i64[J_HARD_INDEX, h] = index
     o = counts[C_HTXT]
-    hard_off[h] = o
+    i64[J_HARD_OFF, h] = o
     for k in range(lo, hi):
-        hard_text[o] = buf[k]
+        u8[U_HARD_TEXT, o] = buf[k]
         o += 1
     counts[C_HTXT] = o
     counts[C_HARD] = h + 1
@@ -895,22 +903,16 @@ def _node(
     stack: np.ndarray,
     nodes: np.ndarray,
     timestamps: np.ndarray,
-    tokens: np.ndarray,
-    slots: np.ndarray,
-    is_content: np.ndarray,
-    link_nodes: np.ndarray,
-    link_type_off: np.ndarray,
-    link_text: np.ndarray,
-    messages: np.ndarray,
-    roles: np.ndarray,
-    extras: np.ndarray,
-    hard: np.ndarray,
-    hard_text: np.ndarray,
-    hard_off: np.ndarray,
+    u8: np.ndarray,
+    i32: np.ndarray,
+    i64: np.ndarray,
     streams: np.ndarray,
     counts: np.ndarray,
 ) -> int:
     """One MessageNode object at ``i``; returns the index after it or -1 (fall back)."""
+    tokens, slots, link_nodes = i32[I_TOKENS], i32[I_SLOTS], i32[I_LINK_NODES]
+    is_content, link_text, messages = u8[U_IS_CONTENT], u8[U_LINK_TEXT], u8[U_MESSAGES]
+    roles, extras, link_type_off = u8[U_ROLES], u8[U_EXTRAS], i64[J_LINK_TYPE_OFF]
     if i >= end or buf[i] != _LBRACE:
         return -1
     n = counts[C_NODE]
@@ -942,7 +944,7 @@ def _node(
     while not empty_object:
         if i >= end or buf[i] != _QUOTE:
             return -1
-        j, _, escaped = _string(buf, i, end, stack, 0, False)
+        j, _, escaped = _string(buf, i, end, stack, i, False)
         if j < 0 or escaped:
             return -1
         key = _node_key(buf, i + 1, j - 1)
@@ -1033,7 +1035,7 @@ def _node(
             if exact:
                 timestamps[n] = value
             else:
-                _hard(buf, i, j, HARD_TS, n, hard, hard_text, hard_off, counts)
+                _hard(buf, i, j, np.int64(HARD_TS), n, u8, i64, counts)
             nulls &= ~NULL_TS
             i = j
         elif key == K_SEMANTIC:
@@ -1051,7 +1053,7 @@ def _node(
                 while True:
                     if i >= end or buf[i] != _QUOTE:
                         return -1
-                    j, _, escaped = _string(buf, i, end, stack, 0, False)
+                    j, _, escaped = _string(buf, i, end, stack, i, False)
                     if j < 0 or escaped:
                         return -1
                     which = 0
@@ -1074,7 +1076,7 @@ def _node(
                     else:
                         if i >= end or buf[i] != _QUOTE:
                             return -1
-                        j, _, escaped = _string(buf, i, end, stack, 0, False)
+                        j, _, escaped = _string(buf, i, end, stack, i, False)
                         if j < 0 or escaped:
                             return -1
                         link_type_off[ln] = lt
@@ -1111,7 +1113,7 @@ def _node(
                 i = j
             else:
                 nulls &= ~(1 << (NULL_STREAM + s))
-                i, o = _float_list(buf, i, end, streams[s], counts[C_STREAM + s], s, hard, hard_text, hard_off, counts)
+                i, o = _float_list(buf, i, end, streams[s], counts[C_STREAM + s], s, u8, i64, counts)
                 if i < 0:
                     return -1
                 counts[C_STREAM + s] = o

@@ -215,7 +215,7 @@ class Block:
         values = pc.cast(text, pa.float64()).to_numpy()  # float32 streams round from these doubles
         if not np.isfinite(values).all():
             raise ValueError("a float beyond the double range")  # the slow path decides
-        target, index = out["hard"][:h, 0], out["hard"][:h, 1]
+        target, index = out["hard_target"][:h], out["hard_index"][:h]
         ts = target == S.HARD_TS
         self.timestamps[index[ts]] = values[ts]
         for s in range(len(COMPACT_STREAMS)):
@@ -281,22 +281,6 @@ class Block:
         return pa.Table.from_arrays(columns, schema=NODE_SCHEMA)
 
 
-_BUFFERS = (
-    # name, dtype, input bytes per value at least (a capacity of size // that + 4)
-    ("tokens", np.int32, 2),
-    ("slots", np.int32, 5),
-    ("is_content", np.uint8, 5),
-    ("link_nodes", np.int32, 20),
-    ("link_type_off", np.int64, 20),
-    ("link_text", np.uint8, 1),
-    ("messages", np.uint8, 1),
-    ("roles", np.uint8, 1),
-    ("extras", np.uint8, 1),
-    ("hard_text", np.uint8, 1),
-    ("hard_off", np.int64, 2),
-)
-
-
 class Scanner:
     """The scanner's output buffers, reused from chunk to chunk: fresh memory costs a
     page fault per 4 KiB on first touch, and a chunk writes ~4x its size."""
@@ -313,14 +297,36 @@ class Scanner:
         if size > self.size:
             self.size = max(size, CHUNK_BYTES)
             size = self.size
-            out = {name: np.empty(size // per + 4, dtype) for name, dtype, per in _BUFFERS}
+            # A value takes 2 bytes of JSON at least (a digit and a comma): every row of
+            # values has room for size // 2; text is never longer than the input.
             n_nodes = size // 14 + 4  # {"message":{}} is the smallest node
-            out["traces"] = np.empty((size // 6 + 4, S.T_COLS), np.int64)  # {"":0}, is the smallest trace
-            out["nodes"] = np.empty((n_nodes, S.N_COLS), np.int64)
-            out["timestamps"] = np.empty(n_nodes, np.float64)
-            out["hard"] = np.empty((size // 2 + 4, 2), np.int64)
-            out["streams"] = np.empty((len(COMPACT_STREAMS), size // 2 + 4), np.float32)
-            out["counts"] = np.zeros(S.C_COLS, np.int64)
+            out = {
+                "traces": np.empty((size // 6 + 4, S.T_COLS), np.int64),  # {"":0}, is the smallest trace
+                "nodes": np.empty((n_nodes, S.N_COLS), np.int64),
+                "timestamps": np.empty(n_nodes, np.float64),
+                "u8": np.empty((S.U_ROWS, size + 4), np.uint8),
+                "i32": np.empty((S.I_ROWS, size // 2 + 4), np.int32),
+                "i64": np.empty((S.J_ROWS, size // 2 + 4), np.int64),
+                "streams": np.empty((len(COMPACT_STREAMS), size // 2 + 4), np.float32),
+                "counts": np.zeros(S.C_COLS, np.int64),
+            }
+            u8, i32, i64 = out["u8"], out["i32"], out["i64"]
+            for name, row in (
+                ("is_content", u8[S.U_IS_CONTENT]),
+                ("link_text", u8[S.U_LINK_TEXT]),
+                ("messages", u8[S.U_MESSAGES]),
+                ("roles", u8[S.U_ROLES]),
+                ("extras", u8[S.U_EXTRAS]),
+                ("hard_text", u8[S.U_HARD_TEXT]),
+                ("tokens", i32[S.I_TOKENS]),
+                ("slots", i32[S.I_SLOTS]),
+                ("link_nodes", i32[S.I_LINK_NODES]),
+                ("link_type_off", i64[S.J_LINK_TYPE_OFF]),
+                ("hard_off", i64[S.J_HARD_OFF]),
+                ("hard_target", i64[S.J_HARD_TARGET]),
+                ("hard_index", i64[S.J_HARD_INDEX]),
+            ):
+                out[name] = row
             self.out.update(out)
         if n_lines > self.n_lines:
             self.n_lines = n_lines
@@ -347,18 +353,9 @@ def scan_chunk(
         out["traces"],
         out["nodes"],
         out["timestamps"],
-        out["tokens"],
-        out["slots"],
-        out["is_content"],
-        out["link_nodes"],
-        out["link_type_off"],
-        out["link_text"],
-        out["messages"],
-        out["roles"],
-        out["extras"],
-        out["hard"],
-        out["hard_text"],
-        out["hard_off"],
+        out["u8"],
+        out["i32"],
+        out["i64"],
         out["streams"],
         out["counts"],
     )
