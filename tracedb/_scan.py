@@ -8,16 +8,25 @@ sliced out of the buffers (:mod:`tracedb.ingest` builds the Arrow tables).
 It accepts only what it can vouch for and says "fallback" for any other line, which
 then goes through :func:`tracedb.records.parse_fast` / ``parse_slow``, the paths that
 know every rule and word every error: a line with a grammar error, an escaped key, a
-duplicate known key, a value of an unusual type, ``loss_weights`` given as an object,
-semantic links carrying more than ``node`` and ``type``, a token id beyond int32, and
-any node that breaks a layout or graph rule of the contract. The text outside the node
-lists (episode and trace metadata) is validated here and parsed by ``json`` in Python.
+duplicate known key, a value of an unusual type (``logprobs``, ``sampled`` or a
+timestamp null, ``loss_weights`` given as an object), semantic links carrying more than
+``node`` and ``type``, a token id beyond int32, a lone UTF-16 surrogate escape, a value
+nested over :data:`MAX_DEPTH` levels, and any node that breaks a layout or graph rule of
+the contract. The text outside the node lists (episode and trace metadata) is validated
+here and parsed by ``json`` in Python (:mod:`tracedb.blocks`, which also sends lines with
+repeated keys there, or bytes that are not UTF-8, the other way).
 
 Numbers: a token id is a JSON integer. A float is read exactly when its decimal
-significand has at most 19 digits, is at most 2**53, and its power of ten is within
-±22 (Clinger's fast path: both operands are exact doubles, so one IEEE multiply or
-divide rounds correctly). Any other float is copied out as text and converted by
-Arrow's exact parser. Either way the value equals what ``float()`` gives.
+significand fits the fast path (at most 2**53, and a power of ten within ±22: Clinger's
+fast path, where both operands are exact doubles so one IEEE multiply or divide rounds
+correctly). Any other float is copied out as text and converted by Arrow's exact parser.
+Either way the value is what Python's ``json`` reads (the integer ``-0`` is 0.0), then
+rounded to float32 like the other path does.
+
+Memory: the kernels do not check bounds. :class:`tracedb.blocks.Scanner` sizes every
+buffer for the most values a chunk of that many bytes can hold (a value takes two bytes
+of JSON at least, text is never longer than the input), and every line is followed by a
+byte of the chunk (its line break), where the digit loops stop.
 """
 
 from __future__ import annotations
