@@ -1696,3 +1696,14 @@ def test_many_tiny_traces_stay_inside_the_scanner_buffers(tmp_path: Path) -> Non
     assert result["rows"] <= result["capacity"], (
         f"{result['rows']} trace rows written into a table of {result['capacity']}"
     )
+
+
+def test_a_line_not_followed_by_its_line_break_falls_back() -> None:
+    """The digit loops stop at the byte after a line without checking bounds; a chunk whose
+    line is followed by anything but its line break is not scanned (a hand-built chunk)."""
+    line = b'{"id":"e","traces":[{"id":"t","nodes":[{"message":{},"token_ids":[1],"mask":[true]}]}]}'
+    for after in (b"\n", b"2", b"-", b"."):
+        data = line + after
+        chunk = tracedb.blocks.Chunk(data, np.array([0]), np.array([len(line)]), np.array([1]))
+        _, lines = scan_chunk(chunk)
+        assert (lines[0] is not None) == (after == b"\n"), after

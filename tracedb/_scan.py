@@ -25,8 +25,8 @@ rounded to float32 like the other path does.
 
 Memory: the kernels do not check bounds. :class:`tracedb.blocks.Scanner` sizes every
 buffer for the most values a chunk of that many bytes can hold (a value takes two bytes
-of JSON at least, text is never longer than the input), and every line is followed by a
-byte of the chunk (its line break), where the digit loops stop.
+of JSON at least, text is never longer than the input), and every line is followed by its
+line break in the chunk, where the digit loops stop (a line that is not falls back).
 """
 
 from __future__ import annotations
@@ -648,8 +648,8 @@ def scan(
 ) -> None:
     """Scan the lines ``buf[starts[k]:ends[k]]``; fills the arrays described above.
 
-    Each line must be followed by a byte (its line break): the number loops stop at a
-    non-digit instead of checking bounds, so a line ending at ``len(buf)`` falls back.
+    Each line must be followed by its line break (``buf[ends[k]] == 10``): the number loops
+    stop at a non-digit instead of checking bounds, so any other line falls back.
 
     ``counts`` holds every buffer's fill when it returns. A line that falls back leaves
     no rows behind (its counters are put back), so each buffer stays in node order."""
@@ -666,8 +666,8 @@ def scan(
         if i >= end:
             lines[li, L_STATUS] = BLANK
             continue
-        if end >= len(buf):
-            continue
+        if end >= len(buf) or buf[end] != 10:
+            continue  # not followed by its line break, where the digit loops stop: fall back
         saved[:] = counts
         if _line(buf, i, end, li, allow_ragged, stack, lines, traces, nodes, timestamps, u8, i32, i64, streams, counts):
             lines[li, L_STATUS] = OK
