@@ -150,12 +150,18 @@ def _lists(offsets: np.ndarray, values: pa.Array, null: np.ndarray) -> pa.Array:
     return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), values, mask=mask)
 
 
-def _segment_keys(tokens: np.ndarray, offsets: np.ndarray) -> list[bytes]:
-    """BLAKE2b-128 of each ``tokens[offsets[k]:offsets[k + 1]]`` (as int32 bytes)."""
+def segment_keys(tokens: np.ndarray, offsets: np.ndarray) -> list[bytes]:
+    """Content addresses of the token segments ``tokens[offsets[k]:offsets[k + 1]]``:
+    128-bit BLAKE2b of their int32 ids (the ``segments`` table's key)."""
     view = memoryview(np.ascontiguousarray(tokens, dtype=np.int32)).cast("B")
-    ends = (offsets * 4).tolist()
+    ends = (np.asarray(offsets, dtype=np.int64) * 4).tolist()
     blake2b = hashlib.blake2b
     return [blake2b(view[a:b], digest_size=16).digest() for a, b in zip(ends[:-1], ends[1:], strict=True)]
+
+
+def segment_key(tokens: np.ndarray) -> bytes:
+    """The content address of one token segment (see :func:`segment_keys`)."""
+    return segment_keys(tokens, [0, len(tokens)])[0]
 
 
 class Block:
@@ -197,8 +203,8 @@ class Block:
         self.ic_off = ends(S.N_IC_OFF, S.C_IC)
         self.is_content = used("is_content", S.C_IC)
         self._hard(out)
-        self.keys = _segment_keys(self.tokens, self.tok_off)
-        """Per row, the content address of its tokens (see :func:`tracedb.ingest.segment_key`)."""
+        self.keys = segment_keys(self.tokens, self.tok_off)
+        """Per row, the content address of its tokens."""
         self.trace_ids: list[str | None] = [None] * int(counts[S.C_TRACE])
         """Per trace of the scan, its id once its line is accepted."""
 

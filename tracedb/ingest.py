@@ -10,7 +10,6 @@ or not at all, and with ``strict=True`` any rejection aborts it.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import queue
 import threading
@@ -26,7 +25,7 @@ import pyarrow as pa
 import simdjson
 
 from tracedb._instance import ROW_GROUP_ROWS
-from tracedb.blocks import NODE_SCHEMA, Block, Scanner, _open, read_chunks, scan_chunk
+from tracedb.blocks import NODE_SCHEMA, Block, Scanner, _open, read_chunks, scan_chunk, segment_key
 from tracedb.errors import IngestAborted, Location, RecordError
 from tracedb.models import COMPACT_STREAMS
 from tracedb.records import (
@@ -169,11 +168,6 @@ def _list_array(chunks: list[np.ndarray | None], value_type: pa.DataType) -> pa.
     if offsets[-1] < 2**31:
         return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), values, mask=mask)
     return pa.LargeListArray.from_arrays(pa.array(offsets), values, mask=mask)
-
-
-def segment_key(tokens: np.ndarray) -> bytes:
-    """Content address of a token segment: 128-bit BLAKE2b of its int32 ids."""
-    return hashlib.blake2b(memoryview(np.ascontiguousarray(tokens, dtype=np.int32)), digest_size=16).digest()
 
 
 def branch_paths(
