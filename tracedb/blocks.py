@@ -145,9 +145,13 @@ def _strings(n: int, offsets: np.ndarray, data: np.ndarray, valid: np.ndarray | 
     return arr
 
 
-def _lists(offsets: np.ndarray, values: pa.Array, null: np.ndarray) -> pa.Array:
+def list_array(offsets: np.ndarray, values: pa.Array, null: np.ndarray) -> pa.Array:
+    """A list array over ``values`` (``offsets``: each list's start, then the end), null
+    where ``null``; 64-bit offsets only when the values need them."""
     mask = pa.array(null) if null.any() else None
-    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), values, mask=mask)
+    if offsets[-1] < 2**31:
+        return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), values, mask=mask)
+    return pa.LargeListArray.from_arrays(pa.array(offsets.astype(np.int64)), values, mask=mask)
 
 
 def segment_keys(tokens: np.ndarray, offsets: np.ndarray) -> list[bytes]:
@@ -266,14 +270,14 @@ class Block:
             pa.array(self.n_tokens),
             pa.array(self.n_sampled),
             pa.array(prefix.astype(np.int32), mask=prefix < 0),
-            _lists(self.slot_off, pa.array(self.slots, pa.int32()), (nulls & S.NULL_SLOTS) != 0),
-            _lists(self.ic_off, pa.array(self.is_content.view(np.bool_)), (nulls & S.NULL_IC) != 0),
+            list_array(self.slot_off, pa.array(self.slots, pa.int32()), (nulls & S.NULL_SLOTS) != 0),
+            list_array(self.ic_off, pa.array(self.is_content.view(np.bool_)), (nulls & S.NULL_IC) != 0),
             *(
-                _lists(off, pa.array(values), (nulls & (1 << (S.NULL_STREAM + s))) != 0)
+                list_array(off, pa.array(values), (nulls & (1 << (S.NULL_STREAM + s))) != 0)
                 for s, (off, values) in enumerate(zip(self.stream_off, self.streams, strict=True))
             ),
             pa.nulls(self.n, NODE_SCHEMA.field("loss_weights").type),
-            _lists(self.link_off, links, (nulls & S.NULL_LINKS) != 0),
+            list_array(self.link_off, links, (nulls & S.NULL_LINKS) != 0),
             pa.nulls(self.n, pa.string()),
             self.message,
             self.extra,

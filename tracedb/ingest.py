@@ -25,7 +25,7 @@ import pyarrow as pa
 import simdjson
 
 from tracedb._instance import ROW_GROUP_ROWS
-from tracedb.blocks import NODE_SCHEMA, Block, Scanner, _open, read_chunks, scan_chunk, segment_key
+from tracedb.blocks import NODE_SCHEMA, Block, Scanner, _open, list_array, read_chunks, scan_chunk, segment_key
 from tracedb.errors import IngestAborted, Location, RecordError
 from tracedb.models import COMPACT_STREAMS
 from tracedb.records import (
@@ -163,11 +163,7 @@ def _list_array(chunks: list[np.ndarray | None], value_type: pa.DataType) -> pa.
     present = [c for c in chunks if c is not None and len(c)]
     dtype = value_type.to_pandas_dtype()
     values = pa.array(np.concatenate(present).astype(dtype, copy=False) if present else np.zeros(0, dtype), value_type)
-    nulls = np.fromiter((c is None for c in chunks), dtype=bool, count=len(chunks))
-    mask = pa.array(nulls) if nulls.any() else None
-    if offsets[-1] < 2**31:
-        return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), values, mask=mask)
-    return pa.LargeListArray.from_arrays(pa.array(offsets), values, mask=mask)
+    return list_array(offsets, values, np.fromiter((c is None for c in chunks), dtype=bool, count=len(chunks)))
 
 
 def branch_paths(
