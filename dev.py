@@ -41,6 +41,11 @@ def setup() -> None:
     print("installing tracedb and its test dependencies into .venv", flush=True)
     run(BIN / "python", "-m", "pip", "install", "--quiet", "--upgrade", "pip")
     run(BIN / "python", "-m", "pip", "install", "--quiet", "-e", ".[test]")
+    # An install of the old layout may leave an empty tracedb/ in site-packages, which
+    # Python would take for a namespace package ahead of the editable install's finder.
+    for leftover in VENV.glob("lib/python*/site-packages/tracedb"):
+        if leftover.is_dir() and not any(leftover.iterdir()):
+            leftover.rmdir()
     STAMP.write_text(digest)
 
 

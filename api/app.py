@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,6 @@ from . import errors
 from .backend import Backend
 from .routes import branches, groups, health, sql, traces, viewer, writes
 
-HERE = Path(__file__).resolve().parent
 MAX_BODY_BYTES = 256 * 1024 * 1024
 
 
@@ -79,5 +79,5 @@ def create_app(
     app.add_middleware(errors.BodyLimit, max_bytes=max_body_bytes)
     for module in (health, traces, branches, groups, writes, sql, viewer):
         app.include_router(module.router)
-    app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
+    app.mount("/static", StaticFiles(directory=resources.files("tracedb.api").joinpath("static")), name="static")
     return app

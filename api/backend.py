@@ -1,15 +1,15 @@
-"""The server's hold on one tracedb database: a read cursor per thread, one serialized writer.
+"""The server's hold on one tracedb database: a read handle per thread, one serialized writer.
 
 DuckDB runs queries concurrently on *cursors* (separate connections to one database
-instance), never on one connection from several threads. Reads go through
-:class:`ThreadDatabase`, one :class:`tracedb.Database` object whose connection, view
-cache and transaction flag are per thread: each worker thread of the server reads on
-its own cursor, so every library call works unchanged and nothing has to be handed
-back (a request cancelled mid-way cannot leak a cursor). Readers see a consistent
-snapshot (DuckDB's MVCC) and are never blocked by a writer; writers take one lock and
-run in one transaction on one fixed cursor, so a write stalls only other writes. After
-any write a shared generation counter moves on, which makes every thread's view cache
-stale.
+instance), never on one connection from several threads. The server opens the file once
+(a :class:`~tracedb.handle.Handle`) and composes handles over it: reads go through one
+:class:`tracedb.Database` over a :class:`~tracedb.handle.PerThread` handle, whose
+connection, view cache and transaction state are the calling thread's own, so every
+library call works unchanged and nothing has to be handed back (a request cancelled
+mid-way cannot leak a cursor). Readers see a consistent snapshot (DuckDB's MVCC) and are
+never blocked by a writer; writers take one lock and run in one transaction on one fixed
+child handle, so a write stalls only other writes. Every handle shares the root's write
+counter, so a write through any of them makes every thread's view cache stale.
 """
 
 from __future__ import annotations
@@ -28,103 +28,11 @@ from typing import Any
 
 import duckdb
 
-import tracedb
-from tracedb.store import Database
+from tracedb.database import Database
+from tracedb.handle import Handle, PerThread
 
 from .cache import ViewCache
 from .errors import ApiError
-
-
-class _Generation:
-    """A counter shared by all cursors of one server; bumped after every write."""
-
-    def __init__(self) -> None:
-        self.value = 0
-        self.lock = threading.Lock()
-
-    def bump(self) -> None:
-        with self.lock:
-            self.value += 1
-
-
-class PooledDatabase(Database):
-    """A :class:`tracedb.Database` over one cursor of a shared database instance.
-
-    Only the connection differs from a plain ``Database``: the schema was installed and
-    checked when the server opened the file, and the view cache is invalidated by the
-    shared generation, so a write through any cursor is seen by all of them.
-    """
-
-    def __init__(self, root: Database, generation: _Generation) -> None:
-        # No super().__init__(): that would open a new connection and install the schema.
-        self._follow(root, generation)
-        self.con = root.cursor()
-        self._release = self.con.close
-        self._cache = None
-        self._in_transaction = False
-
-    def _follow(self, root: Database, generation: _Generation) -> None:
-        """What a handle over the server's database takes from its root handle."""
-        self.path = root.path
-        self._catalog = root._catalog
-        self._instance_key = root._instance_key
-        self._shared = generation
-
-    @property  # type: ignore[override]
-    def _generation(self) -> int:
-        return self._shared.value
-
-    @_generation.setter
-    def _generation(self, value: int) -> None:  # Database._changed() does `+= 1`
-        self._shared.bump()
-
-    def _changed(self) -> None:
-        self._shared.bump()
-        self._cache = None
-
-
-class ThreadDatabase(PooledDatabase):
-    """One object for every reading thread; each thread gets its own cursor and cache."""
-
-    def __init__(self, root: Database, generation: _Generation) -> None:
-        self._follow(root, generation)
-        self._root = root
-        self._local = threading.local()
-        self._cursors: dict[threading.Thread, duckdb.DuckDBPyConnection] = {}
-        self._lock = threading.Lock()
-
-    @property  # type: ignore[override]
-    def con(self) -> duckdb.DuckDBPyConnection:
-        con = getattr(self._local, "con", None)
-        if con is None:
-            with self._lock:
-                for thread in [t for t in self._cursors if not t.is_alive()]:  # threads come and go
-                    self._cursors.pop(thread).close()
-                con = self._local.con = self._root.cursor()
-                self._cursors[threading.current_thread()] = con
-        return con
-
-    @property  # type: ignore[override]
-    def _cache(self) -> Any:
-        return getattr(self._local, "cache", None)
-
-    @_cache.setter
-    def _cache(self, value: Any) -> None:
-        self._local.cache = value
-
-    @property  # type: ignore[override]
-    def _in_transaction(self) -> bool:
-        return getattr(self._local, "in_transaction", False)
-
-    @_in_transaction.setter
-    def _in_transaction(self, value: bool) -> None:
-        self._local.in_transaction = value
-
-    def close(self) -> None:
-        with self._lock:
-            for con in self._cursors.values():
-                con.close()
-            self._cursors.clear()
 
 
 class Backend:
@@ -142,7 +50,7 @@ class Backend:
     ) -> None:
         # With user SQL the instance goes without external access (SET below), which must
         # not reach the other databases of the process: the server gets its own instance.
-        self.root = tracedb.connect(db_path, isolated=allow_sql)
+        self.root = Handle.open(db_path, isolated=allow_sql)
         self.path = self.root.path
         self.allow_sql = allow_sql
         self.sql_row_limit = sql_row_limit
@@ -152,11 +60,12 @@ class Backend:
             # User SQL must not reach files or the network; tracedb itself only reads
             # and writes files from Python, so the whole instance can go without.
             self.root.con.execute("SET enable_external_access = false")
-        self._generation = _Generation()
-        self.db = ThreadDatabase(self.root, self._generation)
-        self.views = ViewCache(view_cache_tokens, lambda: self._generation.value)
+        self._readers = PerThread(self.root)
+        self.db = Database.on(self._readers)
+        """The read handle: each thread that uses it reads on its own cursor."""
+        self.views = ViewCache(view_cache_tokens, lambda: self.root.generation)
         self._write_lock = threading.Lock()
-        self._writer: PooledDatabase | None = None
+        self._writer: Database | None = None
         self._closed = False
 
     @contextmanager
@@ -165,23 +74,23 @@ class Backend:
         yield self.db
 
     @contextmanager
-    def writer(self) -> Iterator[PooledDatabase]:
+    def writer(self) -> Iterator[Database]:
         """The one writer: exclusive among writers, invisible to readers until commit."""
         with self._write_lock:
             if self._writer is None:
-                self._writer = PooledDatabase(self.root, self._generation)
+                self._writer = Database.on(self.root.child())
             yield self._writer
 
-    def fresh_cursor(self) -> PooledDatabase:
+    def fresh_cursor(self) -> Database:
         """A cursor of its own, for work that may be interrupted (user SQL)."""
-        return PooledDatabase(self.root, self._generation)
+        return Database.on(self.root.child())
 
     def close(self) -> None:
         """Close every cursor and the database (idempotent)."""
         if self._closed:
             return
         self._closed = True
-        self.db.close()
+        self._readers.close()
         if self._writer is not None:
             self._writer.close()
         self.root.close()

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tracedb.store import Database
+from tracedb.database import Database
 
 
 class ViewCache:

@@ -8,7 +8,8 @@ from typing import Annotated
 from fastapi import Depends, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from tracedb.store import Database
+from tracedb.credit_sets import DEFAULT_SET
+from tracedb.database import Database
 
 from . import queries
 from .backend import Backend
@@ -58,4 +59,4 @@ CreditQuery = Annotated[
 def credit_of(db: Database, credit: str | None) -> tuple[str | None, str]:
     """(library argument, display name) of a credit set; 404 if unknown."""
     name = queries.credit_name(db, credit)
-    return name, name or queries.DEFAULT_SET
+    return name, name or DEFAULT_SET

@@ -17,13 +17,13 @@ import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tracedb.store import Database
+from tracedb import credit_sets as registry
+from tracedb.database import Database
+from tracedb.errors import NotFound
+from tracedb.tables import KEY_COLUMNS, NULLABLE_TOKEN_COLUMNS
 
 from .errors import invalid, not_found
 
-KEY_COLUMNS = ("trace_id", "branch_index", "trainable")
-DEFAULT_SET = "default"
-OPTIONAL = ("advantages", "reference_logprobs", "trainer_logprobs", "entropies")
 _ROW = "trace_id, episode_id, group_id, reward, ok, stop_condition, n_nodes, n_branches, n_tokens, n_sampled"
 
 
@@ -40,12 +40,10 @@ def credit_sets(db: Database) -> list[dict[str, Any]]:
 
 def credit_name(db: Database, credit: str | None) -> str | None:
     """None for the default (ingested) set, else a named set that must exist (404)."""
-    if credit in (None, DEFAULT_SET):
-        return None
-    if not db.has_credit_set(credit):
-        known = [r["name"] for r in credit_sets(db)]
-        raise not_found(f"credit set {credit!r} does not exist; known sets: {known}")
-    return credit
+    try:
+        return registry.resolve(db.handle, credit)
+    except NotFound as e:
+        raise not_found(str(e)) from None
 
 
 # --------------------------------------------------------------------------- listing
@@ -175,7 +173,7 @@ def trace_nodes(
     for row in table.to_pylist():
         message = row.pop("message")
         node = {k: v for k, v in row.items() if not k.startswith("has_") or k == "has_logprobs"}
-        node["streams"] = [s for s in OPTIONAL if row[f"has_{s}"]]
+        node["streams"] = [s for s in NULLABLE_TOKEN_COLUMNS if row[f"has_{s}"]]
         node["loss_weight_names"] = sorted(node["loss_weight_names"])
         if messages:
             node["message"] = None if message is None else orjson.loads(message)

@@ -66,8 +66,7 @@ def build(workdir: Path, traces: int, tokens: int) -> tuple[Path, dict[str, int]
 def serve(db: str, port: int, cache_tokens: int) -> None:
     """The server side: uvicorn over the app, until killed."""
     import uvicorn
-
-    from api import create_app
+    from tracedb.api import create_app
 
     app = create_app(db, view_cache_tokens=cache_tokens)
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)

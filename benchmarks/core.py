@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 
 import tracedb
 from benchmarks.workload import WorkloadFiles
-from tracedb._instance import is_attached
+from tracedb.runtime import is_attached
 
 COLUMNS = ["token_ids", "sampled_mask", "logprobs", "advantages"]
 VIEW_BYTES_PER_TOKEN = 13  # int32 id + bool mask + float32 logprob + float32 advantage
@@ -465,7 +465,7 @@ def run(files: WorkloadFiles, workdir: Path, repeat: int, *, log: Callable[[str]
             del table
 
             # warm DuckDB, cold decode cache
-            warm._cache = None
+            warm.handle.view_cache = None
             tc, table = timed(partial(warm.branches, columns=COLUMNS))
             m["warm_views_cold_cache"].add(tp, tc)
             check("cold-cache view", table)

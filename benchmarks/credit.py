@@ -316,16 +316,16 @@ def profile(db: Any, algorithm: str, runs: int = 3) -> dict[str, Any]:
     instrumented runs, untimed by the benchmark) and the Python around them."""
     totals: list[float] = []
     logs: list[list[tuple[str, float]]] = []
-    real = db.con
+    real = db.handle.con
     for _ in range(runs):
         spy = _TimedConnection(real)
-        db.con = spy
+        db.handle.con = spy
         try:
             start = time.perf_counter()
             tracedb_stamp(db, algorithm)
             totals.append(time.perf_counter() - start)
         finally:
-            db.con = real
+            db.handle.con = real
         logs.append(spy.log)
     shape = [label for label, _ in logs[0]]
     if any([label for label, _ in log] != shape for log in logs):

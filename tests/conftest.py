@@ -1,14 +1,10 @@
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from support import FIXTURES
 
 import tracedb
-
-FIXTURES = Path(__file__).parent / "fixtures" / "verifiers-0.4.0"
-"""Real traces.jsonl files written by verifiers 0.4.0, each beside its NAME.branches.json:
-verifiers' own branch views of that file (the ground truth)."""
+from tracedb import runtime
 
 
 @pytest.fixture
@@ -24,3 +20,13 @@ def fixture_db():
         report = db.ingest(FIXTURES)
         assert report.ok, report.rejected
         yield db
+
+
+@pytest.fixture
+def knobs():
+    """``runtime.configure`` for one test: ``knobs(chunk_bytes=1)`` changes settings until
+    the test ends (process-wide), then everything is back as it was."""
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(runtime.configure(**changes))

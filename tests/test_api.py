@@ -15,11 +15,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
-from conftest import FIXTURES
 from fastapi.testclient import TestClient
+from support import FIXTURES
+from tracedb.api import create_app
 
 import tracedb
-from api import create_app
 
 ARROW = "application/vnd.apache.arrow.stream"
 

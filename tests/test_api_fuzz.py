@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import schemathesis
-from conftest import FIXTURES
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import positive_data_acceptance
+from support import FIXTURES
+from tracedb.api import create_app
 
 import tracedb
-from api import create_app
 
 TOKEN = "fuzz-token"
 OPERATIONS = [

@@ -19,10 +19,10 @@ import httpx
 import pyarrow.ipc as ipc
 import pytest
 import uvicorn
-from conftest import FIXTURES
+from support import FIXTURES
+from tracedb.api import create_app
 
 import tracedb
-from api import create_app
 from tracedb.sample import write_sample
 
 TOKEN = "server-token"
@@ -158,7 +158,7 @@ def test_tracedb_serve_command(tmp_path: Path) -> None:
     command = [
         sys.executable,
         "-c",
-        "from tracedb.cli import app; app()",
+        "from tracedb.cli.main import app; app()",
         "serve",
         "--db",
         str(db),

@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import FIXTURES
 from fastapi.testclient import TestClient
+from support import FIXTURES
+from tracedb.api import create_app
 
 import tracedb
-from api import create_app
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def sql_client(tmp_path_factory: pytest.TempPathFactory) -> TestClient:
 
 def counts(client: TestClient) -> dict[str, int]:
     with client.app.state.backend.reader() as db:
-        return {t: db._scalar(f"SELECT count(*) FROM {t}") for t in ("traces", "nodes", "credit_sets", "rejects")}
+        return {t: db.handle.scalar(f"SELECT count(*) FROM {t}") for t in ("traces", "nodes", "credit_sets", "rejects")}
 
 
 def test_select_with_macros(sql_client: TestClient) -> None:

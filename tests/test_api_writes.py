@@ -16,12 +16,12 @@ import numpy as np
 import orjson
 import pytest
 import zstandard
-from conftest import FIXTURES
 from fastapi.testclient import TestClient
+from support import FIXTURES
+from tracedb.api import create_app
+from tracedb.api.encode import to_json
 
 import tracedb
-from api import create_app
-from api.encode import to_json
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -261,6 +261,6 @@ def test_reads_see_writes_through_every_thread_cursor(client: TestClient) -> Non
     client.put(f"/traces/{trace_id}/nodes/{node}/advantages", json={"values": [3.0] * n}, headers=AUTH)
     after = list(pool.map(view, range(2)))
     pool.shutdown()
-    assert len(db._cursors) >= 2
+    assert db.handle.open_handles() >= 2
     for old, new in zip(before, after):
         assert old != new and any(a and 3.0 in a for a in new)

@@ -112,7 +112,7 @@ def test_views_from_file_refuses_a_file_still_open(tmp_path: Path) -> None:
     not be served by an attachment another handle keeps open."""
     import tracedb
     from benchmarks.core import tracedb_from_file
-    from tracedb._instance import is_attached
+    from tracedb.runtime import is_attached
 
     path = tmp_path / "runs.duckdb"
     with tracedb.connect(path) as db:

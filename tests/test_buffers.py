@@ -1,23 +1,24 @@
-"""View columns in mappings that go back to a pool when Arrow lets go (tracedb/_buffers.py)."""
+"""View columns in mappings that go back to a pool when Arrow lets go (tracedb/views/_buffers.py)."""
 
 from __future__ import annotations
 
 import gc
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pytest
 
-from tracedb import _buffers
+from tracedb import runtime
+from tracedb.views import _buffers
 
 
 @pytest.fixture
-def pool(monkeypatch: pytest.MonkeyPatch) -> None:
+def pool(knobs: Any) -> None:
     """Every column through the pool, starting empty."""
-    gc.collect()  # mappings of earlier tests go back before the pool is swapped
-    monkeypatch.setattr(_buffers, "SMALL", 0)
-    monkeypatch.setattr(_buffers, "POOL_BYTES", 64 << 20)
-    monkeypatch.setattr(_buffers, "_idle", type(_buffers._idle)())
+    gc.collect()  # mappings of earlier tests go back before the pool is emptied
+    runtime.idle_mappings().clear()
+    knobs(buffer_min_bytes=0, buffer_pool_bytes=64 << 20)
 
 
 def address(values: np.ndarray) -> int:
@@ -58,20 +59,20 @@ def test_sizes_far_apart_do_not_share(pool: None) -> None:
     assert _buffers.idle_bytes() == 4 << 20 and address(small) != big_at
 
 
-def test_taking_trims_the_pool_to_its_budget(pool: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_taking_trims_the_pool_to_its_budget(pool: None, knobs: Any) -> None:
     before = _buffers.idle_bytes()
     held = [_buffers.empty((1 << 20) // 4, np.int32) for _ in range(6)]  # six 1 MiB mappings
     del held
     gc.collect()
     assert _buffers.idle_bytes() - before >= 6 << 20
-    monkeypatch.setattr(_buffers, "POOL_BYTES", 3 << 20)  # a smaller budget from now on
+    knobs(buffer_pool_bytes=3 << 20)  # a smaller budget from now on
     big = _buffers.empty((8 << 20) // 4, np.int32)  # a request none fits: the pool is trimmed on the way
     assert _buffers.idle_bytes() <= 3 << 20
     assert len(big) == 2 << 20
 
 
-def test_pool_off_uses_arrows_allocator(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_buffers, "POOL_BYTES", 0)
+def test_pool_off_uses_arrows_allocator(knobs: Any) -> None:
+    knobs(buffer_pool_bytes=0)
     values = _buffers.empty(1 << 20, np.int32)
     assert isinstance(values.base, pa.Buffer) and values.flags.writeable
     assert not isinstance(np.frombuffer(values.base, np.uint8), _buffers._Owner)
@@ -88,14 +89,13 @@ def test_views_stay_exact_on_reused_dirty_memory(fixture_db, pool: None) -> None
         {"columns": ["advantages", "sampled_mask"], "trainable": False},
     ]
     expected = []
-    with pytest.MonkeyPatch.context() as off:
-        off.setattr(_buffers, "POOL_BYTES", 0)
+    with runtime.configure(buffer_pool_bytes=0):
         for shape in shapes:
-            fixture_db._cache = None
+            fixture_db.handle.view_cache = None
             expected.append(fixture_db.branches(**shape))
     for _ in range(3):
         for shape, want in zip(shapes, expected, strict=True):
-            fixture_db._cache = None
+            fixture_db.handle.view_cache = None
             got = fixture_db.branches(**shape)
             assert got.equals(want), shape
             del got
@@ -103,8 +103,8 @@ def test_views_stay_exact_on_reused_dirty_memory(fixture_db, pool: None) -> None
     assert _buffers.idle_bytes() > 0  # the views' columns went through the pool and came back
 
 
-def test_release_keeps_the_pool_within_budget(pool: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_buffers, "POOL_BYTES", 3 << 20)
+def test_release_keeps_the_pool_within_budget(pool: None, knobs: Any) -> None:
+    knobs(buffer_pool_bytes=3 << 20)
     held = [_buffers.empty((1 << 20) // 4, np.int32) for _ in range(8)]  # eight 1 MiB mappings
     del held
     gc.collect()
@@ -137,7 +137,7 @@ def test_a_forked_childs_view_is_not_overwritten_by_its_parent(fixture_db, pool:
     del view
     gc.collect()  # the parent's mappings go back to its pool...
     for shape in ({"columns": ["token_ids"], "trainable": True}, {}, {"columns": ["token_ids"]}):
-        fixture_db._cache = None
+        fixture_db.handle.view_cache = None
         fixture_db.branches(**shape)  # ...and are written again
     go.set()
     child.join(60)

@@ -17,13 +17,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import FIXTURES
+from support import FIXTURES
 from typer.testing import CliRunner
 
 import tracedb
 import tracedb.credit
-from tracedb.cec_cli import app
-from tracedb.credit import cec
+import tracedb.writeback
+from tracedb import cec
+from tracedb.cec.cli import app
 
 GROUPS = FIXTURES / "groups.traces.jsonl"
 EPISODES = [json.loads(line) for line in GROUPS.read_text().splitlines()]
@@ -138,7 +139,7 @@ def hand_records() -> list[dict]:
 
 @pytest.fixture
 def hand_db(db, tmp_path):
-    assert cec.ingest(db, write(tmp_path / "cec.jsonl", hand_records())).ok
+    assert cec.ingest_records(db, write(tmp_path / "cec.jsonl", hand_records())).ok
     cec.stamp(db, lam=0.1, cap=0.5)
     return db
 
@@ -305,15 +306,15 @@ def test_check_passes_and_catches_tampering(hand_db) -> None:
 def test_stamp_is_one_transaction_and_replaces(hand_db, monkeypatch) -> None:
     before = hand_db.sql("SELECT * FROM credit ORDER BY ALL").to_pylist()
     calls = []
-    real = hand_db.write_nodes
+    real = tracedb.writeback.stamp_fresh
 
-    def failing(*args, **kwargs):
-        calls.append(kwargs.get("credit"))
-        if len(calls) == 2:  # while writing cec-E, after cec-O, cec-B and cec-M
+    def failing(db, credit, *args, **kwargs):
+        calls.append(credit)
+        if len(calls) == 4:  # while writing cec-E, after cec-O, cec-B and cec-M
             raise RuntimeError("disk full")
-        return real(*args, **kwargs)
+        return real(db, credit, *args, **kwargs)
 
-    monkeypatch.setattr(hand_db, "write_nodes", failing)
+    monkeypatch.setattr(tracedb.writeback, "stamp_fresh", failing)
     with pytest.raises(RuntimeError):
         cec.stamp(hand_db, lam=0.3, cap=2.0)
     assert hand_db.sql("SELECT * FROM credit ORDER BY ALL").to_pylist() == before
@@ -340,7 +341,7 @@ def test_selection_is_verifier_blind_and_follows_the_hash(db, tmp_path) -> None:
                 db.con.execute(f"DELETE FROM {table}")
             records = [trace_record(trace_id, instance="inst", rep=5, salt=salt), *turn_records(trace_id, edits)]
             records.append(verification(trace_id, "original", resolved, {"t": "PASSED"}, {}))
-            assert cec.ingest(db, write(tmp_path / "r.jsonl", records)).ok
+            assert cec.ingest_records(db, write(tmp_path / "r.jsonl", records)).ok
             cec.plan(db)
             row = selection(db, trace_id)
             digests = [int(hashlib.sha256(f"inst|5|{salt}|{i}".encode()).hexdigest(), 16) for i in range(3)]
@@ -364,7 +365,7 @@ def test_selection_unavailable_reasons(db, tmp_path) -> None:
         trace_record(t[4]),
         *turn_records(t[4], {}),  # never edits anything
     ]
-    assert cec.ingest(db, write(tmp_path / "r.jsonl", records)).ok
+    assert cec.ingest_records(db, write(tmp_path / "r.jsonl", records)).ok
     cec.plan(db)
     assert selection(db, t[0])["selection"] == "no_trace_record"
     assert selection(db, t[1])["selection"] == "no_snapshots"
@@ -404,7 +405,7 @@ def test_incomplete_spans_make_the_selection_unavailable(tmp_path) -> None:
     with tracedb.connect(":memory:") as db:
         assert db.ingest(path, allow_ragged=True).ok
         assert db.ingest(FIXTURES / "rejected_compaction.traces.jsonl").ok
-        assert cec.ingest(db, write(tmp_path / "cec.jsonl", records)).ok
+        assert cec.ingest_records(db, write(tmp_path / "cec.jsonl", records)).ok
         cec.plan(db)
         details = {}
         for name in variants:
@@ -427,9 +428,9 @@ def test_incomplete_spans_make_the_selection_unavailable(tmp_path) -> None:
 
 def test_ingest_stores_records_and_is_idempotent(db, tmp_path) -> None:
     path = write(tmp_path / "cec.jsonl", hand_records())
-    first = cec.ingest(db, path)
+    first = cec.ingest_records(db, path)
     assert first.ok and first.added == {"trace": 9, "turn": 42, "verification": 14}
-    again = cec.ingest(db, path)
+    again = cec.ingest_records(db, path)
     assert again.ok and again.added == {"trace": 0, "turn": 0, "verification": 0} and again.skipped == 65
     row = db.sql("SELECT * FROM cec_turns WHERE trace_id = ? AND node_index = 4", [G0[0]]).to_pylist()[0]
     assert (row["tree"], row["changed_paths"], row["format_error"]) == (f"{G0[0][:6]}-t1", ["src/a.py"], False)
@@ -483,7 +484,7 @@ def test_bad_records_are_rejected_with_their_location_and_neighbours_kept(db, tm
     for bad, *_ in BAD:
         lines += [bad, good[len(lines) // 2 % len(good)]]
     path = write(tmp_path / "mixed.jsonl", lines)
-    report = cec.ingest(db, path)
+    report = cec.ingest_records(db, path)
     assert len(report.rejected) == len(BAD)
     for reject, (_, trace_id, node, field, reason) in zip(report.rejected, BAD):
         assert (reject.trace_id, reject.node, reject.field) == (trace_id, node, field), reject
@@ -499,22 +500,22 @@ def test_bad_records_are_rejected_with_their_location_and_neighbours_kept(db, tm
 
 
 def test_conflicting_records_are_rejected_identical_ones_skipped(db, tmp_path) -> None:
-    assert cec.ingest(db, write(tmp_path / "a.jsonl", [trace_record(G0[0])])).ok
+    assert cec.ingest_records(db, write(tmp_path / "a.jsonl", [trace_record(G0[0])])).ok
     changed = {**trace_record(G0[0]), "cache_salt": "other"}
-    report = cec.ingest(db, write(tmp_path / "b.jsonl", [trace_record(G0[0]), changed, changed]))
+    report = cec.ingest_records(db, write(tmp_path / "b.jsonl", [trace_record(G0[0]), changed, changed]))
     assert report.skipped == 1
     assert len(report.rejected) == 2
     assert f"already stored from {tmp_path / 'a.jsonl'}:1" in report.rejected[0].reason
     # Within one file: the first of two different records for a key wins, the second is rejected.
     records = [verification(G0[1], "original", True, {"t": "PASSED"}, {})] * 2
     records.append(verification(G0[1], "original", False, {"t": "PASSED"}, {}))
-    report = cec.ingest(db, write(tmp_path / "c.jsonl", records))
+    report = cec.ingest_records(db, write(tmp_path / "c.jsonl", records))
     assert report.added["verification"] == 1 and report.skipped == 1 and len(report.rejected) == 1
     assert "c.jsonl:1" in report.rejected[0].reason
 
 
 def test_strict_ingest_aborts_with_the_database_unchanged(db, tmp_path) -> None:
-    assert cec.ingest(db, write(tmp_path / "a.jsonl", [trace_record(G0[0])])).ok
+    assert cec.ingest_records(db, write(tmp_path / "a.jsonl", [trace_record(G0[0])])).ok
     before = {
         t: db.sql(f"SELECT count(*) AS n FROM {t}")["n"][0].as_py() for t in ("cec_traces", "cec_turns", "rejects")
     }
@@ -523,7 +524,7 @@ def test_strict_ingest_aborts_with_the_database_unchanged(db, tmp_path) -> None:
         tracedb.IngestAborted,
         match=r"b.jsonl:6, trace .*, field rep: Input should be an integer or a string \(got null\)",
     ):
-        cec.ingest(db, path, strict=True)
+        cec.ingest_records(db, path, strict=True)
     after = {t: db.sql(f"SELECT count(*) AS n FROM {t}")["n"][0].as_py() for t in before}
     assert after == before
 
@@ -617,7 +618,7 @@ def test_identities_on_random_traces(seed: int, tmp_path: Path) -> None:
     rng = random.Random(seed)
     with tracedb.connect(":memory:") as db:
         assert db.ingest(traces).ok
-        assert cec.ingest(db, records).ok
+        assert cec.ingest_records(db, records).ok
         usable_seen = 0
         for lam, cap in [(0.1, 1.0), (rng.uniform(0.01, 2), rng.uniform(0.01, 1)), (3.0, 0.05)]:
             cec.stamp(db, lam, cap)

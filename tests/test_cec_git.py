@@ -13,13 +13,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES
+from support import FIXTURES
 from typer.testing import CliRunner
 
 import tracedb
-from tracedb.cec_cli import app
-from tracedb.credit import cec
-from tracedb.credit.cec_git import InterventionError, Recorder, intervene, resolve_tree, snapshot
+from tracedb import cec
+from tracedb.cec.cli import app
+from tracedb.cec.git import InterventionError, Recorder, intervene, resolve_tree, snapshot
 
 
 @pytest.fixture(autouse=True)
@@ -377,7 +377,7 @@ def test_harness_records_through_plan_to_the_intervention(tmp_path: Path) -> Non
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     with tracedb.connect(tmp_path / "db.duckdb") as db:
         assert db.ingest(FIXTURES / "groups.traces.jsonl").ok
-        assert cec.ingest(db, path).ok
+        assert cec.ingest_records(db, path).ok
         cec.plan(db)
         (query,) = cec.queries(db)
     assert query["trace_id"] == trace_id

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tracedb.credit import cec
-from tracedb.credit.cec import Turn
+from tracedb import cec
+from tracedb.cec import Turn
 
 # --------------------------------------------------------------------------- test paths
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 import pytest
-from conftest import FIXTURES
+from support import FIXTURES
 from typer.testing import CliRunner
 
 import tracedb
-from tracedb.cli import app
+from tracedb.cli.main import app
 
 runner = CliRunner()
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import FIXTURES
+from support import FIXTURES
 
 import tracedb
 import tracedb.credit

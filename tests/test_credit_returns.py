@@ -15,6 +15,7 @@ import pytest
 import tracedb
 import tracedb.credit
 from tracedb.credit import returns as R
+from tracedb.credit.layouts import NODE_CREDIT
 
 FIXTURES = Path(__file__).parent / "fixtures" / "verifiers-0.4.0"
 LIMITS = ("max_turns", "max_input_tokens", "max_output_tokens", "max_total_tokens", "compaction_failed")
@@ -258,7 +259,7 @@ CASES = [
 def test_random_traces_match_reference(random_db, algorithm, params):
     db, episodes = random_db
     table = getattr(R, algorithm)(db, **params)
-    assert table.schema == R.OUTPUT_SCHEMA
+    assert table.schema == NODE_CREDIT
     got = _result(table)
     _assert_close(got, reference(episodes, algorithm, **params))
     sizes = _n_sampled(db)
@@ -426,7 +427,7 @@ def test_excluded_traces_stay_unassigned(tmp_path):
 
 def test_empty_database_and_bad_parameters(tmp_path):
     with tracedb.connect(":memory:") as db:
-        assert R.gae(db).num_rows == 0 and R.gae(db).schema == R.OUTPUT_SCHEMA
+        assert R.gae(db).num_rows == 0 and R.gae(db).schema == NODE_CREDIT
         assert R.returns(db).num_rows == 0
     db = _db(tmp_path, [_episode(trace_id="x")])
     with pytest.raises(ValueError, match="gamma"):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer.main
 
-from tracedb.cli import app
+from tracedb.cli.main import app
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pytest
-from conftest import FIXTURES
+from support import FIXTURES
 
 import tracedb
 from tracedb.views import BRANCH_SCHEMA
@@ -249,12 +249,11 @@ def test_filter_trainable_drops_rejected_compaction(fixture_db) -> None:
 def test_export_batches_equal_the_view(fixture_db, batch_tokens: int, kwargs: dict[str, Any]) -> None:
     """The batches exports stream (the whole-database read when one batch holds everything,
     per-trace list reads otherwise) join to exactly the in-memory view."""
-    from tracedb.views import iter_branches
 
     expected = fixture_db.branches(**kwargs)
-    batches = list(iter_branches(fixture_db, batch_tokens=batch_tokens, **kwargs))
+    batches = list(fixture_db.iter_branches(batch_tokens=batch_tokens, **kwargs))
     assert (len(batches) == 1) == (batch_tokens == 10**9)
     assert pa.concat_tables(batches).equals(expected)
     ids = sorted(set(expected.column("trace_id").to_pylist()))[:2]
-    some = pa.concat_tables(iter_branches(fixture_db, trace_ids=ids, batch_tokens=batch_tokens, **kwargs))
+    some = pa.concat_tables(fixture_db.iter_branches(trace_ids=ids, batch_tokens=batch_tokens, **kwargs))
     assert some.equals(fixture_db.branches(trace_ids=ids, **kwargs))

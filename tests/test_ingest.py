@@ -13,11 +13,12 @@ import duckdb
 import pyarrow as pa
 import pytest
 import zstandard
-from conftest import FIXTURES
+from support import FIXTURES
 
 import tracedb
-import tracedb.blocks
-import tracedb.ingest
+import tracedb.ingest.rows
+import tracedb.ingest.run
+import tracedb.ingest.writer
 from tracedb.errors import SchemaVersionError
 from tracedb.ingest import IngestReport
 
@@ -318,10 +319,10 @@ def test_reingest_bare_trace(fresh_db, tmp_path):
 
 
 @pytest.mark.parametrize("batch_tokens", [None, 1], ids=["one-batch", "batch-per-line"])
-def test_trace_twice_in_one_file(fresh_db, tmp_path, monkeypatch, batch_tokens):
+def test_trace_twice_in_one_file(fresh_db, tmp_path, knobs, batch_tokens):
     if batch_tokens is not None:
-        monkeypatch.setattr(tracedb.ingest, "BATCH_TOKENS", batch_tokens)
-        monkeypatch.setattr(tracedb.blocks, "CHUNK_BYTES", 1)  # a chunk per line
+        knobs(batch_tokens=batch_tokens)
+        knobs(chunk_bytes=1)  # a chunk per line
     a, b = one_episode("linear"), one_episode("forest")
     path = write_jsonl(tmp_path / "dup.jsonl", [a, b, a])
     report = fresh_db.ingest(path)
@@ -337,9 +338,9 @@ def test_trace_twice_in_one_file(fresh_db, tmp_path, monkeypatch, batch_tokens):
     assert_same(fresh_db.episode(a["id"]), a)
 
 
-def test_idempotency_across_batches_and_files(fresh_db, tmp_path, monkeypatch):
-    monkeypatch.setattr(tracedb.ingest, "BATCH_TOKENS", 1)  # every line is its own batch
-    monkeypatch.setattr(tracedb.blocks, "CHUNK_BYTES", 1)  # a chunk per line
+def test_idempotency_across_batches_and_files(fresh_db, tmp_path, knobs):
+    knobs(batch_tokens=1)  # every line is its own batch
+    knobs(chunk_bytes=1)  # a chunk per line
     head = groups_head(tmp_path, 6)
     files = [FIXTURES / "linear.traces.jsonl", head, FIXTURES / "forest.traces.jsonl", head]
     report = fresh_db.ingest(files)
@@ -644,12 +645,12 @@ def test_a_large_ingest_lands_in_the_file_at_commit(tmp_path):
 
 
 @pytest.mark.parametrize("batch_tokens", [None, 1], ids=["one-batch", "batch-per-line"])
-def test_one_episode_over_two_lines_is_stored_once(fresh_db, tmp_path, monkeypatch, batch_tokens):
+def test_one_episode_over_two_lines_is_stored_once(fresh_db, tmp_path, knobs, batch_tokens):
     """The same episode id on two lines (its traces written in two goes): one episode row,
     both traces, whether or not the lines land in the same batch."""
     if batch_tokens is not None:
-        monkeypatch.setattr(tracedb.ingest, "BATCH_TOKENS", batch_tokens)
-        monkeypatch.setattr(tracedb.blocks, "CHUNK_BYTES", 1)  # a chunk per line
+        knobs(batch_tokens=batch_tokens)
+        knobs(chunk_bytes=1)  # a chunk per line
     first = one_episode("linear")
     second = renamed(first, "-second")
     second["id"] = first["id"]
@@ -661,16 +662,16 @@ def test_one_episode_over_two_lines_is_stored_once(fresh_db, tmp_path, monkeypat
     assert ids == [first["id"]]
 
 
-def test_a_failed_insert_leaves_the_database_as_it_was(tmp_path, monkeypatch):
+def test_a_failed_insert_leaves_the_database_as_it_was(tmp_path, monkeypatch, knobs):
     """The INSERTs run on the writer thread; its failure reaches the caller, after the
     batches written before it, and the whole ingest is rolled back."""
-    monkeypatch.setattr(tracedb.ingest, "BATCH_TOKENS", 1)
-    monkeypatch.setattr(tracedb.blocks, "CHUNK_BYTES", 1)  # a chunk per line
+    knobs(batch_tokens=1)
+    knobs(chunk_bytes=1)  # a chunk per line
     path = tmp_path / "runs.duckdb"
     with tracedb.connect(path) as db:
         db.ingest(FIXTURES / "linear.traces.jsonl")
         before = content(db)
-        real = tracedb.ingest._Writer._write
+        real = tracedb.ingest.writer.Writer._write
         calls = []
 
         def failing(self, inserts):
@@ -679,12 +680,12 @@ def test_a_failed_insert_leaves_the_database_as_it_was(tmp_path, monkeypatch):
                 raise OSError("disk full (simulated)")
             real(self, inserts)
 
-        monkeypatch.setattr(tracedb.ingest._Writer, "_write", failing)
+        monkeypatch.setattr(tracedb.ingest.writer.Writer, "_write", failing)
         with pytest.raises(OSError, match="simulated"):
             db.ingest(FIXTURES / "groups.traces.jsonl")
         assert len(calls) >= 3
         assert content(db) == before
-        monkeypatch.setattr(tracedb.ingest._Writer, "_write", real)
+        monkeypatch.setattr(tracedb.ingest.writer.Writer, "_write", real)
         report = db.ingest(FIXTURES / "groups.traces.jsonl")  # still usable
         assert report.ok and report.traces > 3
     with tracedb.connect(path, read_only=True) as db:
@@ -696,7 +697,7 @@ def test_a_failing_insert_reports_its_own_error(tmp_path, monkeypatch):
     "transaction is aborted" that cleaning up after it would raise."""
     import duckdb
 
-    real = tracedb.ingest._batch_inserts
+    real = tracedb.ingest.rows.Batch.inserts
 
     def with_a_bad_row(batch):
         bad = pa.table({"trace_id": pa.array([None], pa.string())})
@@ -705,13 +706,13 @@ def test_a_failing_insert_reports_its_own_error(tmp_path, monkeypatch):
             ("_tdb_bad", "INSERT INTO traces (trace_id, record) SELECT trace_id, '{}' FROM _tdb_bad", bad),
         ]
 
-    monkeypatch.setattr(tracedb.ingest, "_batch_inserts", with_a_bad_row)
+    monkeypatch.setattr(tracedb.ingest.rows.Batch, "inserts", with_a_bad_row)
     with tracedb.connect(tmp_path / "runs.duckdb") as db:
         before = content(db)
         with pytest.raises(duckdb.ConstraintException):
             db.ingest(FIXTURES / "linear.traces.jsonl")
         assert content(db) == before
-        monkeypatch.setattr(tracedb.ingest, "_batch_inserts", real)
+        monkeypatch.setattr(tracedb.ingest.rows.Batch, "inserts", real)
         assert db.ingest(FIXTURES / "linear.traces.jsonl").traces == 1
 
 
@@ -724,23 +725,23 @@ def test_a_failed_commit_reports_its_own_error(tmp_path, monkeypatch):
         db.con.execute("ROLLBACK")  # what a failed COMMIT leaves behind
         raise duckdb.ConstraintException("commit failed (simulated)")
 
-    monkeypatch.setattr(tracedb.ingest, "_commit_into_file", failing_commit)
+    monkeypatch.setattr(tracedb.ingest.run, "commit_into_file", failing_commit)
     with tracedb.connect(tmp_path / "runs.duckdb") as db:
         with pytest.raises(duckdb.ConstraintException, match="simulated"):
             db.ingest(FIXTURES / "linear.traces.jsonl")
         assert counts(db)["traces"] == 0
 
 
-def test_interrupted_twice_the_ingest_still_rolls_back_after_the_writer(tmp_path, monkeypatch):
+def test_interrupted_twice_the_ingest_still_rolls_back_after_the_writer(tmp_path, monkeypatch, knobs):
     """Ctrl-C while the writer inserts, and again while ingest waits for it: the ROLLBACK
     comes only once the writer is done (an INSERT after it would autocommit)."""
     import threading
     import time
 
-    monkeypatch.setattr(tracedb.ingest, "BATCH_TOKENS", 1)
+    knobs(batch_tokens=1)
 
-    monkeypatch.setattr(tracedb.blocks, "CHUNK_BYTES", 1)  # a chunk per line
-    real_write, real_join = tracedb.ingest._Writer._write, threading.Thread.join
+    knobs(chunk_bytes=1)  # a chunk per line
+    real_write, real_join = tracedb.ingest.writer.Writer._write, threading.Thread.join
     inserting = threading.Event()
 
     def slow_write(self, inserts):
@@ -759,13 +760,13 @@ def test_interrupted_twice_the_ingest_still_rolls_back_after_the_writer(tmp_path
         if inserting.is_set():
             raise KeyboardInterrupt  # the first Ctrl-C, in the parsing thread
 
-    real_flush = tracedb.ingest._flush
+    real_flush = tracedb.ingest.run._flush
     with tracedb.connect(tmp_path / "runs.duckdb") as db:
         db.ingest(FIXTURES / "linear.traces.jsonl")
         before = content(db)
-        monkeypatch.setattr(tracedb.ingest._Writer, "_write", slow_write)
+        monkeypatch.setattr(tracedb.ingest.writer.Writer, "_write", slow_write)
         monkeypatch.setattr(threading.Thread, "join", join_interrupted_once)
-        monkeypatch.setattr(tracedb.ingest, "_flush", interrupted_flush)
+        monkeypatch.setattr(tracedb.ingest.run, "_flush", interrupted_flush)
         with pytest.raises(KeyboardInterrupt):
             db.ingest(FIXTURES / "groups.traces.jsonl")
         time.sleep(0.5)  # a writer left running would insert (and autocommit) by now
@@ -788,21 +789,21 @@ def test_an_ingest_that_cannot_begin_leaves_nothing_running(fresh_db):
     fresh_db.con.execute("ROLLBACK")
 
 
-def test_inserts_fill_whole_row_groups(tmp_path, monkeypatch):
+def test_inserts_fill_whole_row_groups(tmp_path, monkeypatch, knobs):
     """Every INSERT of an ingest but the last of each table adds whole row groups, from one
     Arrow chunk (else DuckDB writes the rows again at COMMIT and the file keeps both); the
     rows held back between batches all arrive."""
     inserted: dict[str, list[tuple[int, int]]] = {}
-    real = tracedb.ingest._Writer._insert
+    real = tracedb.ingest.writer.Writer._insert
 
     def recording(self, name, statement, table):
         inserted.setdefault(name, []).append((len(table), len(table.column(0).chunks)))
         real(self, name, statement, table)
 
-    monkeypatch.setattr(tracedb.ingest._Writer, "_insert", recording)
-    monkeypatch.setattr(tracedb.ingest, "BATCH_TOKENS", 1)
-    monkeypatch.setattr(tracedb.blocks, "CHUNK_BYTES", 1)  # a batch per line
-    monkeypatch.setattr(tracedb.ingest, "ROW_GROUP_ROWS", 4)  # the fixtures are small
+    monkeypatch.setattr(tracedb.ingest.writer.Writer, "_insert", recording)
+    knobs(batch_tokens=1)
+    knobs(chunk_bytes=1)  # a batch per line
+    knobs(write_alignment_rows=4)  # the fixtures are small
     with tracedb.connect(tmp_path / "runs.duckdb") as db:
         report = db.ingest(FIXTURES / "groups.traces.jsonl")
         assert report.ok

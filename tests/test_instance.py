@@ -1,4 +1,4 @@
-"""Databases attached to the process's one DuckDB instance (tracedb/_instance.py)."""
+"""Databases attached to the process's one DuckDB instance (tracedb/runtime.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import duckdb
 import pytest
-from conftest import FIXTURES
+from support import FIXTURES
 
 import tracedb
 
@@ -189,7 +189,7 @@ def test_spills_go_to_the_temp_directory_not_the_working_directory(tmp_path: Pat
 def test_a_database_collected_while_the_registry_is_locked_is_released_later(tmp_path: Path) -> None:
     """A garbage collector's finalizer may run inside this module's lock (same thread):
     the release must be queued, not block on the lock."""
-    from tracedb import _instance
+    from tracedb import runtime
 
     path = tmp_path / "runs.duckdb"
     db = tracedb.connect(path)
@@ -197,7 +197,7 @@ def test_a_database_collected_while_the_registry_is_locked_is_released_later(tmp
     cycle: list[object] = [db]
     cycle.append(cycle)  # only the cyclic collector frees it
     del db
-    inst = _instance._instance()
+    inst = runtime._instance()
     done = threading.Event()
 
     def collect_under_the_lock() -> None:
@@ -211,7 +211,7 @@ def test_a_database_collected_while_the_registry_is_locked_is_released_later(tmp
     thread.start()
     thread.join(20)
     assert done.is_set(), "the finalizer blocked on the registry lock"
-    assert not _instance.is_attached(str(path))  # the queued release was done
+    assert not runtime.is_attached(str(path))  # the queued release was done
     assert plain_open_works(path)
 
 
@@ -225,7 +225,7 @@ def test_a_file_a_plain_client_holds_is_opened_through_that_client(tmp_path: Pat
     try:
         with tracedb.connect(path) as db:
             assert db.stats()["traces"] == 1
-            assert db._catalog is None  # its own connection to the plain client's instance
+            assert db.handle.catalog is None  # its own connection to the plain client's instance
         assert plain.execute("SELECT count(*) FROM traces").fetchall() == [(1,)]
     finally:
         plain.close()

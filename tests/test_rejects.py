@@ -19,15 +19,15 @@ import numpy as np
 import pytest
 import simdjson
 import zstandard
-from conftest import FIXTURES
+from support import FIXTURES
 
 import tracedb
-import tracedb.blocks
-import tracedb.ingest
+import tracedb.ingest.rows
+import tracedb.ingest.run
+import tracedb.ingest.writer
 from tracedb.errors import IngestAborted, Location, RecordError
-from tracedb.ingest import parse_line
-from tracedb.models import COMPACT_STREAMS
-from tracedb.records import _Fallback, check_trace, parse_fast, parse_slow
+from tracedb.ingest.parse import Fallback, check_trace, parse_fast, parse_line, parse_slow
+from tracedb.records import COMPACT_STREAMS
 
 TABLES = ("tracedb_meta", "episodes", "traces", "segments", "nodes", "branches", "rejects")
 FIXTURE_FILES = sorted(FIXTURES.glob("*.traces.jsonl"))
@@ -470,10 +470,10 @@ STRICT_CASES = [c for c in CASES if c.id in ("mask_shorter_than_token_ids", "mis
 
 @pytest.mark.parametrize("batch_tokens", [None, 1], ids=["one-batch", "batch-per-line"])
 @pytest.mark.parametrize("case", STRICT_CASES, ids=lambda c: c.id)
-def test_strict_aborts_and_leaves_database_unchanged(fresh_db, tmp_path, monkeypatch, case, batch_tokens):
+def test_strict_aborts_and_leaves_database_unchanged(fresh_db, tmp_path, knobs, case, batch_tokens):
     if batch_tokens is not None:  # earlier lines are already written when the bad one comes
-        monkeypatch.setattr(tracedb.ingest, "BATCH_TOKENS", batch_tokens)
-        monkeypatch.setattr(tracedb.blocks, "CHUNK_BYTES", 1)  # a chunk per line
+        knobs(batch_tokens=batch_tokens)
+        knobs(chunk_bytes=1)  # a chunk per line
     _preloaded(fresh_db, tmp_path)
     before_counts, before = counts(fresh_db), content(fresh_db)
     before_stats = fresh_db.stats()
@@ -526,10 +526,10 @@ def test_strict_file_database_unchanged_after_abort(tmp_path):
 
 
 @pytest.mark.parametrize("batch_tokens", [None, 1], ids=["one-batch", "batch-per-line"])
-def test_non_strict_commits_good_lines(tmp_path, monkeypatch, batch_tokens):
+def test_non_strict_commits_good_lines(tmp_path, knobs, batch_tokens):
     if batch_tokens is not None:
-        monkeypatch.setattr(tracedb.ingest, "BATCH_TOKENS", batch_tokens)
-        monkeypatch.setattr(tracedb.blocks, "CHUNK_BYTES", 1)  # a chunk per line
+        knobs(batch_tokens=batch_tokens)
+        knobs(chunk_bytes=1)  # a chunk per line
     path = tmp_path / "db.duckdb"
     bad, raw = bad_file(tmp_path, CASES[0])
     with tracedb.connect(path) as db:
@@ -593,7 +593,7 @@ def test_fast_and_slow_paths_agree(raw):
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_fast_path_never_vouches_for_a_bad_line(case):
-    """The fast path hands every bad line to the slow path (raises ``_Fallback``), which
+    """The fast path hands every bad line to the slow path (raises ``Fallback``), which
     reports it. A length or graph rule is checked on parsed columns by ``check_trace``
     after either path; there the fast path may parse the line, but the check must then
     fail exactly as it does on the slow path's columns."""
@@ -609,7 +609,7 @@ def test_fast_path_never_vouches_for_a_bad_line(case):
 
     try:
         fast = parse_fast(simdjson.Parser(), raw)
-    except _Fallback:
+    except Fallback:
         slow_error()
         return
     assert case.layout, f"the fast path accepted a {case.id} line"

@@ -1,14 +1,14 @@
 """Differential tests of ingest's two parse paths.
 
-:func:`tracedb.ingest.ingest` scans whole chunks with the compiled scanner
-(:mod:`tracedb._scan` through :func:`tracedb.blocks.scan_chunk`) and sends every line the
-scanner does not take through the legacy parser (:func:`tracedb.ingest.parse_line`:
+:func:`tracedb.ingest.ingest_files` scans whole chunks with the compiled scanner
+(:mod:`tracedb.ingest._scan` through :func:`tracedb.ingest.scanned.scan_chunk`) and sends every line the
+scanner does not take through the legacy parser (:func:`tracedb.ingest.parse.parse_line`:
 simdjson, then ``json`` + pydantic). The contract: for every input, ingest with the
 scanner leaves exactly the database content and the report (rejects and their wording
 included) that ingest with the legacy path alone leaves.
 
 Each test ingests the same file twice into fresh ``:memory:`` databases, once as it is
-and once with ``tracedb.ingest.scan_chunk`` replaced by a stand-in that sends every line
+and once with the ``scanner`` setting ``never``, which sends every line
 the legacy way, and compares every table (rows in key order, the ingest's clock columns
 left out, floats by their bits so that -0.0 is not 0.0), the report and ``db.trace`` of
 every trace. Two columns are compared by value, not by text: ``nodes.message`` and
@@ -16,7 +16,7 @@ every trace. Two columns are compared by value, not by text: ``nodes.message`` a
 the message and the unknown fields as written, minified; the legacy path writes them
 again), so both sides are read with ``json.loads`` and compared as values (floats by
 their bits, keys in their order). Where a test means the scanner to take a line, or not, it checks which
-lines :func:`~tracedb.blocks.scan_chunk` took: a case cannot pass only because every
+lines :func:`~tracedb.ingest.scanned.scan_chunk` took: a case cannot pass only because every
 line fell back.
 
 Hand-written cases share files to keep the module fast: a :class:`Batch` writes many
@@ -40,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
@@ -49,16 +49,16 @@ from typing import Any, NamedTuple
 import numpy as np
 import pytest
 import zstandard
-from conftest import FIXTURES
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from strategies import episodes
+from support import FIXTURES
+from support.strategies import episodes
 
 import tracedb
-import tracedb.blocks
-import tracedb.ingest
-from tracedb.blocks import Scanner, read_chunks, scan_chunk
+from tracedb import runtime
 from tracedb.ingest import read_lines
+from tracedb.ingest.files import Chunk, read_chunks
+from tracedb.ingest.scanned import Scanner, scan_chunk
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE_FILES = sorted(FIXTURES.glob("*.traces.jsonl"))
@@ -80,21 +80,6 @@ text as written, minified; the legacy path writes the value again): compared by 
 
 
 # --------------------------------------------------------------------------- harness
-
-
-def _legacy_only(chunk: Any, scanner: Any = None, *, allow_ragged: bool = False) -> tuple[None, list[None]]:
-    """``scan_chunk``'s stand-in: no line taken, every line goes the legacy way."""
-    return None, [None] * len(chunk.starts)
-
-
-@contextlib.contextmanager
-def _patched(obj: Any, name: str, value: Any) -> Iterator[None]:
-    old = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, old)
 
 
 @dataclass(frozen=True)
@@ -184,7 +169,7 @@ def run_ingest(paths: Path | Sequence[Path], *, legacy: bool, **kwargs: Any) -> 
     """Ingest into a fresh in-memory database, with the scanner or the legacy path only."""
     with contextlib.ExitStack() as stack:
         if legacy:
-            stack.enter_context(_patched(tracedb.ingest, "scan_chunk", _legacy_only))
+            stack.enter_context(runtime.configure(scanner="never"))
         db = stack.enter_context(tracedb.connect(":memory:"))
         error = report = None
         try:
@@ -1639,16 +1624,14 @@ def _tiny_chunk_file(tmp_path: Path) -> tuple[Path, list[bool]]:
 
 
 @pytest.mark.parametrize("chunk_bytes", [7, 64, 1000])
-def test_ingest_in_tiny_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk_bytes: int) -> None:
+def test_ingest_in_tiny_chunks(tmp_path: Path, chunk_bytes: int, knobs: Any) -> None:
     """Ingest reading a few bytes at a time (chunks of whole lines, each scanned on its
     own, the scanner's buffers sized for tiny chunks and grown) against the legacy path
     reading the default chunks."""
     path, taken = _tiny_chunk_file(tmp_path)
     reference = run_ingest(path, legacy=True)
-    original: Callable[..., Any] = tracedb.ingest.read_chunks
-    monkeypatch.setattr(tracedb.blocks, "CHUNK_BYTES", chunk_bytes)
-    monkeypatch.setattr(tracedb.ingest, "read_chunks", lambda p: original(p, chunk_bytes))
-    chunks = list(tracedb.ingest.read_chunks(path))
+    knobs(chunk_bytes=chunk_bytes)
+    chunks = list(read_chunks(path))
     assert len(chunks) > 1
     scanner = Scanner()
     assert [p is not None for chunk in chunks for p in scan_chunk(chunk, scanner)[1]] == taken
@@ -1669,8 +1652,9 @@ def test_many_tiny_traces_stay_inside_the_scanner_buffers(tmp_path: Path) -> Non
         import sys
         from pathlib import Path
 
-        from tracedb import _scan
-        from tracedb.blocks import Scanner, read_chunks, scan_chunk
+        from tracedb.ingest import _scan
+        from tracedb.ingest.files import read_chunks
+        from tracedb.ingest.scanned import Scanner, scan_chunk
 
         path = Path(sys.argv[1])
         path.write_bytes(b'{"id":"ep","traces":[' + b",".join([b'{"":0}'] * 700_000) + b"]}\\n")
@@ -1704,6 +1688,6 @@ def test_a_line_not_followed_by_its_line_break_falls_back() -> None:
     line = b'{"id":"e","traces":[{"id":"t","nodes":[{"message":{},"token_ids":[1],"mask":[true]}]}]}'
     for after in (b"\n", b"2", b"-", b"."):
         data = line + after
-        chunk = tracedb.blocks.Chunk(data, np.array([0]), np.array([len(line)]), np.array([1]))
+        chunk = Chunk(data, np.array([0]), np.array([len(line)]), np.array([1]))
         _, lines = scan_chunk(chunk)
         assert (lines[0] is not None) == (after == b"\n"), after

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import duckdb
-from conftest import FIXTURES
+from support import FIXTURES
 
 import tracedb
 

@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import FIXTURES
 from fastapi.testclient import TestClient
+from support import FIXTURES
+from tracedb.api import create_app
 
 import tracedb
-from api import create_app
 
 STATIC = Path(__file__).resolve().parent.parent / "api"
 

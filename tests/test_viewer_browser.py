@@ -21,12 +21,12 @@ from typing import Any
 
 import pytest
 import uvicorn
-from conftest import FIXTURES
 from playwright.sync_api import Browser, Page, sync_playwright
+from support import FIXTURES
 from test_viewer import make_tokenizer
+from tracedb.api import create_app
 
 import tracedb
-from api import create_app
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "test-artifacts"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from tracedb.views import _node_ordered
+from tracedb.views.nodes import node_ordered
 
 
 def table(traces: list[str], index: list[int]) -> pa.Table:
@@ -12,38 +12,38 @@ def table(traces: list[str], index: list[int]) -> pa.Table:
 
 
 def test_node_ordered_accepts_runs_in_node_order() -> None:
-    assert _node_ordered(table([], []))
-    assert _node_ordered(table(["b", "b", "a", "a", "a"], [0, 1, 0, 1, 2]))  # trace order is free
+    assert node_ordered(table([], []))
+    assert node_ordered(table(["b", "b", "a", "a", "a"], [0, 1, 0, 1, 2]))  # trace order is free
 
 
 def test_node_ordered_rejects_what_needs_a_sort() -> None:
-    assert not _node_ordered(table(["a", "a"], [1, 0]))
-    assert not _node_ordered(table(["a", "b", "a"], [0, 0, 1]))  # a trace split in two runs
-    assert not _node_ordered(table(["a", "a", "b"], [0, 2, 0]))  # a gap
+    assert not node_ordered(table(["a", "a"], [1, 0]))
+    assert not node_ordered(table(["a", "b", "a"], [0, 0, 1]))  # a trace split in two runs
+    assert not node_ordered(table(["a", "a", "b"], [0, 2, 0]))  # a gap
 
 
 def test_unordered_rows_give_the_same_view(fixture_db, monkeypatch) -> None:
-    import tracedb.views as views
+    import tracedb.views.nodes as views
 
     expected = fixture_db.branches()
-    fixture_db._cache = None
-    monkeypatch.setattr(views, "_node_ordered", lambda nodes: False)  # force the sort
+    fixture_db.handle.view_cache = None
+    monkeypatch.setattr(views, "node_ordered", lambda nodes: False)  # force the sort
     assert fixture_db.branches().equals(expected)
 
 
 def test_without_insertion_order_views_read_lists(fixture_db, monkeypatch) -> None:
     """Flat reads pair two scans by row order, which DuckDB keeps only while
     preserve_insertion_order is on; with it off the view reads lists and is still exact."""
-    import tracedb.views as views
+    import tracedb.views.nodes as views
 
     expected = fixture_db.branches()
-    fixture_db._cache = None
+    fixture_db.handle.view_cache = None
     fixture_db.con.execute("SET preserve_insertion_order = false")  # instance-wide: undone below
 
     def refuse(*args, **kwargs):
         raise AssertionError("flat read without insertion order")
 
-    monkeypatch.setattr(views, "_read_all", refuse)
+    monkeypatch.setattr(views, "read_all", refuse)
     try:
         assert fixture_db.branches().equals(expected)
     finally:
@@ -55,11 +55,11 @@ def test_views_inside_a_users_own_transaction(fixture_db) -> None:
     expected = fixture_db.branches(columns=["advantages"])
     fixture_db.con.execute("BEGIN TRANSACTION")
     fixture_db.con.execute("UPDATE nodes SET advantages = NULL")
-    fixture_db._cache = None
+    fixture_db.handle.view_cache = None
     inside = fixture_db.branches(columns=["advantages"])
     assert inside.column("advantages").null_count == inside.num_rows  # sees the uncommitted update
     fixture_db.con.execute("ROLLBACK")  # the transaction was still the user's to end
-    fixture_db._cache = None
+    fixture_db.handle.view_cache = None
     assert fixture_db.branches(columns=["advantages"]).equals(expected)
 
 
@@ -75,7 +75,7 @@ def test_credit_rows_naming_no_node_are_ignored(fixture_db) -> None:
         "VALUES ('raw', ?, ?, 1.0), ('raw', 'nope', 0, 1.0)",
         [trace_id, n + 1],
     )
-    fixture_db._cache = None
+    fixture_db.handle.view_cache = None
     assert fixture_db.branches(credit="raw", columns=["advantages"]).equals(before)
     assert fixture_db.branches(trace_ids=[trace_id], credit="raw", columns=["advantages"]).equals(
         before.filter(pa.compute.equal(before.column("trace_id"), trace_id))
@@ -87,7 +87,7 @@ def test_a_forked_child_builds_views(tmp_path) -> None:
     of a process that built views builds its own."""
     import multiprocessing
 
-    from conftest import FIXTURES
+    from support import FIXTURES
 
     import tracedb
 
@@ -115,14 +115,12 @@ def _child_view(path: str, queue) -> None:
         queue.put(db.branches().num_rows)
 
 
-def test_selection_segments_by_lookup_or_join(fixture_db, monkeypatch) -> None:
+def test_selection_segments_by_lookup_or_join(fixture_db, knobs) -> None:
     """A selection's segments come by a literal IN list (few) or a join (many): same view."""
-    import tracedb.views as views
-
     ids = sorted(set(fixture_db.branches(columns=[]).column("trace_id").to_pylist()))[:3]
     by_lookup = fixture_db.branches(trace_ids=ids)
-    fixture_db._cache = None
-    monkeypatch.setattr(views, "_SEGMENT_LOOKUP", 0)
+    fixture_db.handle.view_cache = None
+    knobs(segment_lookup=0)
     assert fixture_db.branches(trace_ids=ids).equals(by_lookup)
     assert fixture_db.branches(trace_ids=["no-such-trace"]).num_rows == 0
 
@@ -141,7 +139,7 @@ def njit(*args, **kwargs):
         raise RuntimeError("cannot cache function: no locator available")
     return real(*args, **kwargs)
 numba.njit = njit
-from tracedb import _kernels
+from tracedb.views import _kernels
 out = np.empty(4, np.float32)
 i64 = lambda *v: np.array(v, np.int64)
 _kernels.spread_stream(0, 1, i64(0, 1), i64(0), i64(0, 4), i64(4), i64(1), i64(0), np.zeros(0, np.int32),
@@ -153,12 +151,10 @@ print(out.tolist())
     assert done.stdout.strip() == "[0.0, 5.0, 6.0, 0.0]"  # prefix 1, two values taken, the rest zero
 
 
-def test_flat_reads_in_many_small_batches_give_the_same_view(fixture_db, monkeypatch) -> None:
-    import tracedb.views as views
-
+def test_flat_reads_in_many_small_batches_give_the_same_view(fixture_db, knobs) -> None:
     expected = fixture_db.branches()
-    fixture_db._cache = None
-    monkeypatch.setattr(views, "_STREAM_ROWS", 7)  # every flat column arrives in many batches
+    fixture_db.handle.view_cache = None
+    knobs(stream_rows=7)  # every flat column arrives in many batches
     assert fixture_db.branches().equals(expected)
 
 
@@ -168,14 +164,14 @@ def test_flat_read_refuses_values_that_do_not_fit_the_lengths(fixture_db) -> Non
     import numpy as np
     import pytest
 
-    from tracedb.views import _flat_column
+    from tracedb.views.nodes import flat_column
 
     con = fixture_db.con
     lengths = con.sql("SELECT n_tokens FROM segments").to_arrow_table().column(0)
-    values, offsets, _ = _flat_column(con, "SELECT unnest(token_ids) FROM segments", lengths, np.int32)
+    values, offsets, _ = flat_column(con, "SELECT unnest(token_ids) FROM segments", lengths, np.int32)
     assert len(values) == offsets[-1] == sum(lengths.to_pylist())
     short = pa.chunked_array([pa.array([n - (i == 0) for i, n in enumerate(lengths.to_pylist())], pa.int32())])
     long = pa.chunked_array([pa.array([n + (i == 0) for i, n in enumerate(lengths.to_pylist())], pa.int32())])
     for wrong in (short, long):
         with pytest.raises(RuntimeError, match="other than the"):
-            _flat_column(con, "SELECT unnest(token_ids) FROM segments", wrong, np.int32)
+            flat_column(con, "SELECT unnest(token_ids) FROM segments", wrong, np.int32)

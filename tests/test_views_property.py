@@ -18,7 +18,16 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
-from strategies import COMPACT, EPISODE_TEMPLATE, OPTIONAL, TRACE_TEMPLATE, all_traces, episodes, is_ragged, write_jsonl
+from support.strategies import (
+    COMPACT,
+    EPISODE_TEMPLATE,
+    OPTIONAL,
+    TRACE_TEMPLATE,
+    all_traces,
+    episodes,
+    is_ragged,
+    write_jsonl,
+)
 
 import tracedb
 import tracedb.views
@@ -177,7 +186,7 @@ def fresh():
     def make() -> tracedb.Database:
         for table in tables:
             db.con.execute(f'DELETE FROM "{table}"')
-        db._changed()
+        db.handle.changed()
         return db
 
     yield make
@@ -448,7 +457,7 @@ def test_many_branches(fresh: Any) -> None:
     trainable = [r for r in expected if r["trainable"]]
     assert 0 < len(trainable) < len(expected)
     assert rows_of(db.branches(trainable=True)) == trainable
-    db._cache = None
+    db.handle.view_cache = None
     assert rows_of(db.branches(trainable=True, train_once=True)) == [r for r in once if r["trainable"]]
 
 
@@ -458,8 +467,8 @@ def test_segments_written_between_reads_are_read_again(fresh: Any, monkeypatch: 
     eps = _fork_episode(30, seed=11)
     db = load(fresh, eps)
     expected = db.branches()
-    db._cache = None
-    real = tracedb.views._read_segments
+    db.handle.view_cache = None
+    real = tracedb.views.nodes.read_segments
     calls: list[int] = []
 
     def stale(con: Any, own_cursor: bool) -> Any:
@@ -467,7 +476,7 @@ def test_segments_written_between_reads_are_read_again(fresh: Any, monkeypatch: 
         calls.append(1)
         return (ids.slice(1), tokens) if len(calls) == 1 else (ids, tokens)  # first read lacks one
 
-    monkeypatch.setattr(tracedb.views, "_read_segments", stale)
+    monkeypatch.setattr(tracedb.views.nodes, "read_segments", stale)
     assert db.branches().equals(expected)
     assert len(calls) == 2
 
@@ -477,7 +486,7 @@ def test_views_inside_a_transaction_see_its_writes(fresh: Any) -> None:
     eps = _fork_episode(20, seed=3)
     db = load(fresh, eps)
     before = db.branches(columns=["advantages"])
-    with db._transaction():
+    with db.handle.transaction():
         db.write_traces(pa.table({"trace_id": ["t-fork"], "value": [0.5]}))
         inside = db.branches(columns=["advantages"])
     assert not inside.equals(before)

@@ -21,11 +21,11 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import FIXTURES
+from support import FIXTURES
 
 import tracedb
 import tracedb.credit
-from tracedb.writeback import WriteError
+from tracedb.errors import WriteError
 
 COMPACT = ("advantages", "reference_logprobs", "trainer_logprobs", "entropies")
 

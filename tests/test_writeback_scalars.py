@@ -6,8 +6,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from tracedb.views import iter_branches
-from tracedb.writeback import WriteError, constant_rows
+from tracedb.errors import WriteError
+from tracedb.writeback import constant_rows
 
 
 def sampled_nodes(db, limit: int = 4) -> list[tuple[str, int, int]]:
@@ -125,7 +125,7 @@ def test_credit_set_views_agree_on_every_read_path(fixture_db) -> None:
     ids = sorted(set(whole.column("trace_id").to_pylist()))
     per_trace = pa.concat_tables(fixture_db.branches(trace_ids=[t], credit="mix", columns=["advantages"]) for t in ids)
     assert per_trace.equals(whole)
-    batches = pa.concat_tables(iter_branches(fixture_db, credit="mix", columns=["advantages"], batch_tokens=1))
+    batches = pa.concat_tables(fixture_db.iter_branches(credit="mix", columns=["advantages"], batch_tokens=1))
     assert batches.equals(whole)
     sql = fixture_db.sql(
         "SELECT trace_id, branch_index, advantages FROM branch_tokens(credit := 'mix') ORDER BY trace_id, branch_index"
@@ -201,4 +201,4 @@ def test_stamp_fresh_refuses_keys_not_in_the_database(fixture_db, layout) -> Non
         rows = {"trace_id": [t], "node_index": pa.array([10_000], pa.int32()), "value": [0.5]}
     fixture_db.create_credit_set("s")
     with pytest.raises(WriteError, match="not in the database"):
-        stamp_fresh(fixture_db, "s", pa.table(rows), layout)
+        stamp_fresh(fixture_db.handle, "s", pa.table(rows), layout)

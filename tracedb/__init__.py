@@ -1,9 +1,11 @@
 """tracedb: verifiers v1 message graphs stored deduplicated in DuckDB, served as
 branch-spread token views for trainers, analysts and services."""
 
+from tracedb.database import Database, connect
 from tracedb.errors import IngestAborted, NotFound, RecordError, TraceDBError
-from tracedb.store import SCHEMA_VERSION, Database, connect
-from tracedb.views import BRANCH_SCHEMA, to_polars
+from tracedb.handle import SCHEMA_VERSION
+from tracedb.tables import BRANCH_SCHEMA
+from tracedb.views import to_polars
 
 __all__ = [
     "connect",

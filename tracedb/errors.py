@@ -66,3 +66,7 @@ class NotFound(TraceDBError, KeyError):
 
 class SchemaVersionError(TraceDBError):
     """The database file was written by an incompatible tracedb schema."""
+
+
+class WriteError(TraceDBError):
+    """A write that cannot be applied; nothing of it was written."""

@@ -9,16 +9,16 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from tracedb.views import BRANCH_SCHEMA, iter_branches
-
-if TYPE_CHECKING:
-    from tracedb.store import Database
+from tracedb.handle import Handle
+from tracedb.tables import BRANCH_SCHEMA
+from tracedb.views import Selection, iter_branches
 
 FORMATS = {
     ".parquet": "parquet",
@@ -32,13 +32,11 @@ FORMATS = {
 
 
 def export(
-    db: Database,
+    handle: Handle,
     path: str | Path,
+    selection: Selection = Selection(),
     *,
     format: str | None = None,
-    trace_ids: Sequence[str] | None = None,
-    group: str | Sequence[str] | None = None,
-    episode: str | Sequence[str] | None = None,
     trainable: bool | None = None,
     columns: Sequence[str] | None = None,
     train_once: bool = False,
@@ -49,9 +47,10 @@ def export(
     """Write the branch views of the selected traces to ``path``.
 
     ``format`` is ``parquet``, ``arrow`` (IPC file) or ``arrows`` (IPC stream); by
-    default it follows the suffix. Filters and ``columns`` are those of
-    ``db.branches()``, ``credit`` picks a credit set. The file is written beside ``path`` and renamed into place, so a
-    failed export leaves no partial file. Returns rows, branches' tokens and bytes.
+    default it follows the suffix. ``selection``, the filters and ``columns`` are those
+    of ``db.branches()``, ``credit`` picks a credit set. The file is written beside
+    ``path`` and renamed into place, so a failed export leaves no partial file. Returns
+    rows, branches' tokens and bytes.
     """
     path = Path(path)
     fmt = format or FORMATS.get(path.suffix.lower())
@@ -62,10 +61,8 @@ def export(
     writer: Any = None
     try:
         for table in iter_branches(
-            db,
-            trace_ids=trace_ids,
-            group=group,
-            episode=episode,
+            handle,
+            selection,
             trainable=trainable,
             columns=columns,
             train_once=train_once,
@@ -78,7 +75,7 @@ def export(
                 writer.write_table(table)
                 rows += table.num_rows
                 if "token_ids" in table.column_names:
-                    tokens += int(pa.compute.sum(pa.compute.list_value_length(table.column("token_ids"))).as_py() or 0)
+                    tokens += int(pc.sum(pc.list_value_length(table.column("token_ids"))).as_py() or 0)
         if writer is None:  # nothing selected: still a valid, empty file
             writer = _writer(fmt, tmp, BRANCH_SCHEMA, compression)
         writer.close()

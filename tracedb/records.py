@@ -1,26 +1,24 @@
-"""Turning one ``traces.jsonl`` line into columns, fast, with the pydantic contract behind it.
+"""The records tracedb stores: pydantic models of the verifiers v1 record (Episode, Trace,
+MessageNode), the node fields it keeps in columns, and the trace-reward rule.
 
-The fast path parses a line with simdjson and takes every per-token stream straight into
-numpy buffers, never as Python objects. It checks the stream layouts vectorized. When
-anything looks off (a type it does not expect, a length that disagrees, bytes it cannot
-account for) the line goes through the slow path instead: ``json`` plus the pydantic
-models of :mod:`tracedb.models`, which either accept the record or say exactly what is
-wrong. Both paths produce the same :class:`ParsedTrace` values.
+They are the contract tracedb validates against. Every model keeps unknown fields
+(``extra="allow"``), so a record from a newer producer survives a round trip, and a
+semantic edge ``type`` is any string, not an enum. Per-token streams follow the
+verifiers layouts: ``mask`` and ``is_content`` are per token, the compact streams hold
+one value per True in ``mask``, ``loss_weights`` streams are per token.
 """
 
 from __future__ import annotations
 
-import json
-import re
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-import pydantic
-import simdjson
+from pydantic import BaseModel, ConfigDict, Field
 
-from tracedb.errors import Location, RecordError
-from tracedb.models import COMPACT_STREAMS, Episode, Trace
+COMPACT_STREAMS = ("logprobs", "advantages", "reference_logprobs", "trainer_logprobs", "entropies")
+"""Streams with one value per sampled token (True in ``mask``)."""
+OPTIONAL_STREAMS = COMPACT_STREAMS[1:]
+"""Compact streams where None (never assigned) differs from an empty list."""
 
 NODE_KEYS = (
     "parent",
@@ -34,509 +32,119 @@ NODE_KEYS = (
     *COMPACT_STREAMS,
     "loss_weights",
 )
-"""Node fields stored in their own columns; bit ``i`` of ``present`` says key ``i`` was in the record."""
+"""Node fields stored in their own columns; bit ``i`` of ``nodes.present`` says key ``i``
+was in the record (so an absent key and an explicit null read back as they were written)."""
 BIT = {k: 1 << i for i, k in enumerate(NODE_KEYS)}
-_INT32 = np.iinfo(np.int32)
+"""``present`` bit of each of :data:`NODE_KEYS`."""
 
 
-class _Fallback(Exception):
-    """The fast path cannot vouch for this line; use the slow path."""
+def trace_reward(rewards: Mapping[str, Any] | None) -> float | None:
+    """A trace's reward: the weighted sum of the scores present, None when none is scored.
 
-
-@dataclass
-class ParsedNode:
-    parent: int | None
-    sampled: bool | None
-    timestamp: float | None
-    message: str | None  # JSON text
-    role: str | None  # message.role, for queries
-    semantic_parents: list[dict[str, Any]] | None
-    extra: str | None  # JSON text of unknown keys
-    present: int
-    token_ids: np.ndarray  # int32
-    n_sampled: int
-    mask_prefix: int | None  # canonical mask: this many unsampled tokens, then all sampled
-    mask: np.ndarray | None  # bool, only for a mask that is not canonical
-    is_content: np.ndarray | None  # bool; None when the key is absent
-    streams: dict[str, np.ndarray | None]  # compact float32 streams
-    loss_weights: dict[str, np.ndarray] | None
-
-
-@dataclass
-class ParsedTrace:
-    trace_id: str
-    episode_id: str | None
-    position: int
-    meta: dict[str, Any]  # the trace record, its nodes (when present) None
-    nodes: list[ParsedNode] = field(default_factory=list)
-    block: Any = None
-    """A :class:`tracedb.blocks.Block` holding this trace's nodes (rows ``rows``) instead of ``nodes``."""
-    rows: tuple[int, int] = (0, 0)
-
-    @property
-    def n_nodes(self) -> int:
-        return len(self.nodes) if self.block is None else self.rows[1] - self.rows[0]
-
-    @property
-    def n_tokens(self) -> int:
-        if self.block is None:
-            return sum(len(n.token_ids) for n in self.nodes)
-        lo, hi = self.rows
-        return int(self.block.tok_off[hi] - self.block.tok_off[lo])
-
-
-@dataclass
-class ParsedLine:
-    episode: dict[str, Any] | None  # the episode record without traces; None for a bare trace
-    traces: list[ParsedTrace]
-
-
-def _f32(values: Any) -> np.ndarray:
-    return np.asarray(values, dtype=np.float64).astype(np.float32)
-
-
-def _tokens(values: Any) -> np.ndarray:
-    arr = np.asarray(values, dtype=np.int64)
-    if arr.size and (arr.min() < _INT32.min or arr.max() > _INT32.max):
-        raise _Fallback
-    return arr.astype(np.int32)
-
-
-# --------------------------------------------------------------------------- fast path
-
-
-_EMPTY = {"i": np.zeros(0, np.int64), "d": np.zeros(0, np.float64)}
-
-
-def _num(arr: Any, kind: str) -> np.ndarray:
-    if not isinstance(arr, simdjson.Array):
-        raise _Fallback
-    if not len(arr):
-        return _EMPTY[kind]
-    try:
-        buf = np.frombuffer(arr.as_buffer(of_type=kind), dtype=np.int64 if kind == "i" else np.float64)
-    except (TypeError, ValueError) as e:
-        raise _Fallback from e
-    if len(buf) != len(arr):
-        raise _Fallback
-    return buf
-
-
-_BOOL_DROP = b"[],rueals"
-
-
-def _bool_text(arr: Any) -> tuple[bytes, int, int]:
-    """The minified text of a JSON list of booleans, its true and its false count."""
-    if not isinstance(arr, simdjson.Array):
-        raise _Fallback
-    text = arr.mini
-    trues, falses = text.count(b"t"), text.count(b"f")
-    # "true" holds one t and no f, "false" one f and no t; a string, number, null or
-    # nested list breaks one of these counts.
-    if trues + falses != len(arr) or text.count(b"[") != 1 or b'"' in text:
-        raise _Fallback
-    return text, trues, falses
-
-
-def _bools(arr: Any) -> np.ndarray:
-    if isinstance(arr, simdjson.Array) and not len(arr):
-        return np.zeros(0, bool)
-    text, _, _ = _bool_text(arr)
-    return np.frombuffer(text.translate(None, _BOOL_DROP), dtype=np.uint8) == ord("t")
-
-
-def _mask(arr: Any) -> tuple[int, int | None, np.ndarray | None]:
-    """(sampled count, canonical prefix or None, explicit mask or None)."""
-    text, trues, falses = _bool_text(arr)
-    if trues == 0 or text.rfind(b"f") < text.find(b"t"):
-        return trues, falses, None
-    return trues, None, np.frombuffer(text.translate(None, _BOOL_DROP), dtype=np.uint8) == ord("t")
-
-
-def split_mask(mask: np.ndarray) -> tuple[int, int | None, np.ndarray | None]:
-    """The same triple as ``_mask`` from a bool array."""
-    k = int(mask.sum())
-    n = len(mask)
-    if k == 0 or mask[n - k :].all():
-        return k, n - k, None
-    return k, None, mask
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, simdjson.Object):
-        return value.as_dict()
-    if isinstance(value, simdjson.Array):
-        return value.as_list()
-    return value
-
-
-def _fast_node(node: Any) -> tuple[ParsedNode, int]:
-    """One node from the simdjson tape; returns it and the ``[`` bytes it accounts for."""
-    if not isinstance(node, simdjson.Object):
-        raise _Fallback
-    present = 0
-    extra: dict[str, Any] = {}
-    parent = sampled = timestamp = message = semantic = role = None
-    token_ids = is_content = loss_weights = None
-    n_sampled, mask_prefix, mask = 0, 0, None
-    streams: dict[str, np.ndarray | None] = {}
-    brackets = 0
-    for key in node.keys():
-        value = node[key]
-        bit = BIT.get(key)
-        if bit is None:
-            extra[key] = _plain(value)
-            continue
-        present |= bit
-        if key == "token_ids":
-            token_ids = _num(value, "i")
-            brackets += 1
-        elif key == "mask":
-            n_sampled, mask_prefix, mask = _mask(value)
-            brackets += 1
-        elif key == "is_content":
-            is_content = _bools(value)
-            brackets += 1
-        elif key == "message":
-            if not isinstance(value, simdjson.Object):
-                raise _Fallback
-            message = value.mini
-            brackets += message.count(b"[")
-            role = value.get("role")
-        elif key == "parent":
-            if value is not None and (type(value) is not int or value < 0):
-                raise _Fallback
-            parent = value
-        elif key == "sampled":
-            if type(value) is not bool:
-                raise _Fallback
-            sampled = value
-        elif key == "timestamp":
-            if type(value) not in (int, float):
-                raise _Fallback
-            timestamp = value
-        elif key == "semantic_parents":
-            if not isinstance(value, simdjson.Array):
-                raise _Fallback
-            brackets += 1
-            semantic = value.as_list() if len(value) else []
-            for link in semantic:
-                if (
-                    type(link) is not dict
-                    or type(link.get("node")) is not int
-                    or type(link.get("type")) is not str
-                    or link["node"] < 0
-                ):
-                    raise _Fallback
-                brackets += json.dumps(link).count("[")
-        elif key == "loss_weights":
-            if value is None:
-                continue
-            if not isinstance(value, simdjson.Object):
-                raise _Fallback
-            loss_weights = {}
-            for name in value.keys():
-                loss_weights[name] = _num(value[name], "d").astype(np.float32)
-                brackets += 1 + name.count("[")
-        else:  # a compact stream
-            if value is None:
-                if key == "logprobs":
-                    raise _Fallback  # a list, empty when unknown: pydantic words it
-                streams[key] = None
-                continue
-            streams[key] = _num(value, "d").astype(np.float32)
-            brackets += 1
-    if message is None:
-        raise _Fallback  # message is required; let pydantic say so
-    extra_text = None
-    if extra:
-        extra_text = json.dumps(extra, separators=(",", ":"))
-        brackets += extra_text.count("[")
-    n = 0 if token_ids is None else len(token_ids)
-    if token_ids is not None and n and (token_ids.min() < _INT32.min or token_ids.max() > _INT32.max):
-        raise _Fallback
-    parsed = ParsedNode(
-        parent=parent,
-        sampled=sampled,
-        timestamp=timestamp,
-        message=message.decode() if message is not None else None,
-        role=role if isinstance(role, str) else None,
-        semantic_parents=semantic,
-        extra=extra_text,
-        present=present,
-        token_ids=np.zeros(0, np.int32) if token_ids is None else token_ids.astype(np.int32),
-        n_sampled=n_sampled,
-        mask_prefix=mask_prefix,
-        mask=mask,
-        is_content=is_content,
-        streams={k: streams.get(k) for k in COMPACT_STREAMS},
-        loss_weights=loss_weights,
-    )
-    return parsed, brackets
-
-
-def _fast_trace(trace: Any, episode_id: str | None, position: int) -> tuple[ParsedTrace, int]:
-    if not isinstance(trace, simdjson.Object):
-        raise _Fallback
-    meta: dict[str, Any] = {}
-    nodes_value = None
-    for key in trace.keys():
-        if key == "nodes":
-            nodes_value = trace[key]
-            meta[key] = None  # a placeholder in the key's place; the nodes are filled in on read
-        else:
-            meta[key] = _plain(trace[key])
-    trace_id = meta.get("id")
-    if type(trace_id) is not str:
-        raise _Fallback
-    brackets = json.dumps(meta).count("[")
-    parsed = ParsedTrace(trace_id, episode_id, position, meta)
-    if nodes_value is not None:
-        if not isinstance(nodes_value, simdjson.Array):
-            raise _Fallback
-        brackets += 1
-        for node in nodes_value:
-            pn, b = _fast_node(node)
-            parsed.nodes.append(pn)
-            brackets += b
-    try:  # the non-node part of the contract, cheap because it carries no tokens
-        Trace.model_validate({**meta, "nodes": []})
-    except pydantic.ValidationError as e:
-        raise _Fallback from e
-    return parsed, brackets
-
-
-def parse_fast(parser: simdjson.Parser, raw: bytes) -> ParsedLine:
-    """Parse one line on the fast path; raises :class:`_Fallback` when unsure."""
-    try:
-        doc = parser.parse(raw)
-    except (ValueError, RuntimeError) as e:
-        raise _Fallback from e
-    try:
-        if not isinstance(doc, simdjson.Object):
-            raise _Fallback
-        if "nodes" in doc and "traces" not in doc:  # a bare Trace record
-            trace, brackets = _fast_trace(doc, None, 0)
-            result = ParsedLine(None, [trace])
-        else:
-            episode: dict[str, Any] = {}
-            traces_value = None
-            for key in doc.keys():
-                if key == "traces":
-                    traces_value = doc[key]
-                    episode[key] = None  # in the key's place; the traces are filled in on read
-                else:
-                    episode[key] = _plain(doc[key])
-            if type(episode.get("id")) is not str or not isinstance(traces_value, simdjson.Array):
-                raise _Fallback
-            try:
-                Episode.model_validate({**episode, "traces": []})
-            except pydantic.ValidationError as e:
-                raise _Fallback from e
-            brackets = json.dumps(episode).count("[") + 1
-            traces = []
-            for i, t in enumerate(traces_value):
-                pt, b = _fast_trace(t, episode["id"], i)
-                traces.append(pt)
-                brackets += b
-            result = ParsedLine(episode, traces)
-        # Every "[" of the line must belong to an array we took apart; a nested list hidden
-        # inside a numeric stream would otherwise be flattened silently.
-        if raw.count(b"[") != brackets:
-            raise _Fallback
-        return result
-    except (KeyError, RecursionError) as e:  # e.g. a key holding "\u0000", a deep value
-        raise _Fallback from e
-    finally:
-        del doc
-
-
-# --------------------------------------------------------------------------- slow path
-
-
-def _slow_node(node: dict[str, Any]) -> ParsedNode:
-    present = 0
-    for key in node:
-        if key in BIT:
-            present |= BIT[key]
-    extra = {k: v for k, v in node.items() if k not in BIT}
-    lw = node.get("loss_weights")
-    n_sampled, mask_prefix, mask = split_mask(np.asarray(node.get("mask", []), dtype=bool))
-    return ParsedNode(
-        parent=node.get("parent"),
-        sampled=node.get("sampled"),
-        timestamp=node.get("timestamp"),
-        message=json.dumps(node["message"], separators=(",", ":"), ensure_ascii=False),
-        role=node["message"].get("role") if isinstance(node["message"].get("role"), str) else None,
-        semantic_parents=node.get("semantic_parents"),
-        extra=json.dumps(extra, separators=(",", ":")) if extra else None,
-        present=present,
-        token_ids=_tokens(node.get("token_ids", [])),
-        n_sampled=n_sampled,
-        mask_prefix=mask_prefix,
-        mask=mask,
-        is_content=np.asarray(node["is_content"], dtype=bool) if "is_content" in node else None,
-        streams={k: (None if node.get(k) is None else _f32(node[k])) for k in COMPACT_STREAMS},
-        loss_weights=None if lw is None else {k: _f32(v) for k, v in lw.items()},
-    )
-
-
-def _pydantic_location(err: pydantic.ValidationError, raw: dict[str, Any]) -> tuple[Location, str]:
-    first = err.errors()[0]
-    loc = list(first["loc"])
-    where = Location()
-    traces = raw.get("traces") if "traces" in raw or "nodes" not in raw else [raw]
-    if "nodes" in raw and "traces" not in raw:
-        loc = ["traces", 0, *loc]
-    if len(loc) >= 2 and loc[0] == "traces" and isinstance(loc[1], int):
-        try:
-            where.trace_id = traces[loc[1]].get("id")
-        except (AttributeError, IndexError, TypeError):
-            pass
-        loc = loc[2:]
-        if len(loc) >= 2 and loc[0] == "nodes" and isinstance(loc[1], int):
-            where.node = loc[1]
-            loc = loc[2:]
-    where.field = ".".join(str(p) for p in loc) or None
-    message = first["msg"]
-    if first["type"] == "value_error":
-        message = message.removeprefix("Value error, ")
-    if first["type"] != "missing" and "input" in first:
-        shown = json.dumps(first["input"], default=str)
-        message += f" (got {shown if len(shown) <= 80 else shown[:77] + '...'})"
-    return where, message
-
-
-def _check_types(value: Any, where: Location) -> None:
-    """Token ids must fit int32 (the stored type)."""
-    for t in value.get("traces", []) if "traces" in value else [value]:
-        for i, node in enumerate(t.get("nodes", [])):
-            ids = node.get("token_ids") or []
-            if ids and (min(ids) < _INT32.min or max(ids) > _INT32.max):
-                value = min(ids) if min(ids) < _INT32.min else max(ids)
-                raise RecordError(
-                    f"token id {value} at position {ids.index(value)} does not fit int32",
-                    Location(where.file, where.line, t.get("id"), i, "token_ids"),
-                )
-
-
-_SURROGATE = re.compile(rb"\\u[dD][89abcdefABCDEF]|\xed[\xa0-\xbf]")
-"""A UTF-16 surrogate written as an escape or encoded as UTF-8: maybe a lone one."""
-
-
-def _lone_surrogate(value: Any, bare: bool, where: Location) -> RecordError | None:
-    """Where a string of the record holds a lone surrogate (not Unicode; DuckDB refuses it)."""
-
-    def bad(v: Any) -> bool:
-        try:
-            json.dumps(v, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            return True
-        return False
-
-    def error(trace_id: Any = None, node: int | None = None, key: str | None = None) -> RecordError:
-        loc = Location(where.file, where.line, trace_id if isinstance(trace_id, str) else None, node, key)
-        return RecordError("holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not Unicode text", loc)
-
-    traces = [value] if bare else value.get("traces") or []
-    if not bare:
-        for key, v in value.items():
-            if key != "traces" and (bad(key) or bad(v)):
-                return error(key=key)
-    for t in traces:
-        for key, v in t.items():
-            if key != "nodes" and (bad(key) or bad(v)):
-                return error(t.get("id"), key=key)
-        for i, node in enumerate(t.get("nodes") or []):
-            for key, v in node.items():
-                if bad(key) or bad(v):
-                    return error(t.get("id"), i, key)
-    return None
-
-
-def parse_slow(raw: bytes, where: Location) -> ParsedLine:
-    """Parse and validate one line with ``json`` and the pydantic models."""
-    try:
-        return _parse_slow(raw, where)
-    except RecursionError:
-        raise RecordError("nested too deeply to read (over ~900 levels of lists and objects)", where) from None
-
-
-def _parse_slow(raw: bytes, where: Location) -> ParsedLine:
-    try:
-        value = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise RecordError(f"not valid JSON: {e}", where) from None
-    if not isinstance(value, dict):
-        raise RecordError(f"expected a JSON object, got {type(value).__name__}", where)
-    bare = "nodes" in value and "traces" not in value
-    try:
-        if bare:
-            Trace.model_validate(value)
-        else:
-            Episode.model_validate(value)
-    except pydantic.ValidationError as e:
-        loc, message = _pydantic_location(e, value)
-        loc.file, loc.line = where.file, where.line
-        raise RecordError(message, loc) from None
-    _check_types(value, where)
-    if _SURROGATE.search(raw) and (error := _lone_surrogate(value, bare, where)) is not None:
-        raise error
-    traces_raw = [value] if bare else value.get("traces", [])
-    episode = None if bare else {**value}
-    if episode is not None and "traces" in episode:
-        episode["traces"] = None  # in the key's place; the traces are filled in on read
-    traces = []
-    for i, t in enumerate(traces_raw):
-        meta = {**t}
-        nodes = meta.get("nodes")
-        if "nodes" in meta:
-            meta["nodes"] = None  # in the key's place; the nodes are filled in on read
-        pt = ParsedTrace(t["id"], None if bare else value["id"], i, meta)
-        pt.nodes = [_slow_node(n) for n in nodes or []]
-        traces.append(pt)
-    return ParsedLine(episode, traces)
-
-
-# --------------------------------------------------------------------------- checks
-
-
-def check_trace(trace: ParsedTrace, where: Location, *, allow_ragged: bool = False) -> None:
-    """The layout and graph rules of the contract, on parsed columns.
-
-    Raises :class:`RecordError` naming the node, the field and the lengths.
-    ``allow_ragged`` accepts compact streams that are longer or shorter than the
-    sampled-token count (verifiers' spreading drops or zero-fills them).
+    ``rewards`` is ``Trace.rewards`` as the record holds it (``{name: {score, weight}}``,
+    a value None when that scoring did not run), already checked against :class:`Reward`:
+    ingest rejects a record whose rewards the model refuses instead of guessing a reward.
+    The one definition of the rule; ``traces.reward`` is stored from it.
     """
-    for i, node in enumerate(trace.nodes):
-        problem = _node_problem(i, node, allow_ragged)
-        if problem is not None:
-            field, reason = problem
-            raise RecordError(reason, Location(where.file, where.line, trace.trace_id, i, field))
+    scored = [r for r in (rewards or {}).values() if r is not None]
+    if not scored:
+        return None
+    total = 0.0
+    for r in scored:
+        score, weight = (r.score, r.weight) if isinstance(r, Reward) else (r["score"], r.get("weight", 1.0))
+        total += score * weight
+    return float(total)
 
 
-def _node_problem(i: int, node: ParsedNode, allow_ragged: bool) -> tuple[str, str] | None:
-    """(field, reason) of the first rule node ``i`` breaks, or None."""
-    n = len(node.token_ids)
-    size = len(node.mask) if node.mask is not None else node.n_sampled + node.mask_prefix
-    if size != n:
-        return "mask", f"mask has {size} entries but token_ids has {n}"
-    if node.is_content is not None and len(node.is_content) and len(node.is_content) != n:
-        return "is_content", f"is_content has {len(node.is_content)} entries but token_ids has {n}"
-    k = node.n_sampled
-    if not allow_ragged:
-        for name, values in node.streams.items():
-            if values is not None and len(values) and len(values) != k:
-                return name, f"{name} has {len(values)} values but mask has {k} sampled tokens"
-    for name, weights in (node.loss_weights or {}).items():
-        if len(weights) != n:
-            return f"loss_weights.{name}", f"loss_weights[{name!r}] has {len(weights)} values but token_ids has {n}"
-    if node.parent is not None and node.parent >= i:
-        return "parent", f"parent {node.parent} is not an earlier node than {i}"
-    for link in node.semantic_parents or []:
-        if link["node"] >= i:
-            return (
-                "semantic_parents",
-                f"semantic parent {link['node']} ({link['type']}) is not an earlier node than {i}",
-            )
-    return None
+class _Open(BaseModel):
+    # strict: a "1" is not a parent index and a 0 is not a mask entry; values are never
+    # converted, so what is stored is what was written.
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class ParentLink(_Open):
+    """A typed causal link to another node of the same trace (not ancestry)."""
+
+    node: int = Field(ge=0)
+    """Index into ``Trace.nodes`` of the linked node."""
+    type: str
+    """The edge type, e.g. ``compaction``; unknown types are kept as they are."""
+
+
+class MessageNode(_Open):
+    """One distinct message and the tokens it adds to the running sequence."""
+
+    parent: int | None = Field(default=None, ge=0)
+    """Index of the predecessor node; None for a root."""
+    semantic_parents: list[ParentLink] = Field(default_factory=list)
+    """Typed incoming causal links."""
+    message: dict[str, Any]
+    """The system / user / assistant / tool message, kept as written."""
+    sampled: bool = False
+    """True when a model call produced this message."""
+    timestamp: float | None = None
+    """Wall-clock epoch seconds when the node was created."""
+    token_ids: list[int] = Field(default_factory=list)
+    """Only the tokens this node adds."""
+    mask: list[bool] = Field(default_factory=list)
+    """Per token: True on sampled (trainable) tokens."""
+    is_content: list[bool] = Field(default_factory=list)
+    """Per token when non-empty: message body vs template scaffold."""
+    logprobs: list[float] = Field(default_factory=list)
+    """Compact: sampling logprobs, one per True in ``mask``; empty when unknown."""
+    advantages: list[float] | None = None
+    """Compact credit; None means never assigned, which is not zero credit."""
+    reference_logprobs: list[float] | None = None
+    """Compact reference-model logprobs, or None."""
+    trainer_logprobs: list[float] | None = None
+    """Compact trainer-recomputed logprobs, or None."""
+    entropies: list[float] | None = None
+    """Compact trainer entropies, or None."""
+    loss_weights: dict[str, list[float]] | None = None
+    """Named per-token weight streams, aligned to ``token_ids``."""
+
+    @property
+    def n_sampled(self) -> int:
+        """Number of True entries in ``mask``."""
+        return sum(self.mask)
+
+
+class Reward(_Open):
+    """A named, weighted reward."""
+
+    score: float
+    weight: float = 1.0
+
+
+class Trace(_Open):
+    """One agent's rollout: its message graph plus run metadata."""
+
+    version: int = 1
+    id: str
+    """Unique trace id; tracedb's key."""
+    nodes: list[MessageNode] = Field(default_factory=list)
+    """The message graph; list order is the node id."""
+    rewards: dict[str, Reward | None] | None = None
+    """Named rewards; a None value means scoring did not run."""
+    ok: bool = False
+    is_completed: bool = False
+    stop_condition: str | None = None
+    is_timeout: bool = False
+
+    @property
+    def reward(self) -> float | None:
+        """Weighted sum of the scored rewards; None when nothing was scored (:func:`trace_reward`)."""
+        return trace_reward(self.rewards)
+
+
+class GroupInfo(_Open):
+    id: str
+
+
+class Episode(_Open):
+    """One line of ``traces.jsonl``: a run's traces for one task."""
+
+    id: str
+    group: GroupInfo | None = None
+    ok: bool = False
+    traces: list[Trace] = Field(default_factory=list)

@@ -11,31 +11,25 @@ in one transaction. A write either applies entirely or not at all.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tracedb.errors import NotFound, TraceDBError
-from tracedb.models import COMPACT_STREAMS
-from tracedb.records import BIT
+from tracedb import credit_sets
+from tracedb.credit_sets import DEFAULT_SET
+from tracedb.errors import NotFound, WriteError
+from tracedb.handle import Handle
+from tracedb.records import BIT, COMPACT_STREAMS
+from tracedb.sqltext import quote_identifier
+from tracedb.views.nodes import load_nodes
 
-if TYPE_CHECKING:
-    from tracedb.store import Database
-
-DEFAULT_SET = "default"
-"""The credit set ingested with the records (``nodes.advantages``)."""
 FULL_STREAMS = ("loss_weights",)
 STREAMS = (*COMPACT_STREAMS[1:], *FULL_STREAMS)
 """Streams a consumer may write: compact ``advantages``, ``reference_logprobs``,
 ``trainer_logprobs``, ``entropies`` and the full-layout named ``loss_weights``."""
-
-
-class WriteError(TraceDBError):
-    """A write that cannot be applied; nothing of it was written."""
 
 
 def as_arrow(data: Any) -> pa.Table:
@@ -70,15 +64,6 @@ def _check_stream(stream: str, credit: str | None, name: str | None) -> None:
         raise WriteError("loss_weights writes need a stream name (name=...)")
 
 
-def _credit(db: Database, credit: str | None) -> str | None:
-    """None for the default set, else the named set (which must exist)."""
-    if credit in (None, DEFAULT_SET):
-        return None
-    if db._scalar("SELECT count(*) FROM credit_sets WHERE name = ?", [credit]) == 0:
-        raise NotFound(f"credit set {credit!r} does not exist; create it with db.create_credit_set()")
-    return credit
-
-
 def _values_column(table: pa.Table, column: str = "values") -> pa.ChunkedArray:
     col = table.column(column)
     if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
@@ -92,7 +77,7 @@ def _values_column(table: pa.Table, column: str = "values") -> pa.ChunkedArray:
 
 
 def write_nodes(
-    db: Database, data: Any, *, stream: str = "advantages", credit: str | None = None, name: str | None = None
+    db: Handle, data: Any, *, stream: str = "advantages", credit: str | None = None, name: str | None = None
 ) -> int:
     """Write ``(trace_id, node_index, values)`` rows; returns the number of nodes written.
 
@@ -107,8 +92,8 @@ def write_nodes(
         _require(table, ("trace_id", "node_index", "value"), "per-node")
         if stream == "loss_weights":
             raise WriteError("loss_weights are per token: give values, not a value")
-        with db._transaction():
-            return _apply_scalars(db, table, stream, _credit(db, credit))
+        with db.transaction():
+            return _apply_scalars(db, table, stream, credit_sets.resolve(db, credit))
     _require(table, ("trace_id", "node_index", "values"), "per-node")
     stage = pa.table(
         {
@@ -117,11 +102,11 @@ def write_nodes(
             "values": _values_column(table),
         }
     )
-    with db._transaction():
-        return _apply(db, stage, stream, _credit(db, credit), name)
+    with db.transaction():
+        return _apply(db, stage, stream, credit_sets.resolve(db, credit), name)
 
 
-def _apply(db: Database, stage: pa.Table, stream: str, credit: str | None, name: str | None) -> int:
+def _apply(db: Handle, stage: pa.Table, stream: str, credit: str | None, name: str | None) -> int:
     if stage.num_rows == 0:
         return 0
     con = db.con
@@ -129,7 +114,7 @@ def _apply(db: Database, stage: pa.Table, stream: str, credit: str | None, name:
     try:
         size = "n.n_tokens" if stream == "loss_weights" else "n.n_sampled"
         what = f"loss_weights[{name!r}]" if stream == "loss_weights" else stream
-        bad = db._row(
+        bad = db.row(
             f"SELECT s.trace_id, s.node_index, n.trace_id IS NULL, {size}, len(s.values), "
             "  list_bool_or(list_transform(s.values, lambda x: x IS NULL OR isnan(x) OR isinf(x))) "
             "FROM _tdb_stage s LEFT JOIN nodes n USING (trace_id, node_index) "
@@ -139,7 +124,7 @@ def _apply(db: Database, stage: pa.Table, stream: str, credit: str | None, name:
         if bad is not None:
             trace_id, node, missing, expected, got, nonfinite = bad
             if missing:
-                known = db._scalar("SELECT count(*) FROM traces WHERE trace_id = ?", [trace_id])
+                known = db.scalar("SELECT count(*) FROM traces WHERE trace_id = ?", [trace_id])
                 what_missing = f"node {node}" if known else "trace"
                 raise WriteError(f"trace {trace_id}: {what_missing} not in the database; nothing written")
             if nonfinite and got == expected:
@@ -150,7 +135,7 @@ def _apply(db: Database, stage: pa.Table, stream: str, credit: str | None, name:
                 f"trace {trace_id}, node {node}: {what} needs {expected} values "
                 f"({'tokens' if stream == 'loss_weights' else 'sampled tokens'}), got {got}; nothing written"
             )
-        dup = db._row(
+        dup = db.row(
             "SELECT trace_id, node_index FROM _tdb_stage GROUP BY ALL "
             "HAVING count(DISTINCT coalesce(values::VARCHAR, 'NULL')) > 1 LIMIT 1"
         )
@@ -163,7 +148,7 @@ def _apply(db: Database, stage: pa.Table, stream: str, credit: str | None, name:
         )
     finally:
         con.unregister("_tdb_stage")
-    count = db._scalar("SELECT count(*) FROM _tdb_write")
+    count = db.scalar("SELECT count(*) FROM _tdb_write")
     if credit is not None:
         con.execute(
             "DELETE FROM credit WHERE credit_set = ? AND (trace_id, node_index) IN "
@@ -194,7 +179,7 @@ def _apply(db: Database, stage: pa.Table, stream: str, credit: str | None, name:
         )
     else:
         bit = BIT[stream]
-        col = f'"{stream}"'
+        col = quote_identifier(stream)
         con.execute(
             f"UPDATE nodes SET {col} = w.values, "
             f"  present = CASE WHEN w.values IS NULL THEN present & ~{bit} ELSE present | {bit} END "
@@ -204,7 +189,7 @@ def _apply(db: Database, stage: pa.Table, stream: str, credit: str | None, name:
     return int(count)
 
 
-def _apply_scalars(db: Database, table: pa.Table, stream: str, credit: str | None) -> int:
+def _apply_scalars(db: Handle, table: pa.Table, stream: str, credit: str | None) -> int:
     """Per-node constants: valid by construction once the node exists and the value is finite."""
     stage = pa.table(
         {
@@ -218,7 +203,7 @@ def _apply_scalars(db: Database, table: pa.Table, stream: str, credit: str | Non
     con = db.con
     con.register("_tdb_scalars", stage)
     try:
-        bad = db._row(
+        bad = db.row(
             "SELECT s.trace_id, s.node_index, n.trace_id IS NULL FROM _tdb_scalars s "
             "LEFT JOIN nodes n USING (trace_id, node_index) "
             "WHERE n.trace_id IS NULL OR isnan(s.value) OR isinf(s.value) LIMIT 1"
@@ -228,7 +213,7 @@ def _apply_scalars(db: Database, table: pa.Table, stream: str, credit: str | Non
             if missing:
                 raise WriteError(f"trace {trace_id}: node {node} not in the database; nothing written")
             raise WriteError(f"trace {trace_id}, node {node}: {stream} value is NaN or infinite; nothing written")
-        dup = db._row(
+        dup = db.row(
             "SELECT trace_id, node_index FROM _tdb_scalars GROUP BY ALL "
             "HAVING count(DISTINCT coalesce(value::VARCHAR, 'NULL')) > 1 LIMIT 1"
         )
@@ -250,13 +235,13 @@ def _apply_scalars(db: Database, table: pa.Table, stream: str, credit: str | Non
         else:
             bit = BIT[stream]
             con.execute(
-                f'UPDATE nodes SET "{stream}" = CASE WHEN w.value IS NULL THEN NULL '
+                f"UPDATE nodes SET {quote_identifier(stream)} = CASE WHEN w.value IS NULL THEN NULL "
                 "  ELSE list_resize([]::FLOAT[], nodes.n_sampled, w.value::FLOAT) END, "
                 f"  present = CASE WHEN w.value IS NULL THEN present & ~{bit} ELSE present | {bit} END "
                 "FROM (SELECT DISTINCT * FROM _tdb_scalars) w "
                 "WHERE nodes.trace_id = w.trace_id AND nodes.node_index = w.node_index"
             )
-        return int(db._scalar("SELECT count(DISTINCT (trace_id, node_index)) FROM _tdb_scalars"))
+        return int(db.scalar("SELECT count(DISTINCT (trace_id, node_index)) FROM _tdb_scalars"))
     finally:
         con.unregister("_tdb_scalars")
 
@@ -286,7 +271,7 @@ def constant_rows(table: pa.Table) -> pa.Table | None:
     )
 
 
-def stamp_fresh(db: Database, credit: str, table: pa.Table, layout: str) -> int:
+def stamp_fresh(db: Handle, credit: str, table: pa.Table, layout: str) -> int:
     """Write an algorithm's output into credit set ``credit``, created empty in the open
     transaction: ``(trace_id, value)`` broadcast per trace, or ``(trace_id, node_index,
     value)`` per node. The keys come from the database, one row each, so the checks of
@@ -309,7 +294,7 @@ def stamp_fresh(db: Database, credit: str, table: pa.Table, layout: str) -> int:
     db.con.register("_tdb_fresh", stage)
     try:
         using = ", ".join(keys)
-        stray = db._row(f"SELECT {using} FROM _tdb_fresh ANTI JOIN {layout}s USING ({using}) LIMIT 1")
+        stray = db.row(f"SELECT {using} FROM _tdb_fresh ANTI JOIN {layout}s USING ({using}) LIMIT 1")
         if stray is not None:
             raise WriteError(
                 f"{' '.join(f'{k} {v}' for k, v in zip(keys, stray))} is not in the database; nothing written"
@@ -325,10 +310,39 @@ def stamp_fresh(db: Database, credit: str, table: pa.Table, layout: str) -> int:
         db.con.unregister("_tdb_fresh")
 
 
+def stamp(
+    db: Handle,
+    name: str,
+    table: pa.Table,
+    *,
+    algorithm: str,
+    params: Mapping[str, Any] | None = None,
+    description: str | None = None,
+    replace: bool = False,
+) -> int:
+    """Create credit set ``name`` and write a credit algorithm's output into it, in one
+    transaction: the one path every computed set is stamped through (``tracedb.credit.run``,
+    counterfactual edit credit). Returns the nodes written.
+
+    ``table`` is ``(trace_id, value)`` (a constant per trace, broadcast over its sampled
+    nodes), ``(trace_id, node_index, value)`` (a constant per node) or ``(trace_id,
+    node_index, values)`` (compact lists; lists that repeat one number are stored as that
+    number, the rest through the checked writer)."""
+    with db.transaction():
+        credit_sets.create(db, name, algorithm=algorithm, params=params, description=description, replace=replace)
+        columns = set(table.column_names)
+        if "node_index" not in columns:
+            return stamp_fresh(db, name, table, "trace")
+        if "values" not in columns:
+            return stamp_fresh(db, name, table, "node")
+        scalars = constant_rows(table) if table.num_rows else None
+        return stamp_fresh(db, name, scalars, "node") if scalars is not None else write_nodes(db, table, credit=name)
+
+
 # --------------------------------------------------------------------------- traces
 
 
-def write_traces(db: Database, data: Any, *, stream: str = "advantages", credit: str | None = None) -> int:
+def write_traces(db: Handle, data: Any, *, stream: str = "advantages", credit: str | None = None) -> int:
     """Per trace: ``value`` (a scalar broadcast over every sampled token) or ``values``
     (one list over all the trace's sampled tokens, in node order). Null clears the trace.
     Nodes without sampled tokens are left as they are. Returns nodes written."""
@@ -349,11 +363,11 @@ def write_traces(db: Database, data: Any, *, stream: str = "advantages", credit:
         "values",
         _values_column(table) if "values" in table.column_names else pa.nulls(len(stage), pa.list_(pa.float32())),
     )
-    with db._transaction():
-        credit_name = _credit(db, credit)
+    with db.transaction():
+        credit_name = credit_sets.resolve(db, credit)
         db.con.register("_tdb_traces_in", stage)
         try:
-            bad = db._row(
+            bad = db.row(
                 "SELECT s.trace_id, t.trace_id IS NULL, t.n_sampled, len(s.values), "
                 "  s.value IS NOT NULL AND s.values IS NOT NULL, isnan(s.value) OR isinf(s.value) "
                 "FROM _tdb_traces_in s LEFT JOIN traces t USING (trace_id) "
@@ -393,7 +407,7 @@ def write_traces(db: Database, data: Any, *, stream: str = "advantages", credit:
         return _apply(db, nodes, stream, credit_name, None)
 
 
-def _broadcast(db: Database, credit: str) -> int:
+def _broadcast(db: Handle, credit: str) -> int:
     """Per-trace scalars (registered as _tdb_traces_in) onto a named set, one row per node."""
     db.con.execute(
         "DELETE FROM credit WHERE credit_set = ? AND trace_id IN (SELECT trace_id FROM _tdb_traces_in)", [credit]
@@ -401,10 +415,10 @@ def _broadcast(db: Database, credit: str) -> int:
     return _insert_broadcast(db, credit, "_tdb_traces_in")
 
 
-def _insert_broadcast(db: Database, credit: str, source: str) -> int:
+def _insert_broadcast(db: Handle, credit: str, source: str) -> int:
     """Insert per-trace ``value``s of registered table ``source`` as one row per sampled node."""
     return int(
-        db._scalar(
+        db.scalar(
             "WITH ins AS (INSERT INTO credit (credit_set, trace_id, node_index, value) "
             f"SELECT ?, n.trace_id, n.node_index, s.value::FLOAT FROM {source} s JOIN nodes n USING (trace_id) "
             "WHERE n.n_sampled > 0 AND s.value IS NOT NULL RETURNING 1) SELECT count(*) FROM ins",
@@ -417,7 +431,7 @@ def _insert_broadcast(db: Database, credit: str, source: str) -> int:
 
 
 def write_branches(
-    db: Database,
+    db: Handle,
     data: Any,
     *,
     stream: str = "advantages",
@@ -435,9 +449,7 @@ def write_branches(
     trace_ids = table.column("trace_id").cast(pa.string()).to_pylist()
     branch_index = table.column("branch_index").cast(pa.int32()).to_pylist()
     values = _values_column(table)
-    from tracedb.views import _load
-
-    data_nodes = _load(db, sorted(set(trace_ids)), [])
+    data_nodes = load_nodes(db, sorted(set(trace_ids)), [])
     paths = {
         (t, b): p
         for t, b, p in zip(
@@ -502,49 +514,15 @@ def write_branches(
             "values": pa.array([None if v[0] is None else v[0] for v in rows.values()], pa.list_(pa.float32())),
         }
     )
-    with db._transaction():
-        return _apply(db, stage, stream, _credit(db, credit), name)
+    with db.transaction():
+        return _apply(db, stage, stream, credit_sets.resolve(db, credit), name)
 
 
-# --------------------------------------------------------------------------- sets
-
-
-def create_credit_set(
-    db: Database,
-    name: str,
-    *,
-    algorithm: str = "manual",
-    params: Mapping[str, Any] | None = None,
-    description: str | None = None,
-    replace: bool = False,
-) -> None:
-    """Register a named credit set (its algorithm, parameters and creation time).
-
-    ``replace=True`` drops an existing set of that name and its credit first.
-    """
-    if not name or name == DEFAULT_SET:
-        raise WriteError(f"{name!r} cannot name a credit set (the default set is the ingested credit)")
-    with db._transaction():
-        exists = db._scalar("SELECT count(*) FROM credit_sets WHERE name = ?", [name])
-        if exists and not replace:
-            raise WriteError(f"credit set {name!r} exists; pass replace=True to recompute it")
-        db.con.execute("DELETE FROM credit WHERE credit_set = ?", [name])
-        db.con.execute("DELETE FROM credit_sets WHERE name = ?", [name])
-        db.con.execute(
-            "INSERT INTO credit_sets (name, algorithm, params, description) VALUES (?, ?, ?, ?)",
-            [name, algorithm, json.dumps(dict(params or {}), sort_keys=True, default=str), description],
-        )
-
-
-def drop_credit_set(db: Database, name: str) -> None:
-    with db._transaction():
-        _credit(db, name)
-        db.con.execute("DELETE FROM credit WHERE credit_set = ?", [name])
-        db.con.execute("DELETE FROM credit_sets WHERE name = ?", [name])
+# --------------------------------------------------------------------------- clear
 
 
 def clear(
-    db: Database,
+    db: Handle,
     *,
     stream: str = "advantages",
     credit: str | None = None,
@@ -556,10 +534,10 @@ def clear(
     where = "" if trace_ids is None else "WHERE trace_id IN (SELECT unnest(?::VARCHAR[]))"
     params = [] if trace_ids is None else [list(trace_ids)]
     if trace_ids is not None:
-        missing = set(trace_ids) - db._existing("traces", "trace_id", trace_ids)
+        missing = set(trace_ids) - db.existing("traces", "trace_id", trace_ids)
         if missing:
             raise NotFound(f"trace(s) {sorted(missing)} not in the database; nothing cleared")
     rows = db.sql(f"SELECT trace_id, node_index FROM nodes {where}", params)
     stage = rows.append_column("values", pa.nulls(rows.num_rows, pa.list_(pa.float32())))
-    with db._transaction():
-        return _apply(db, stage, stream, _credit(db, credit), name)
+    with db.transaction():
+        return _apply(db, stage, stream, credit_sets.resolve(db, credit), name)

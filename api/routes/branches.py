@@ -7,6 +7,8 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Header, Path, Query
 from fastapi.responses import Response
 
+from tracedb.tables import TOKEN_COLUMNS
+
 from .. import encode, queries
 from ..deps import Backend_, CreditQuery, Reader, credit_of
 from ..errors import JSONBody, responses
@@ -15,16 +17,7 @@ from .traces import TraceId
 
 router = APIRouter(tags=["branches"], default_response_class=JSONBody)
 
-TokenField = Literal[
-    "token_ids",
-    "sampled_mask",
-    "logprobs",
-    "advantages",
-    "reference_logprobs",
-    "trainer_logprobs",
-    "entropies",
-    "loss_weights",
-]
+TokenField = Literal[TOKEN_COLUMNS]  # type: ignore[valid-type]  # the view's token columns, one list
 
 
 @router.get("/traces/{trace_id}/branches", response_model=BranchList, responses=responses(404, 422))

@@ -25,7 +25,7 @@ def health(request: Request, db: Reader) -> Any:
             "tracedb_version": tracedb.__version__,
             "schema_version": db.schema_version,
             "database": db.path,
-            "traces": db._scalar("SELECT count(*) FROM traces"),
+            "traces": db.handle.scalar("SELECT count(*) FROM traces"),
             "writes_enabled": state.token is not None,
             "sql_enabled": state.backend.allow_sql,
         }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path as FilePath
+from importlib import resources
 from typing import Annotated, Any, Literal
 from urllib.parse import urlencode
 
@@ -18,7 +18,7 @@ from ..errors import dumps, invalid, responses
 from .traces import TraceId
 
 router = APIRouter(tags=["viewer"], default_response_class=HTMLResponse)
-templates = Jinja2Templates(directory=FilePath(__file__).resolve().parent.parent / "templates")
+templates = Jinja2Templates(directory=resources.files("tracedb.api").joinpath("templates"))
 _HTML = {200: {"content": {"text/html": {}}, "description": "An HTML page."}}
 
 
@@ -82,7 +82,7 @@ def index(
             "filters": filters,
             "sort": sort,
             "stops": stops,
-            "total": db._scalar("SELECT count(*) FROM traces"),
+            "total": db.handle.scalar("SELECT count(*) FROM traces"),
             "link": link,
             "next_link": link(cursor=page["next_cursor"]) if page["next_cursor"] else None,
         },

@@ -12,6 +12,8 @@ import zstandard
 from fastapi import APIRouter, Depends, Path, Query, Request
 from starlette.concurrency import run_in_threadpool
 
+from tracedb.credit_sets import DEFAULT_SET
+
 from .. import queries
 from ..backend import Backend
 from ..deps import Authorized, Backend_, CreditQuery, Reader, backend
@@ -88,7 +90,7 @@ def put_advantages(
         name = queries.credit_name(db, credit)
         written = db.write_nodes([{"trace_id": trace_id, "node_index": index, "values": body.values}], credit=name)
     return JSONBody(
-        {"trace_id": trace_id, "node_index": index, "credit": name or queries.DEFAULT_SET, "nodes_written": written}
+        {"trace_id": trace_id, "node_index": index, "credit": name or DEFAULT_SET, "nodes_written": written}
     )
 
 

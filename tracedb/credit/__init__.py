@@ -13,12 +13,12 @@ import importlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pyarrow as pa
 
-if TYPE_CHECKING:
-    from tracedb.store import Database
+from tracedb import writeback
+from tracedb.handle import HandleOf, handle_of
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,8 @@ class Algorithm:
 
     @property
     def func(self) -> Callable[..., pa.Table]:
+        """The algorithm's function ``(handle, **params) -> credit table`` (its module is
+        imported when first used)."""
         module, function = self.target.split(":")
         return getattr(importlib.import_module(f"tracedb.credit.{module}"), function)
 
@@ -58,14 +60,15 @@ def algorithms() -> dict[str, Algorithm]:
     return ALGORITHMS
 
 
-def compute(db: Database, algorithm: str, **params: Any) -> pa.Table:
-    """Run an algorithm without writing anything; returns its credit table."""
+def compute(db: HandleOf, algorithm: str, **params: Any) -> pa.Table:
+    """Run an algorithm on ``db`` (a :class:`tracedb.Database` or its handle) without
+    writing anything; returns its credit table."""
     algo = _lookup(algorithm)
-    return algo.func(db, **params)
+    return algo.func(handle_of(db), **params)
 
 
 def run(
-    db: Database,
+    db: HandleOf,
     algorithm: str,
     name: str | None = None,
     *,
@@ -73,25 +76,18 @@ def run(
     description: str | None = None,
     **params: Any,
 ) -> dict[str, Any]:
-    """Compute ``algorithm`` and stamp it as credit set ``name`` (default: the algorithm's
-    name). Returns the set's name, algorithm, parameters and what was written."""
-    from tracedb.writeback import constant_rows, create_credit_set, stamp_fresh, write_nodes
-
+    """Compute ``algorithm`` on ``db`` (a :class:`tracedb.Database` or its handle) and
+    stamp it as credit set ``name`` (default: the algorithm's name), in one transaction
+    (:func:`tracedb.writeback.stamp`). Returns the set's name, algorithm, parameters and
+    what was written."""
+    handle = handle_of(db)
     algo = _lookup(algorithm)
     name = name or algorithm
-    table = algo.func(db, **params)
+    table = algo.func(handle, **params)
     resolved = {**algo.params(), **params}
-    with db._transaction():
-        create_credit_set(db, name, algorithm=algorithm, params=resolved, description=description, replace=replace)
-        if algo.layout == "trace":
-            nodes = stamp_fresh(db, name, table, "trace")
-        else:
-            # Per-node constants (turn-level and prefix credit) are stored once per node;
-            # per-token lists go through the checked writer.
-            scalars = constant_rows(table) if table.num_rows else None
-            nodes = (
-                stamp_fresh(db, name, scalars, "node") if scalars is not None else write_nodes(db, table, credit=name)
-            )
+    nodes = writeback.stamp(
+        handle, name, table, algorithm=algorithm, params=resolved, description=description, replace=replace
+    )
     return {"name": name, "algorithm": algorithm, "params": resolved, "rows": table.num_rows, "nodes": nodes}
 
 

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import polars as pl
 import pyarrow as pa
 
-if TYPE_CHECKING:
-    from tracedb.store import Database
+from tracedb.handle import HandleOf, handle_of
+from tracedb.sqltext import quote_identifier
 
 
 def trace_rewards(
-    db: Database,
+    db: HandleOf,
     *,
     reward: str | None = None,
     group_by: str = "group_id",
@@ -26,8 +24,7 @@ def trace_rewards(
     invalid (left unassigned, out of every mean) when it has no reward, or, unless
     ``include_failed``, when it is not ok or timed out.
     """
-    from tracedb.store import quote_identifier
-
+    db = handle_of(db)
     reward_params: list = []
     group_params: list = []
     if reward is None:
@@ -41,7 +38,7 @@ def trace_rewards(
         group_sql = "json_extract_string(t.record, ?)"
         group_params = [group_by]
     else:
-        columns = set(db._columns("traces"))
+        columns = set(db.columns("traces"))
         if group_by not in columns:
             raise ValueError(f"cannot group by {group_by!r}: not a traces column ({sorted(columns)}) nor a $.json.path")
         group_sql = f"t.{quote_identifier(group_by)}::VARCHAR"
@@ -66,7 +63,7 @@ def _baseline_table(df: pl.DataFrame, advantage: pl.Expr) -> pa.Table:
 
 
 def grpo(
-    db: Database,
+    db: HandleOf,
     *,
     reward: str | None = None,
     group_by: str = "group_id",
@@ -80,6 +77,7 @@ def grpo(
     one has none and gets 0). Equal rewards give zeros, not None. Excluded rollouts
     (failed, timed out, unscored) stay unassigned and do not enter the mean.
     """
+    db = handle_of(db)
     df = trace_rewards(db, reward=reward, group_by=group_by, include_failed=include_failed)
     centered = pl.col("reward") - pl.col("reward").mean().over("group")
     if scale_std:
@@ -89,13 +87,14 @@ def grpo(
 
 
 def rloo(
-    db: Database,
+    db: HandleOf,
     *,
     reward: str | None = None,
     group_by: str = "group_id",
     include_failed: bool = False,
 ) -> pa.Table:
     """RLOO: A = r - mean of the other valid members' rewards; a group of one gets 0."""
+    db = handle_of(db)
     df = trace_rewards(db, reward=reward, group_by=group_by, include_failed=include_failed)
     n = pl.len().over("group")
     others = (pl.col("reward").sum().over("group") - pl.col("reward")) / (n - 1)

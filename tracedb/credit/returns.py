@@ -45,27 +45,26 @@ by ``c**-t``. Sums are float64; the stamped values float32.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
+import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from tracedb.credit.layouts import NODE_CREDIT
 from tracedb.credit.outcome import trace_rewards
-
-if TYPE_CHECKING:
-    from tracedb.store import Database
+from tracedb.graph import owning_branch
+from tracedb.handle import Handle, HandleOf, handle_of
+from tracedb.sqltext import quote_identifier
+from tracedb.views.nodes import node_ordered, trace_bases
 
 LIMITS = ("max_turns", "max_input_tokens", "max_output_tokens", "max_total_tokens", "compaction_failed")
 """Stop conditions that cut an episode short (verifiers ``Trace.is_truncated``)."""
 
 _TRACES = "_tdb_returns_traces"
 
-OUTPUT_SCHEMA = pa.schema([("trace_id", pa.string()), ("node_index", pa.int32()), ("values", pa.list_(pa.float32()))])
-
 
 def returns(
-    db: Database,
+    db: HandleOf,
     *,
     gamma: float = 1.0,
     reward: str | None = None,
@@ -81,10 +80,11 @@ def returns(
     Returns ``(trace_id, node_index, values)``: each sampled node's value broadcast over its
     sampled tokens. See the module docstring for turns, rewards, values and termination.
     """
+    db = handle_of(db)
     _check_unit("gamma", gamma)
     turns = _turns(db, reward, reward_field, value_field, bootstrap_field, terminal_reward, include_failed)
     if turns is None:
-        return OUTPUT_SCHEMA.empty_table()
+        return NODE_CREDIT.empty_table()
     r, v, boot, last, end = turns["r"], turns["v"], turns["boot"], turns["last"], turns["end"]
     x = r.copy()
     x[last] += gamma * boot  # G_T folded into the last reward: G_{T-1} = r_{T-1} + gamma G_T
@@ -93,7 +93,7 @@ def returns(
 
 
 def gae(
-    db: Database,
+    db: HandleOf,
     *,
     gamma: float = 1.0,
     lam: float = 0.95,
@@ -110,11 +110,12 @@ def gae(
     ``lam=1`` gives ``G_t - V_t``, ``lam=0`` the one-step TD error. Returns
     ``(trace_id, node_index, values)`` like :func:`returns`.
     """
+    db = handle_of(db)
     _check_unit("gamma", gamma)
     _check_unit("lam", lam)
     turns = _turns(db, reward, reward_field, value_field, bootstrap_field, terminal_reward, include_failed)
     if turns is None:
-        return OUTPUT_SCHEMA.empty_table()
+        return NODE_CREDIT.empty_table()
     r, v, boot, last, end = turns["r"], turns["v"], turns["boot"], turns["last"], turns["end"]
     v_next = np.empty_like(v)
     v_next[:-1] = v[1:]
@@ -150,8 +151,6 @@ def _reverse_scan(x: np.ndarray, end: np.ndarray, c: float) -> np.ndarray:
 
 def _field(name: str | None, columns: set[str], key: str, params: dict[str, object]) -> str:
     """SQL reading node field ``name`` as DOUBLE (0.0 when absent) from ``n`` (a nodes row)."""
-    from tracedb.store import quote_identifier
-
     if name is None:
         return "0.0::DOUBLE"
     if name in columns:
@@ -161,7 +160,7 @@ def _field(name: str | None, columns: set[str], key: str, params: dict[str, obje
 
 
 def _turns(
-    db: Database,
+    db: Handle,
     reward: str | None,
     reward_field: str | None,
     value_field: str | None,
@@ -171,8 +170,6 @@ def _turns(
 ) -> dict[str, np.ndarray | pa.Array] | None:
     """Every turn of every branch of the assigned traces, ordered by branch then path position,
     as numpy columns (``r`` with the terminal reward added, ``v``, ``boot`` on last turns)."""
-    import polars as pl
-
     # The outcome reward and which traces are assigned come from the same rule as GRPO/RLOO.
     traces = trace_rewards(db, reward=reward, include_failed=include_failed)
     if terminal_reward:
@@ -183,29 +180,24 @@ def _turns(
         traces = pl.from_arrow(db.sql(f"SELECT trace_id, 0.0::DOUBLE AS outcome FROM traces {failed}"))
     if traces.height == 0:
         return None
-    columns = set(db._columns("nodes"))
+    columns = set(db.columns("nodes"))
     params: dict[str, object] = {"limits": list(LIMITS)}
     r_sql = _field(reward_field, columns, "reward_field", params)
     v_sql = _field(value_field, columns, "value_field", params)
     b_sql = _field(bootstrap_field, columns, "bootstrap_field", params) if bootstrap_field else v_sql
-    db.con.register(_TRACES, traces.to_arrow())
-    try:
+    with db.registered(_TRACES, traces.to_arrow()):
         table = _turn_table(db, r_sql, v_sql, b_sql, params)
-    finally:
-        db.con.unregister(_TRACES)
     if table.num_rows == 0:
         return None
     col = lambda name: table.column(name).to_numpy()  # noqa: E731
     # Rows come grouped by trace (in trace_id order), then by branch, then along the path.
     tid = table.column("trace_id").combine_chunks()
     changed = pc.not_equal(tid.slice(1), tid.slice(0, len(tid) - 1)).to_numpy(zero_copy_only=False)
-    trace_rank = np.concatenate([[0], np.cumsum(changed)])
     branch, node = col("branch_index"), col("node_index")
     last = np.append(changed | (branch[1:] != branch[:-1]), True)
-    # A node's row from its first trainable branch (else its first branch) is the one kept.
-    order = np.lexsort((branch, ~col("trainable").astype(bool), node, trace_rank))
-    head = np.ones(len(order), bool)
-    head[1:] = (trace_rank[order][1:] != trace_rank[order][:-1]) | (node[order][1:] != node[order][:-1])
+    # A node's row from the branch that owns it is the one kept, in node-row order.
+    keep = np.flatnonzero(col("owner"))
+    keep = keep[np.argsort(col("row")[keep], kind="stable")]
 
     r, v = col("r").astype(np.float64), col("v").astype(np.float64)
     r[last] += col("outcome")[last]
@@ -223,19 +215,18 @@ def _turns(
         "boot": boot,
         "last": last,
         "end": end,
-        "keep": order[head],  # one row per node, by trace id then node index
+        "keep": keep,  # one row per node, by trace id then node index
         "n_sampled": col("n_sampled").astype(np.int64),
         "trace_id": tid,
         "node_index": node,
     }
 
 
-def _turn_table(db: Database, r_sql: str, v_sql: str, b_sql: str, params: dict[str, object]) -> pa.Table:
+def _turn_table(db: Handle, r_sql: str, v_sql: str, b_sql: str, params: dict[str, object]) -> pa.Table:
     """One row per turn of every branch of the traces in ``_TRACES``, ordered by trace id,
     branch index and path position: trace_id, branch_index, trainable, outcome, truncated,
-    node_index, n_sampled, r, v, b. Three scans, joined in numpy."""
-    from tracedb.views import _node_ordered, trace_bases
-
+    node_index, n_sampled, r, v, b, and ``owner``: whether this branch owns the node
+    (:func:`tracedb.graph.owning_branch`). Three scans, joined in numpy."""
     limits = params["limits"]
     params = {k: v for k, v in params.items() if k != "limits"}
     # Plain scans (a filter or an ORDER BY on nodes costs several times the scan); traces
@@ -246,7 +237,7 @@ def _turn_table(db: Database, r_sql: str, v_sql: str, b_sql: str, params: dict[s
         "false) AS attempt FROM nodes n",
         params or None,
     )
-    if not _node_ordered(nodes):
+    if not node_ordered(nodes):
         nodes = nodes.take(pc.sort_indices(nodes, [("trace_id", "ascending"), ("node_index", "ascending")]))
     branches = db.sql(
         f"SELECT b.trace_id, b.branch_index, b.trainable, b.leaf, b.path, x.outcome FROM branches b "
@@ -270,8 +261,9 @@ def _turn_table(db: Database, r_sql: str, v_sql: str, b_sql: str, params: dict[s
     n_sampled = nodes.column("n_sampled").to_numpy().astype(np.int64)
     turn = n_sampled[entry_row] > 0
     row, branch = entry_row[turn], entry_branch[turn]
-    attempt = nodes.column("attempt").to_numpy(zero_copy_only=False).astype(bool)
     trainable = branches.column("trainable").to_numpy(zero_copy_only=False).astype(bool)
+    owner = owning_branch(row, branch, trainable, len(n_sampled))[row] == branch
+    attempt = nodes.column("attempt").to_numpy(zero_copy_only=False).astype(bool)
     truncated = (
         np.fromiter((limited[t] for t in b_tid), bool, len(b_tid))
         | ~trainable
@@ -290,6 +282,8 @@ def _turn_table(db: Database, r_sql: str, v_sql: str, b_sql: str, params: dict[s
             "r": nodes.column("r").take(pa.array(row, pa.int64())),
             "v": nodes.column("v").take(pa.array(row, pa.int64())),
             "b": nodes.column("b").take(pa.array(row, pa.int64())),
+            "owner": pa.array(owner),
+            "row": pa.array(row),
         }
     )
 
@@ -307,4 +301,4 @@ def _stamp(turns: dict, advantage: np.ndarray) -> pa.Table:
     values = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat, pa.float32()))
     trace_id = turns["trace_id"].take(pa.array(keep)).cast(pa.string())
     node_index = pa.array(turns["node_index"][keep].astype(np.int32))
-    return pa.Table.from_arrays([trace_id, node_index, values], schema=OUTPUT_SCHEMA)
+    return pa.Table.from_arrays([trace_id, node_index, values], schema=NODE_CREDIT)

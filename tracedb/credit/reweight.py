@@ -30,21 +30,21 @@ zero-padded to the node's sampled tokens.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 
-if TYPE_CHECKING:
-    from tracedb.store import Database
+from tracedb import credit_sets
+from tracedb.credit.layouts import NODE_CREDIT
+from tracedb.handle import HandleOf, handle_of
+from tracedb.sqltext import quote_identifier
 
-NODE_SCHEMA = pa.schema([("trace_id", pa.string()), ("node_index", pa.int32()), ("values", pa.list_(pa.float32()))])
 LOGPROB_STREAMS = ("logprobs", "trainer_logprobs", "reference_logprobs")
 WEIGHT_STREAMS = ("entropies", *LOGPROB_STREAMS, "loss_weights")
 
 
 def reweight(
-    db: Database,
+    db: HandleOf,
     *,
     source: str | None = None,
     weights: str = "entropies",
@@ -61,6 +61,7 @@ def reweight(
     before the per-trace normalization. A trace whose clipped weights sum to 0 (possible
     only with ``min_weight=0``) keeps its advantages unchanged.
     """
+    db = handle_of(db)
     if weights not in WEIGHT_STREAMS:
         raise ValueError(f"unknown weight stream {weights!r}; choose one of {list(WEIGHT_STREAMS)}")
     if weights == "loss_weights" and not weight_name:
@@ -71,7 +72,7 @@ def reweight(
         math.isfinite(min_weight) and math.isfinite(max_weight) and 0 <= min_weight <= max_weight and max_weight > 0
     ):
         raise ValueError(f"need 0 <= min_weight <= max_weight, max_weight > 0; got {min_weight}, {max_weight}")
-    credit = db._credit_name(source)  # None for the default set; a missing named set raises NotFound
+    credit = credit_sets.resolve(db, source)  # None for the default set; a missing named set raises NotFound
 
     params: list = [credit]
     if weights == "loss_weights":
@@ -79,7 +80,7 @@ def reweight(
         raw = "list_where(element_at(n.loss_weights, ?)[1], tdb_mask(n.n_tokens, n.mask_prefix, n.mask_slots))"
         params.append(weight_name)
     else:
-        raw = f'n."{weights}"'
+        raw = f"n.{quote_identifier(weights)}"
     rows = db.sql(
         "SELECT a.trace_id, a.node_index, a.n_sampled, "
         "       dense_rank() OVER (ORDER BY a.trace_id) - 1 AS trace_code, "
@@ -91,7 +92,7 @@ def reweight(
         params,
     )
     if rows.num_rows == 0:
-        return NODE_SCHEMA.empty_table()
+        return NODE_CREDIT.empty_table()
 
     n_sampled = rows.column("n_sampled").to_numpy().astype(np.int64)
     adv = _flat(rows.column("adv"))
@@ -116,7 +117,7 @@ def reweight(
             "node_index": rows.column("node_index").cast(pa.int32()),
             "values": pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(out, pa.float32())),
         },
-        schema=NODE_SCHEMA,
+        schema=NODE_CREDIT,
     )
 
 

@@ -25,22 +25,17 @@ id), starting from the group's virtual root. Means are bincounts over distinct
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import polars as pl
 import pyarrow as pa
 
+from tracedb.credit.layouts import NODE_CREDIT
 from tracedb.credit.outcome import trace_rewards
-
-if TYPE_CHECKING:
-    from tracedb.store import Database
-
-NODE_SCHEMA = pa.schema([("trace_id", pa.string()), ("node_index", pa.int32()), ("values", pa.list_(pa.float32()))])
+from tracedb.handle import HandleOf, handle_of
 
 
 def tree(
-    db: Database,
+    db: HandleOf,
     *,
     reward: str | None = None,
     group_by: str = "group_id",
@@ -53,20 +48,20 @@ def tree(
     traces as in :func:`tracedb.credit.outcome.grpo`; a trace without a group is its own
     group (and so gets zeros). A group whose rewards are all equal gets zeros.
     """
+    db = handle_of(db)
     rewards = trace_rewards(db, reward=reward, group_by=group_by, include_failed=include_failed)
     valid = rewards.filter(pl.col("valid")).with_columns(
         pl.coalesce(pl.col("group"), pl.lit("trace:") + pl.col("trace_id")).alias("group")
     )
     if valid.height == 0:
-        return NODE_SCHEMA.empty_table()
+        return NODE_CREDIT.empty_table()
     valid = valid.sort("trace_id")
     trace_codes = valid.with_row_index("trace_code").select("trace_id", "trace_code")
     group_code = valid.get_column("group").rank("dense").cast(pl.Int64).to_numpy() - 1
     reward_arr = valid.get_column("reward").cast(pl.Float64).to_numpy()
 
     con = db.con
-    con.register("_tdb_tree_traces", trace_codes.to_arrow())
-    try:
+    with db.registered("_tdb_tree_traces", trace_codes.to_arrow()):
         nodes = con.sql(
             "WITH n AS ("
             "  SELECT n.trace_id, n.node_index, n.parent, n.n_sampled, t.trace_code, "
@@ -78,10 +73,8 @@ def tree(
             "FROM n LEFT JOIN n p ON p.trace_id = n.trace_id AND p.node_index = n.parent "
             "ORDER BY n.row"
         ).to_arrow_table()
-    finally:
-        con.unregister("_tdb_tree_traces")
     if nodes.num_rows == 0:
-        return NODE_SCHEMA.empty_table()
+        return NODE_CREDIT.empty_table()
 
     trace_code = nodes.column("trace_code").to_numpy().astype(np.int64)
     segment = nodes.column("segment_code").to_numpy().astype(np.int64)
@@ -124,7 +117,7 @@ def tree(
             "node_index": nodes.column("node_index").filter(mask).cast(pa.int32()),
             "values": values,
         },
-        schema=NODE_SCHEMA,
+        schema=NODE_CREDIT,
     )
 
 

@@ -1,21 +1,16 @@
-"""Chunks of a ``traces.jsonl`` file, scanned into columnar node blocks.
+"""The compiled scanner's Python side: chunks of lines scanned into columns of nodes.
 
-:func:`read_chunks` cuts a file into chunks of whole lines; :func:`scan_chunk` runs the
-compiled scanner (:mod:`tracedb._scan`) over one and returns a :class:`Block` (every
+:func:`scan_chunk` runs the scanner (:mod:`tracedb.ingest._scan`) over a chunk of whole
+lines (:func:`tracedb.ingest.files.read_chunks`) and returns :class:`ScannedNodes` (every
 node of the chunk's accepted lines, as flat buffers) plus, per line, either a
-:class:`~tracedb.records.ParsedLine` whose traces point into the block or ``None``:
-that line goes through :func:`tracedb.ingest.parse_line`, which parses what the scanner
-does not take and words every error.
+:class:`~tracedb.ingest.parse.ParsedLine` whose traces point into those nodes or
+``None``: that line goes through :func:`tracedb.ingest.parse.parse_line`, which parses
+what the scanner does not take and words every error.
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
 import json
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,114 +18,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pydantic
 
-from tracedb import _scan as S
-from tracedb.models import COMPACT_STREAMS, Episode, Trace
-from tracedb.records import ParsedLine, ParsedTrace
-
-CHUNK_BYTES = 4 << 20
-"""Bytes read per chunk (a chunk grows to hold a longer line)."""
-
-NODE_SCHEMA = pa.schema(
-    [
-        ("trace_id", pa.string()),
-        ("node_index", pa.int32()),
-        ("parent", pa.int32()),
-        ("role", pa.string()),
-        ("sampled", pa.bool_()),
-        ("timestamp", pa.float64()),
-        ("segment_id", pa.binary()),
-        ("n_tokens", pa.int32()),
-        ("n_sampled", pa.int32()),
-        ("mask_prefix", pa.int32()),
-        ("mask_slots", pa.list_(pa.int32())),
-        ("is_content", pa.list_(pa.bool_())),
-        *((name, pa.list_(pa.float32())) for name in COMPACT_STREAMS),
-        ("loss_weights", pa.map_(pa.string(), pa.list_(pa.float32()))),
-        ("semantic_parents", pa.list_(pa.struct([("node", pa.int32()), ("type", pa.string())]))),
-        ("semantic_parents_record", pa.string()),
-        ("message", pa.string()),
-        ("extra", pa.string()),
-        ("present", pa.int32()),
-    ]
-)
-"""The ``nodes`` rows an ingest batch inserts, from either parse path."""
-
-
-def _open(path: Path) -> io.BufferedIOBase:
-    if path.name.endswith(".zst"):
-        import zstandard
-
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb")), 1 << 20)
-    return open(path, "rb", buffering=1 << 20)
-
-
-@dataclass
-class Chunk:
-    """Whole lines of a file: ``data[starts[k]:ends[k]]`` is line ``numbers[k]``."""
-
-    data: bytes
-    starts: np.ndarray
-    ends: np.ndarray
-    numbers: np.ndarray
-
-    def raw(self, k: int) -> bytes:
-        """Line ``k`` as ``read_lines`` gives it (without its line break)."""
-        return self.data[self.starts[k] : self.ends[k]].rstrip(b"\r\n")
-
-
-def _chunk(data: bytes, first_number: int) -> Chunk:
-    if not data.endswith(b"\n"):
-        data += b"\n"  # every line is followed by a byte (see _scan.scan)
-    starts, ends = [], []
-    start, find = 0, data.find
-    while (end := find(b"\n", start)) >= 0:
-        starts.append(start)
-        ends.append(end)
-        start = end + 1
-    numbers = np.arange(first_number, first_number + len(starts), dtype=np.int64)
-    return Chunk(data, np.array(starts, np.int64), np.array(ends, np.int64), numbers)
-
-
-def read_chunks(path: Path, chunk_bytes: int | None = None) -> Iterator[Chunk]:
-    """The file's lines in chunks of at least ``chunk_bytes`` (default
-    :data:`CHUNK_BYTES`) up to a line break; a ``.json`` file is one record. Each byte
-    is copied once on the way (from the read block into its chunk)."""
-    size = max(chunk_bytes or CHUNK_BYTES, 1)
-    number = 1
-
-    def cut(data: bytes) -> Iterator[Chunk]:
-        nonlocal number
-        start = 0
-        while start < len(data):
-            end = data.find(b"\n", start + size - 1) + 1 if len(data) - start >= 2 * size else 0
-            piece = data[start : end or len(data)] if start or end else data
-            chunk = _chunk(piece, number)
-            number += len(chunk.starts)
-            start = end or len(data)
-            yield chunk
-
-    with _open(path) as f:
-        if path.suffix == ".json":
-            data = f.read()
-            if data:
-                end = np.array([len(data)], np.int64)
-                yield Chunk(data + b"\n", np.zeros(1, np.int64), end, np.ones(1, np.int64))
-            return
-        carry = b""
-        while block := f.read(max(size, 1 << 16)):
-            last = block.rfind(b"\n")
-            if last < 0:
-                carry += block  # a line longer than a block
-                continue
-            if carry or last + 1 < len(block):
-                data = b"".join((carry, memoryview(block)[: last + 1]))
-            else:
-                data = block
-            carry = block[last + 1 :]
-            yield from cut(data)
-        if carry:
-            yield from cut(carry)
-
+from tracedb import runtime, tables
+from tracedb.ingest import _scan as S
+from tracedb.ingest.columns import list_array, segment_keys
+from tracedb.ingest.files import Chunk
+from tracedb.ingest.parse import ParsedLine, ParsedTrace
+from tracedb.records import COMPACT_STREAMS, Episode, Trace
 
 # --------------------------------------------------------------------------- scanning
 
@@ -145,30 +38,7 @@ def _strings(n: int, offsets: np.ndarray, data: np.ndarray, valid: np.ndarray | 
     return arr
 
 
-def list_array(offsets: np.ndarray, values: pa.Array, null: np.ndarray) -> pa.Array:
-    """A list array over ``values`` (``offsets``: each list's start, then the end), null
-    where ``null``; 64-bit offsets only when the values need them."""
-    mask = pa.array(null) if null.any() else None
-    if offsets[-1] < 2**31:
-        return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), values, mask=mask)
-    return pa.LargeListArray.from_arrays(pa.array(offsets.astype(np.int64)), values, mask=mask)
-
-
-def segment_keys(tokens: np.ndarray, offsets: np.ndarray) -> list[bytes]:
-    """Content addresses of the token segments ``tokens[offsets[k]:offsets[k + 1]]``:
-    128-bit BLAKE2b of their int32 ids (the ``segments`` table's key)."""
-    view = memoryview(np.ascontiguousarray(tokens, dtype=np.int32)).cast("B")
-    ends = (np.asarray(offsets, dtype=np.int64) * 4).tolist()
-    blake2b = hashlib.blake2b
-    return [blake2b(view[a:b], digest_size=16).digest() for a, b in zip(ends[:-1], ends[1:], strict=True)]
-
-
-def segment_key(tokens: np.ndarray) -> bytes:
-    """The content address of one token segment (see :func:`segment_keys`)."""
-    return segment_keys(tokens, [0, len(tokens)])[0]
-
-
-class Block:
+class ScannedNodes:
     """The nodes a scan accepted, as columns; traces refer to them by row range."""
 
     def __init__(self, out: dict[str, np.ndarray]) -> None:
@@ -250,45 +120,45 @@ class Block:
         return out
 
     def table(self, rows: np.ndarray) -> pa.Table:
-        """The ``nodes`` rows of ``rows`` (block row numbers), in :data:`NODE_SCHEMA`."""
+        """The ``nodes`` rows of ``rows`` (row numbers here), in :data:`tracedb.tables.NODES`."""
         nodes, nulls = self.nodes, self.nulls
-        ids = pa.array(self.trace_ids, pa.string()).take(pa.array(nodes[:, S.N_TRACE]))
         parent = nodes[:, S.N_PARENT]
         sampled = nodes[:, S.N_SAMPLED]
         prefix = nodes[:, S.N_PREFIX]
         links = pa.StructArray.from_arrays(
             [pa.array(self.link_nodes, pa.int32()), self.link_types], names=["node", "type"]
         )
-        columns = [
-            ids,
-            pa.array(nodes[:, S.N_INDEX].astype(np.int32)),
-            pa.array(parent.astype(np.int32), mask=parent < 0),
-            self.role,
-            pa.array(sampled == 1, mask=sampled < 0),
-            pa.array(self.timestamps, mask=(nulls & S.NULL_TS) != 0),
-            None,  # segment ids: only for the rows taken
-            pa.array(self.n_tokens),
-            pa.array(self.n_sampled),
-            pa.array(prefix.astype(np.int32), mask=prefix < 0),
-            list_array(self.slot_off, pa.array(self.slots, pa.int32()), (nulls & S.NULL_SLOTS) != 0),
-            list_array(self.ic_off, pa.array(self.is_content.view(np.bool_)), (nulls & S.NULL_IC) != 0),
-            *(
-                list_array(off, pa.array(values), (nulls & (1 << (S.NULL_STREAM + s))) != 0)
-                for s, (off, values) in enumerate(zip(self.stream_off, self.streams, strict=True))
-            ),
-            pa.nulls(self.n, NODE_SCHEMA.field("loss_weights").type),
-            list_array(self.link_off, links, (nulls & S.NULL_LINKS) != 0),
-            pa.nulls(self.n, pa.string()),
-            self.message,
-            self.extra,
-            pa.array(nodes[:, S.N_PRESENT].astype(np.int32)),
-        ]
+        columns: dict[str, Any] = {
+            "trace_id": pa.array(self.trace_ids, pa.string()).take(pa.array(nodes[:, S.N_TRACE])),
+            "node_index": pa.array(nodes[:, S.N_INDEX].astype(np.int32)),
+            "parent": pa.array(parent.astype(np.int32), mask=parent < 0),
+            "role": self.role,
+            "sampled": pa.array(sampled == 1, mask=sampled < 0),
+            "timestamp": pa.array(self.timestamps, mask=(nulls & S.NULL_TS) != 0),
+            "n_tokens": pa.array(self.n_tokens),
+            "n_sampled": pa.array(self.n_sampled),
+            "mask_prefix": pa.array(prefix.astype(np.int32), mask=prefix < 0),
+            "mask_slots": list_array(self.slot_off, pa.array(self.slots, pa.int32()), (nulls & S.NULL_SLOTS) != 0),
+            "is_content": list_array(self.ic_off, pa.array(self.is_content.view(np.bool_)), (nulls & S.NULL_IC) != 0),
+            **{
+                name: list_array(off, pa.array(values), (nulls & (1 << (S.NULL_STREAM + s))) != 0)
+                for s, (name, off, values) in enumerate(
+                    zip(COMPACT_STREAMS, self.stream_off, self.streams, strict=True)
+                )
+            },
+            "loss_weights": pa.nulls(self.n, tables.LOSS_WEIGHTS),
+            "semantic_parents": list_array(self.link_off, links, (nulls & S.NULL_LINKS) != 0),
+            "semantic_parents_record": pa.nulls(self.n, pa.string()),
+            "message": self.message,
+            "extra": self.extra,
+            "present": pa.array(nodes[:, S.N_PRESENT].astype(np.int32)),
+        }
         if len(rows) != self.n or (len(rows) and (rows[0] != 0 or (np.diff(rows) != 1).any())):
             index = pa.array(rows)
-            columns = [None if c is None else c.take(index) for c in columns]
+            columns = {name: column.take(index) for name, column in columns.items()}
         keys = self.keys
-        columns[6] = pa.array([keys[r] for r in rows.tolist()], pa.binary())
-        return pa.Table.from_arrays(columns, schema=NODE_SCHEMA)
+        columns["segment_id"] = pa.array([keys[r] for r in rows.tolist()], pa.binary())
+        return tables.table_from(tables.NODES, columns)
 
 
 class Scanner:
@@ -305,7 +175,7 @@ class Scanner:
         """Buffers a scan of ``size`` bytes and ``n_lines`` lines cannot overrun (pages
         never written cost nothing)."""
         if size > self.size:
-            self.size = max(size, CHUNK_BYTES)
+            self.size = max(size, runtime.settings().chunk_bytes)
             size = self.size
             # A value takes 2 bytes of JSON at least (a digit and a comma): every row of
             # values has room for size // 2; text is never longer than the input.
@@ -347,7 +217,7 @@ class Scanner:
 
 def scan_chunk(
     chunk: Chunk, scanner: Scanner | None = None, *, allow_ragged: bool = False
-) -> tuple[Block | None, list[ParsedLine | None]]:
+) -> tuple[ScannedNodes | None, list[ParsedLine | None]]:
     """Scan a chunk: its block and a ParsedLine per line (None: blank, or parse it the other way)."""
     data = chunk.data
     buf = np.frombuffer(data, dtype=np.uint8)
@@ -375,7 +245,7 @@ def scan_chunk(
     if not (status == S.OK).any():
         return None, parsed
     try:
-        block = Block(out)
+        block = ScannedNodes(out)
     except (pa.ArrowInvalid, ValueError):
         return None, parsed  # text that is not UTF-8, a float out of range: the other way
     traces = out["traces"]
@@ -409,7 +279,9 @@ def _meta(data: bytes, lo: int, hi: int, cut_lo: int, cut_hi: int) -> Any:
     return _json(b"".join((data[lo:cut_lo], b"null", data[cut_hi:hi])).decode("utf-8"))
 
 
-def _line(data: bytes, start: int, end: int, line: np.ndarray, traces: np.ndarray, block: Block) -> ParsedLine | None:
+def _line(
+    data: bytes, start: int, end: int, line: np.ndarray, traces: np.ndarray, block: ScannedNodes
+) -> ParsedLine | None:
     """The record of ``data[start:end]``, its traces' nodes left in the block; None when
     Python's JSON or the contract of the non-node fields disagrees (the other path words it)."""
     try:

@@ -31,15 +31,10 @@ line break in the chunk, where the digit loops stop (a line that is not falls ba
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 
-from tracedb._kernels import _jit
-from tracedb.models import COMPACT_STREAMS
-from tracedb.records import NODE_KEYS
-
-_inline = numba.njit(inline="always")
-"""Small helpers, compiled into their callers."""
+from tracedb.jit import compiled, inline
+from tracedb.records import COMPACT_STREAMS, NODE_KEYS
 
 # Line statuses.
 OK, BLANK, FALLBACK = 0, 1, 2
@@ -134,7 +129,7 @@ _MINUS, _PLUS, _DOT, _ZERO, _NINE = 45, 43, 46, 48, 57
 # would compile the callee once more for the literal, and these take seconds to compile.
 
 
-@_jit
+@compiled
 def _ws(buf: np.ndarray, i: int, end: int) -> int:
     while i < end:
         c = buf[i]
@@ -144,7 +139,7 @@ def _ws(buf: np.ndarray, i: int, end: int) -> int:
     return i
 
 
-@_jit
+@compiled
 def _match(buf: np.ndarray, lo: int, hi: int, table: np.ndarray, off: np.ndarray, k: int) -> bool:
     a, b = off[k], off[k + 1]
     if hi - lo != b - a:
@@ -155,7 +150,7 @@ def _match(buf: np.ndarray, lo: int, hi: int, table: np.ndarray, off: np.ndarray
     return True
 
 
-@_jit
+@compiled
 def _node_key(buf: np.ndarray, lo: int, hi: int) -> int:
     for k in range(len(KEY_OFF) - 1):
         if _match(buf, lo, hi, KEY_BYTES, KEY_OFF, k):
@@ -163,7 +158,7 @@ def _node_key(buf: np.ndarray, lo: int, hi: int) -> int:
     return -1
 
 
-@_inline
+@inline
 def _hex4(buf: np.ndarray, i: int, end: int) -> int:
     """The value of four hex digits at ``i``, or -1."""
     if i + 4 > end:
@@ -182,7 +177,7 @@ def _hex4(buf: np.ndarray, i: int, end: int) -> int:
     return v
 
 
-@_jit
+@compiled
 def _string(buf: np.ndarray, i: int, end: int, out: np.ndarray, o: int, copy: bool) -> tuple[int, int, bool]:
     """A string starting at the quote ``buf[i]``: (index after it or -1, new ``o``, escaped)."""
     if copy:
@@ -229,7 +224,7 @@ def _string(buf: np.ndarray, i: int, end: int, out: np.ndarray, o: int, copy: bo
     return -1, o, escaped
 
 
-@_jit
+@compiled
 def _number(buf: np.ndarray, i: int, end: int) -> tuple[int, float, bool, bool]:
     """A JSON number at ``i``: (index after it or -1, value, exact, integral).
 
@@ -306,7 +301,7 @@ def _number(buf: np.ndarray, i: int, end: int) -> tuple[int, float, bool, bool]:
     return i, -value if neg else value, True, integral
 
 
-@_jit
+@compiled
 def _literal(buf: np.ndarray, i: int, end: int) -> tuple[int, int]:
     """true / false / null at ``i``: (index after it or -1, 1 / 0 / 2)."""
     if i + 4 <= end and buf[i] == 116 and buf[i + 1] == 114 and buf[i + 2] == 117 and buf[i + 3] == 101:
@@ -325,7 +320,7 @@ def _literal(buf: np.ndarray, i: int, end: int) -> tuple[int, int]:
     return -1, 0
 
 
-@_jit
+@compiled
 def _value(
     buf: np.ndarray,
     i: int,
@@ -447,7 +442,7 @@ def _value(
             state = 0
 
 
-@_jit
+@compiled
 def _list_start(buf: np.ndarray, i: int, end: int) -> tuple[int, bool]:
     """After ``[`` at ``i``: (index of the first element or after ``]``, empty)."""
     if i >= end or buf[i] != _LBRACKET:
@@ -458,7 +453,7 @@ def _list_start(buf: np.ndarray, i: int, end: int) -> tuple[int, bool]:
     return i, False
 
 
-@_jit
+@compiled
 def _list_next(buf: np.ndarray, i: int, end: int) -> tuple[int, bool]:
     """After an element: (index of the next element or after ``]``, done); -1 on error."""
     i = _ws(buf, i, end)
@@ -471,7 +466,7 @@ def _list_next(buf: np.ndarray, i: int, end: int) -> tuple[int, bool]:
     return -1, True
 
 
-@_inline
+@inline
 def _after_item(buf: np.ndarray, i: int, end: int) -> tuple[int, bool]:
     """After a list element, the common case inline: ``,`` or ``]`` right away."""
     if i < end:
@@ -486,7 +481,7 @@ def _after_item(buf: np.ndarray, i: int, end: int) -> tuple[int, bool]:
     return _list_next(buf, i, end)
 
 
-@_jit
+@compiled
 def _int_list(buf: np.ndarray, i: int, end: int, out: np.ndarray, o: int) -> tuple[int, int]:
     """A list of int32 at ``buf[i] == '['`` into ``out[o:]``: (index after it or -1, new ``o``).
 
@@ -523,7 +518,7 @@ def _int_list(buf: np.ndarray, i: int, end: int, out: np.ndarray, o: int) -> tup
     return i, o
 
 
-@_jit
+@compiled
 def _float_list(
     buf: np.ndarray,
     i: int,
@@ -596,7 +591,7 @@ def _float_list(
     return i, o
 
 
-@_jit
+@compiled
 def _bool_list(buf: np.ndarray, i: int, end: int, out: np.ndarray, o: int) -> tuple[int, int, int, int, int]:
     """A list of booleans at ``buf[i] == '['`` into ``out[o:]`` as 0/1: (index after it or
     -1, new ``o``, trues, position of the first true, of the last false; -1 for none)."""
@@ -629,7 +624,7 @@ def _bool_list(buf: np.ndarray, i: int, end: int, out: np.ndarray, o: int) -> tu
     return i, o, trues, first_true, last_false
 
 
-@_jit
+@compiled
 def scan(
     buf: np.ndarray,
     starts: np.ndarray,
@@ -677,7 +672,7 @@ def scan(
         counts[C_LINE] = li + 1
 
 
-@_jit
+@compiled
 def _line(
     buf: np.ndarray,
     i: int,
@@ -801,7 +796,7 @@ def _line(
     return True
 
 
-@_jit
+@compiled
 def _trace(
     buf: np.ndarray,
     i: int,
@@ -877,7 +872,7 @@ def _trace(
     return i
 
 
-@_jit
+@compiled
 def _hard(
     buf: np.ndarray,
     lo: int,
@@ -901,7 +896,7 @@ def _hard(
     counts[C_HARD] = h + 1
 
 
-@_jit
+@compiled
 def _node(
     buf: np.ndarray,
     i: int,

@@ -15,23 +15,12 @@ for the others ``slot_src`` offset into ``slots`` (per token: 0 unsampled, else 
 
 from __future__ import annotations
 
-from typing import Any
-
-import numba
 import numpy as np
 
-
-def _jit(fn: Any) -> Any:
-    """Compile ``fn`` once per install, cached next to this module (or in numba's user
-    cache); where no cache location is writable numba refuses ``cache=True``, and the
-    function is compiled once per process instead."""
-    try:
-        return numba.njit(cache=True, nogil=True)(fn)
-    except RuntimeError:
-        return numba.njit(nogil=True)(fn)
+from tracedb.jit import compiled
 
 
-@_jit
+@compiled
 def spread_tokens(
     lo: int,
     hi: int,
@@ -69,7 +58,7 @@ def spread_tokens(
             pos += n
 
 
-@_jit
+@compiled
 def spread_stream(
     lo: int,
     hi: int,

@@ -1,7 +1,7 @@
 """``tracedb cec``: counterfactual edit credit from the command line.
 
-A typer sub-app (``app``) mounted under the main CLI; each command is one call into
-:mod:`tracedb.credit.cec` (or :mod:`tracedb.credit.cec_git` for the harness side).
+A typer sub-app (``app``) mounted under the main CLI (:mod:`tracedb.cli.main`); each
+command is one call into :mod:`tracedb.cec` (or :mod:`tracedb.cec.git` for the harness side).
 """
 
 from __future__ import annotations
@@ -13,7 +13,10 @@ from typing import Annotated, Any
 
 import typer
 
-from tracedb.cli_common import DbOption, JsonOption, emit, err, fail, open_db, out, report_ingest
+from tracedb import cec
+from tracedb.cec import git as cec_git
+from tracedb.cec.rules import DEFAULT_CAP, DEFAULT_LAM
+from tracedb.cli.common import DbOption, JsonOption, emit, err, fail, open_db, out, report_ingest
 from tracedb.errors import TraceDBError
 
 app = typer.Typer(
@@ -44,11 +47,9 @@ def ingest(
     """Ingest turn, trace and verification records (one JSON object per line, `kind` says which).
 
     Exits 1 when any record was rejected (they are kept in `rejects`, see `tracedb rejects`)."""
-    from tracedb.credit import cec
-
     with open_db(db) as database:
         try:
-            report = cec.ingest(database, paths, strict=strict)
+            report = cec.ingest_records(database, paths, strict=strict)
         except (TraceDBError, FileNotFoundError) as e:
             raise fail(e) from None
     report_ingest(report, db, as_json)
@@ -67,8 +68,8 @@ def _summary_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
 @app.command()
 def plan(
     db: DbOption = Path("tracedb.duckdb"),
-    lam: LamOption = 0.1,
-    cap: CapOption = 1.0,
+    lam: LamOption = DEFAULT_LAM,
+    cap: CapOption = DEFAULT_CAP,
     reward: RewardOption = None,
     group_by: GroupByOption = "group_id",
     include_failed: IncludeFailedOption = False,
@@ -78,8 +79,6 @@ def plan(
 
     Run it after ingesting snapshots and original verifications to learn which interventions
     to run (`tracedb cec queries`); `stamp` plans again itself."""
-    from tracedb.credit import cec
-
     with open_db(db) as database:
         try:
             summary = cec.plan(database, lam, cap, reward=reward, group_by=group_by, include_failed=include_failed)
@@ -95,8 +94,6 @@ def queries(
     as_json: JsonOption = False,
 ) -> None:
     """The planned counterfactual queries: per trace, the trees and paths to build its intervention."""
-    from tracedb.credit import cec
-
     with open_db(db) as database:
         try:
             rows = cec.queries(database, pending_only=pending)
@@ -119,16 +116,14 @@ def queries(
 @app.command()
 def stamp(
     db: DbOption = Path("tracedb.duckdb"),
-    lam: LamOption = 0.1,
-    cap: CapOption = 1.0,
+    lam: LamOption = DEFAULT_LAM,
+    cap: CapOption = DEFAULT_CAP,
     reward: RewardOption = None,
     group_by: GroupByOption = "group_id",
     include_failed: IncludeFailedOption = False,
     as_json: JsonOption = False,
 ) -> None:
     """Plan and write the arms as credit sets cec-O, cec-B, cec-M, cec-E (one transaction)."""
-    from tracedb.credit import cec
-
     with open_db(db) as database:
         try:
             summary = cec.stamp(database, lam, cap, reward=reward, group_by=group_by, include_failed=include_failed)
@@ -145,8 +140,6 @@ def check(
 ) -> None:
     """Verify sum C^M = sum C^B = lam*D*s*L, sum |C^M| = sum |C^B| and sum (C^M)^2 / sum (C^B)^2 = L/m
     on the stored credit of every trace with available credit. Exits 1 when any fails."""
-    from tracedb.credit import cec
-
     with open_db(db, read_only=True) as database:
         try:
             result = cec.check(database, rel_tol=rel_tol)
@@ -165,8 +158,6 @@ def check(
 @app.command()
 def report(db: DbOption = Path("tracedb.duckdb"), as_json: JsonOption = False) -> None:
     """The signal-availability table of the current plan (counts, D decomposition, quantiles)."""
-    from tracedb.credit import cec
-
     with open_db(db, read_only=True) as database:
         try:
             data = cec.report(database)
@@ -189,8 +180,6 @@ def snapshot(
     ] = None,
 ) -> None:
     """Snapshot a working tree into a private index: prints {"tree", "changed_paths"} as JSON."""
-    from tracedb.credit import cec_git
-
     try:
         snap = cec_git.snapshot(worktree, previous, index)
     except TraceDBError as e:
@@ -209,8 +198,6 @@ def intervene(
 ) -> None:
     """Build a planned trace's intervention patch: final tree with the selected block's paths
     restored to their pre-block contents, as a binary diff against the baseline tree."""
-    from tracedb.credit import cec, cec_git
-
     with open_db(db, read_only=True) as database:
         try:
             planned = [q for q in cec.queries(database) if q["trace_id"] == trace_id]

@@ -1,5 +1,6 @@
 """CEC records: the harness's per-turn snapshots, per-trace keys and verifications as
-JSONL, validated and ingested with the rejection rules of trace ingest (see :mod:`tracedb.credit.cec`)."""
+JSONL, validated and ingested with the rejection rules of trace ingest (see
+:mod:`tracedb.cec`), and the ``cec_*`` tables they go into."""
 
 from __future__ import annotations
 
@@ -8,23 +9,19 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 import pyarrow as pa
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
+from tracedb import tables
+from tracedb.cec.rules import CEC_SCHEMA_VERSION, CecError
 from tracedb.errors import IngestAborted, Location, RecordError
-
-if TYPE_CHECKING:
-    from tracedb.ingest import Reject
-    from tracedb.store import Database
-
-
-from tracedb.credit.cec_rules import (
-    CEC_SCHEMA_VERSION,
-    CecError,
-)
+from tracedb.handle import Handle, HandleOf, handle_of
+from tracedb.ingest.files import find_files, read_lines
+from tracedb.ingest.rejects import Reject, record_rejects
+from tracedb.sqltext import load_sql
 
 
 class _Record(BaseModel):
@@ -161,24 +158,24 @@ def _key(record: Any) -> tuple[str, Any]:
 # =========================================================================== schema
 
 
-def install(db: Database) -> None:
+def install(db: HandleOf) -> None:
     """Create the ``cec_*`` tables when missing (``schema/cec.sql``; idempotent)."""
-    from tracedb.store import load_sql
-
-    found = db._scalar("SELECT value FROM tracedb_meta WHERE key = 'cec_schema_version'")
+    db = handle_of(db)
+    found = db.scalar("SELECT value FROM tracedb_meta WHERE key = 'cec_schema_version'")
     if found is not None:
         if int(found) != CEC_SCHEMA_VERSION:
             raise CecError(f"{db.path}: cec schema version {found}, this tracedb reads {CEC_SCHEMA_VERSION}")
         return
-    with db._transaction():
+    with db.transaction():
         db.con.execute(load_sql("cec.sql"))
         db.con.execute(
             "INSERT OR REPLACE INTO tracedb_meta VALUES ('cec_schema_version', ?)", [str(CEC_SCHEMA_VERSION)]
         )
 
 
-def _require_installed(db: Database) -> None:
+def ensure_installed(db: HandleOf) -> None:
     """Install when writable; a read-only file without the tables is an error, not a crash."""
+    db = handle_of(db)
     try:
         install(db)
     except Exception as e:  # DuckDB refuses DDL on a read-only file
@@ -229,7 +226,7 @@ class CecIngestReport:
         return text
 
 
-def ingest(db: Database, paths: str | Path | Iterable[str | Path], *, strict: bool = False) -> CecIngestReport:
+def ingest_records(db: HandleOf, paths: str | Path | Iterable[str | Path], *, strict: bool = False) -> CecIngestReport:
     """Ingest CEC records (JSONL, one object per line with ``kind``) into ``cec_*`` tables.
 
     The rules of trace ingest: a bad line is rejected with its file, line, trace id,
@@ -240,10 +237,9 @@ def ingest(db: Database, paths: str | Path | Iterable[str | Path], *, strict: bo
     is idempotent: a record whose key (trace; trace and node; trace and role) is stored
     with the same content is skipped, with different content it is rejected.
     """
-    from tracedb.ingest import Reject, find_files, read_lines
-
+    db = handle_of(db)
     started = time.perf_counter()
-    _require_installed(db)
+    ensure_installed(db)
     if isinstance(paths, (str, Path)):
         paths = [paths]
     files = find_files(paths)
@@ -253,8 +249,7 @@ def ingest(db: Database, paths: str | Path | Iterable[str | Path], *, strict: bo
     def reject(error: RecordError, raw: bytes) -> None:
         if strict:
             raise IngestAborted(error)
-        loc = error.location
-        item = Reject(loc.file, loc.line, loc.trace_id, loc.node, loc.field, error.reason)
+        item = Reject.of(error)
         rejects.append((item, raw))
         report.rejected.append(item)
 
@@ -269,7 +264,7 @@ def ingest(db: Database, paths: str | Path | Iterable[str | Path], *, strict: bo
 
     good = [item[0] for item in parsed if not isinstance(item[0], RecordError)]
     trace_ids = sorted({r.trace_id for r in good})
-    known_traces = db._existing("traces", "trace_id", trace_ids)
+    known_traces = db.existing("traces", "trace_id", trace_ids)
     nodes = _node_roles(db, trace_ids)
     stored = _stored_records(db, trace_ids)
     rows: dict[str, list[dict[str, Any]]] = {"trace": [], "turn": [], "verification": []}
@@ -311,14 +306,14 @@ def ingest(db: Database, paths: str | Path | Iterable[str | Path], *, strict: bo
         where.field, reason = problem
         reject(RecordError(reason, where), raw)
 
-    with db._transaction():
+    with db.transaction():
         _insert(db, rows)
-        _insert_rejects(db, rejects)
+        record_rejects(db, rejects)
     report.seconds = time.perf_counter() - started
     return report
 
 
-def _node_roles(db: Database, trace_ids: list[str]) -> dict[tuple[str, int], tuple[str | None, bool]]:
+def _node_roles(db: Handle, trace_ids: list[str]) -> dict[tuple[str, int], tuple[str | None, bool]]:
     if not trace_ids:
         return {}
     rows = db.con.execute(
@@ -329,7 +324,7 @@ def _node_roles(db: Database, trace_ids: list[str]) -> dict[tuple[str, int], tup
     return {(t, n): (role, sampled) for t, n, role, sampled in rows}
 
 
-def _stored_records(db: Database, trace_ids: list[str]) -> dict[tuple[str, Any], tuple[str, str]]:
+def _stored_records(db: Handle, trace_ids: list[str]) -> dict[tuple[str, Any], tuple[str, str]]:
     """(kind, key) -> (canonical record, where it came from) for records already stored."""
     out: dict[tuple[str, Any], tuple[str, str]] = {}
     if not trace_ids:
@@ -383,54 +378,16 @@ def _row(record: Any, canonical: str, source: str, line: int) -> dict[str, Any]:
     }
 
 
-_SCHEMAS = {
-    "trace": [
-        ("trace_id", pa.string()),
-        ("baseline_tree", pa.string()),
-        ("instance_id", pa.string()),
-        ("rep", pa.string()),
-        ("cache_salt", pa.string()),
-    ],
-    "turn": [
-        ("trace_id", pa.string()),
-        ("node_index", pa.int32()),
-        ("tree", pa.string()),
-        ("changed_paths", pa.list_(pa.string())),
-        ("format_error", pa.bool_()),
-    ],
-    "verification": [
-        ("trace_id", pa.string()),
-        ("role", pa.string()),
-        ("status", pa.string()),
-        ("resolved", pa.bool_()),
-        ("f2p", pa.map_(pa.string(), pa.string())),
-        ("p2p", pa.map_(pa.string(), pa.string())),
-    ],
-}
-_TABLES = {"trace": "cec_traces", "turn": "cec_turns", "verification": "cec_verifications"}
-_COMMON = [("info", pa.string()), ("record", pa.string()), ("source", pa.string()), ("line", pa.int64())]
+_TABLES = {"trace": tables.CEC_TRACES, "turn": tables.CEC_TURNS, "verification": tables.CEC_VERIFICATIONS}
+_NAMES = {"trace": "cec_traces", "turn": "cec_turns", "verification": "cec_verifications"}
 
 
-def _insert(db: Database, rows: dict[str, list[dict[str, Any]]]) -> None:
+def _insert(db: Handle, rows: dict[str, list[dict[str, Any]]]) -> None:
     for kind, items in rows.items():
         if not items:
             continue
-        schema = pa.schema(_SCHEMAS[kind] + _COMMON)
+        schema = tables.inserted(_TABLES[kind])
         table = pa.Table.from_pylist(items, schema=schema)
         columns = ", ".join(schema.names)
-        db.con.register("_tdb_cec_in", table)
-        try:
-            db.con.execute(f"INSERT INTO {_TABLES[kind]} ({columns}) SELECT {columns} FROM _tdb_cec_in")
-        finally:
-            db.con.unregister("_tdb_cec_in")
-
-
-def _insert_rejects(db: Database, rejects: list[tuple[Reject, bytes]]) -> None:
-    for r, raw in rejects:
-        db.con.execute(
-            "INSERT INTO rejects (source, line, trace_id, node, field, reason, record) VALUES (?, ?, ?, ?, ?, ?, ?)",
-            [r.file, r.line, r.trace_id, r.node, r.field, r.reason, raw.decode("utf-8", errors="replace")],
-        )
-
-
-# =========================================================================== plan
+        with db.registered("_tdb_cec_in", table):
+            db.con.execute(f"INSERT INTO {_NAMES[kind]} ({columns}) SELECT {columns} FROM _tdb_cec_in")

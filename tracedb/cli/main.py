@@ -10,7 +10,9 @@ from typing import Annotated, Any
 import pyarrow.compute as pc
 import typer
 
-from tracedb.cli_common import DbOption, JsonOption, emit, err, open_db, out, report_ingest
+from tracedb import credit as credit_lib
+from tracedb.cec.cli import app as cec_app
+from tracedb.cli.common import DbOption, JsonOption, emit, err, fail, open_db, out, report_ingest
 from tracedb.errors import TraceDBError
 
 app = typer.Typer(
@@ -40,8 +42,7 @@ def ingest(
         try:
             report = database.ingest(paths, strict=strict, allow_ragged=allow_ragged, progress=progress and not as_json)
         except (TraceDBError, FileNotFoundError) as e:
-            err.print(f"[red]{e}[/red]")
-            raise typer.Exit(1) from None
+            raise fail(e) from None
     report_ingest(report, db, as_json)
 
 
@@ -58,8 +59,7 @@ def sql(
         try:
             table = database.sql(text)
         except Exception as e:  # DuckDB's own message says what is wrong with the query
-            err.print(f"[red]{type(e).__name__}: {e}[/red]")
-            raise typer.Exit(1) from None
+            raise fail(f"{type(e).__name__}: {e}") from None
     rows = table.to_pylist()
     if as_json:
         emit(rows, True)
@@ -89,14 +89,11 @@ def branches(
             )
             known = table.num_rows or database.branches(trace_ids=[trace_id], columns=[]).num_rows
         except TraceDBError as e:
-            err.print(f"[red]{e}[/red]")
-            raise typer.Exit(1) from None
+            raise fail(e) from None
     if not known:
-        err.print(f"[red]trace {trace_id!r} is not in {db}[/red]")
-        raise typer.Exit(1)
+        raise fail(f"trace {trace_id!r} is not in {db}")
     if table.num_rows == 0:
-        err.print(f"[red]trace {trace_id!r} has no branch {', '.join(map(str, branch or []))}[/red]")
-        raise typer.Exit(1)
+        raise fail(f"trace {trace_id!r} has no branch {', '.join(map(str, branch or []))}")
     rows = []
     for row in table.to_pylist():
         summary = {
@@ -125,8 +122,7 @@ def trace(
         try:
             record = database.trace(trace_id, credit=credit)
         except TraceDBError as e:
-            err.print(f"[red]{e}[/red]")
-            raise typer.Exit(1) from None
+            raise fail(e) from None
     sys.stdout.write(json.dumps(record) + "\n")
 
 
@@ -157,11 +153,9 @@ def export(
                 credit=credit,
             )
         except ValueError as e:
-            err.print(f"[red]{e}[/red]")
-            raise typer.Exit(2) from None
+            raise fail(e, 2) from None
         except TraceDBError as e:
-            err.print(f"[red]{e}[/red]")
-            raise typer.Exit(1) from None
+            raise fail(e) from None
     emit(result, as_json)
 
 
@@ -207,8 +201,6 @@ def credit(
     as_json: JsonOption = False,
 ) -> None:
     """Stamp advantages with a credit algorithm as a named credit set (one transaction)."""
-    from tracedb import credit as credit_lib
-
     if list_algorithms or algorithm is None:
         rows = [
             {"algorithm": a.name, "layout": a.layout, "params": a.params(), "summary": a.summary}
@@ -221,8 +213,7 @@ def credit(
         try:
             result = credit_lib.run(database, algorithm, name, replace=replace, **params)
         except (TraceDBError, ValueError, TypeError) as e:
-            err.print(f"[red]{e}[/red]")
-            raise typer.Exit(1) from None
+            raise fail(e) from None
     emit(result, as_json)
 
 
@@ -255,7 +246,7 @@ def serve(
     """Serve the REST API (branch lookup as JSON or Arrow, listings, writes) and the web trace viewer."""
     import uvicorn
 
-    from api import create_app
+    from tracedb.api import create_app
 
     try:
         application = create_app(
@@ -268,8 +259,7 @@ def serve(
             sql_timeout_s=sql_timeout,
         )
     except (TraceDBError, FileNotFoundError, ValueError) as e:
-        err.print(f"[red]{e}[/red]")
-        raise typer.Exit(2) from None
+        raise fail(e, 2) from None
     err.print(f"tracedb serving {db} on http://{host}:{port} (writes {'on' if token else 'off'})")
     try:
         uvicorn.run(application, host=host, port=port, log_level="info")
@@ -313,8 +303,6 @@ def demo(
         exported = database.export(db.with_suffix(".parquet"), trainable=True)
         out.print(f"exported {exported['rows']} branches to {exported['path']} ({exported['bytes']} bytes)")
 
-
-from tracedb.cec_cli import app as cec_app  # noqa: E402  (mounted after the commands above)
 
 app.add_typer(cec_app, name="cec")
 

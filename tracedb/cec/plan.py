@@ -1,6 +1,6 @@
 """CEC over the database: plan (blocks, selection, utilities, coefficients per trace),
 queries, the four stamped arms, the identity check and the availability report
-(see :mod:`tracedb.credit.cec`)."""
+(see :mod:`tracedb.cec`)."""
 
 from __future__ import annotations
 
@@ -8,20 +8,14 @@ import json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import numpy as np
 import polars as pl
 import pyarrow as pa
 
-if TYPE_CHECKING:
-    from tracedb.store import Database
-
-
-from tracedb.credit.cec_records import (
-    _require_installed,
-)
-from tracedb.credit.cec_rules import (
+from tracedb import credit_sets, tables, writeback
+from tracedb.cec.records import ensure_installed
+from tracedb.cec.rules import (
     ARMS,
     CREDIT_SETS,
     DEFAULT_CAP,
@@ -38,15 +32,15 @@ from tracedb.credit.cec_rules import (
     select_block,
     utility_parts,
 )
+from tracedb.credit.outcome import trace_rewards
+from tracedb.handle import Handle, HandleOf, handle_of
 
 
 def _advantages(
-    db: Database, reward: str | None, group_by: str, include_failed: bool
+    db: Handle, reward: str | None, group_by: str, include_failed: bool
 ) -> dict[str, tuple[str | None, float | None, bool, float]]:
     """trace_id -> (group, reward, valid, A) with A = r - mean(valid members' r) and
     0 for an excluded member; a group whose valid rewards are all equal gets exact zeros."""
-    from tracedb.credit.outcome import trace_rewards
-
     df = trace_rewards(db, reward=reward, group_by=group_by, include_failed=include_failed)
     df = df.with_columns(pl.coalesce(pl.col("group"), pl.lit("trace:") + pl.col("trace_id")).alias("group"))
     valid_r = pl.col("reward").filter(pl.col("valid"))
@@ -76,7 +70,7 @@ class _Verification:
         return None if self.status != "ok" else utility_parts(self.resolved, self.f2p, self.p2p)
 
 
-def _load(db: Database) -> dict[str, Any]:
+def _plan_inputs(db: Handle) -> dict[str, Any]:
     """Everything the plan reads, keyed by trace."""
     traces = {
         t: (int(n or 0), calls)
@@ -264,49 +258,11 @@ def _plan_trace(trace_id: str, data: dict[str, Any], adv: tuple, lam: float, cap
     return row
 
 
-_SELECTION_SCHEMA = pa.schema(
-    [
-        ("trace_id", pa.string()),
-        ("group_key", pa.string()),
-        ("reward", pa.float64()),
-        ("valid", pa.bool_()),
-        ("advantage", pa.float64()),
-        ("format_error", pa.bool_()),
-        ("n_turns", pa.int32()),
-        ("blocks", pa.string()),
-        ("eligible", pa.list_(pa.int32())),
-        ("selected", pa.int32()),
-        ("selection", pa.string()),
-        ("selection_detail", pa.string()),
-        ("selected_nodes", pa.list_(pa.int32())),
-        ("touched_paths", pa.list_(pa.string())),
-        ("baseline_tree", pa.string()),
-        ("pre_block_tree", pa.string()),
-        ("final_tree", pa.string()),
-        ("generated_tokens", pa.int64()),
-        ("edit_tokens", pa.int64()),
-        ("query", pa.string()),
-        ("intervention", pa.string()),
-        *[(f"{p}_{s}", pa.float64()) for s in ("orig", "int") for p in ("y", "f", "g", "u")],
-        ("d", pa.float64()),
-        ("d_y", pa.float64()),
-        ("d_f", pa.float64()),
-        ("d_g", pa.float64()),
-        ("s", pa.float64()),
-        ("coef_m", pa.float64()),
-        ("coef_b", pa.float64()),
-        ("coef_e", pa.float64()),
-        ("credit_m", pa.float64()),
-        ("credit_b", pa.float64()),
-        ("credit_e", pa.float64()),
-        ("lam", pa.float64()),
-        ("cap", pa.float64()),
-    ]
-)
+_SELECTION_ROWS = tables.inserted(tables.CEC_SELECTION)
 
 
 def plan(
-    db: Database,
+    db: HandleOf,
     lam: float = DEFAULT_LAM,
     cap: float = DEFAULT_CAP,
     *,
@@ -322,21 +278,19 @@ def plan(
     terminal group advantage as for ``grpo`` (validity: scored, ok, not timed out).
     Returns counts by selection, query and intervention status.
     """
+    db = handle_of(db)
     if not (lam > 0 and math.isfinite(lam)) or not (cap > 0 and math.isfinite(cap)):
         raise CecError(f"lam and cap must be positive numbers, got lam={lam}, cap={cap}")
-    _require_installed(db)
-    data = _load(db)
+    ensure_installed(db)
+    data = _plan_inputs(db)
     advantages = _advantages(db, reward, group_by, include_failed)
     rows = [_plan_trace(t, data, advantages[t], lam, cap) for t in sorted(data["traces"])]
-    table = pa.Table.from_pylist(rows, schema=_SELECTION_SCHEMA)
-    columns = ", ".join(_SELECTION_SCHEMA.names)
-    with db._transaction():
+    table = pa.Table.from_pylist(rows, schema=_SELECTION_ROWS)
+    columns = ", ".join(_SELECTION_ROWS.names)
+    with db.transaction():
         db.con.execute("DELETE FROM cec_selection")
-        db.con.register("_tdb_cec_plan", table)
-        try:
+        with db.registered("_tdb_cec_plan", table):
             db.con.execute(f"INSERT INTO cec_selection ({columns}) SELECT {columns} FROM _tdb_cec_plan")
-        finally:
-            db.con.unregister("_tdb_cec_plan")
     return _plan_summary(rows, lam, cap)
 
 
@@ -359,17 +313,18 @@ def _plan_summary(rows: list[dict[str, Any]], lam: float, cap: float) -> dict[st
     }
 
 
-def _selection(db: Database) -> pl.DataFrame:
-    _require_installed(db)
+def _selection(db: Handle) -> pl.DataFrame:
+    ensure_installed(db)
     df = pl.from_arrow(db.sql("SELECT * FROM cec_selection ORDER BY trace_id"))
     if df.is_empty():
         raise CecError("no CEC plan in this database: run `tracedb cec plan` (or cec.plan / cec.stamp) first")
     return df
 
 
-def queries(db: Database, *, pending_only: bool = False) -> list[dict[str, Any]]:
+def queries(db: HandleOf, *, pending_only: bool = False) -> list[dict[str, Any]]:
     """The planned counterfactual queries: what a harness needs to build each
     intervention (:func:`tracedb.credit.cec_git.intervene`) and verify it."""
+    db = handle_of(db)
     df = _selection(db).filter(pl.col("query") == "planned")
     if pending_only:
         df = df.filter(pl.col("intervention") == "pending")
@@ -396,7 +351,7 @@ def queries(db: Database, *, pending_only: bool = False) -> list[dict[str, Any]]
 
 
 def stamp(
-    db: Database,
+    db: HandleOf,
     lam: float = DEFAULT_LAM,
     cap: float = DEFAULT_CAP,
     *,
@@ -412,26 +367,58 @@ def stamp(
     selected block's turns (0 elsewhere) for M / E. A trace excluded from its group has
     A = 0 and C = 0: it is stamped with zeros, not left unassigned.
     """
+    db = handle_of(db)
     params = {"lam": lam, "cap": cap, "reward": reward, "group_by": group_by, "include_failed": include_failed}
-    with db._transaction():
+    with db.transaction():
         summary = plan(db, lam, cap, reward=reward, group_by=group_by, include_failed=include_failed)
         df = _selection(db)
-        nodes = {}
+        nodes = _sampled_nodes(db)
+        nodes_written = {}
         for arm in ARMS:
             name = CREDIT_SETS[arm]
-            db.create_credit_set(
+            nodes_written[name] = writeback.stamp(
+                db,
                 name,
+                _arm_credit(df, nodes, arm),
                 algorithm="cec",
                 params={**params, "arm": arm},
                 description=_ARM_DESCRIPTIONS[arm],
                 replace=True,
             )
-            base = pl.col("credit_b") if arm == "B" else pl.lit(0.0)
-            per_trace = df.select("trace_id", (pl.col("advantage") + base).alias("value"))
-            nodes[name] = db.write_traces(per_trace.to_arrow(), credit=name)
-            if arm in ("M", "E"):  # the selected block's nodes get A + C instead of A
-                db.write_nodes(_edit_rows(db, df, f"credit_{arm.lower()}"), credit=name)
-    return {**summary, "credit_sets": nodes}
+    return {**summary, "credit_sets": nodes_written}
+
+
+def _sampled_nodes(db: Handle) -> pl.DataFrame:
+    """(trace_id, node_index) of every node with sampled tokens."""
+    return pl.from_arrow(db.sql("SELECT trace_id, node_index FROM nodes WHERE n_sampled > 0"))
+
+
+def _arm_credit(df: pl.DataFrame, nodes: pl.DataFrame, arm: str) -> pa.Table:
+    """One arm's credit per sampled node: A + C^B everywhere for B, A elsewhere; A + C on
+    the selected block's nodes for M and E (where that C is not 0)."""
+    base = pl.col("credit_b") if arm == "B" else pl.lit(0.0)
+    per_trace = df.select("trace_id", (pl.col("advantage") + base).alias("value"))
+    credit = nodes.join(per_trace, on="trace_id", how="inner")
+    if arm in ("M", "E"):
+        column = f"credit_{arm.lower()}"
+        block = (
+            df.filter(pl.col(column) != 0)
+            .select(
+                "trace_id",
+                pl.col("selected_nodes").alias("node_index"),
+                (pl.col("advantage") + pl.col(column)).alias("edit"),
+            )
+            .explode("node_index")
+            .with_columns(pl.col("node_index").cast(pl.Int32))
+        )
+        credit = credit.join(block, on=["trace_id", "node_index"], how="full", coalesce=True).select(
+            "trace_id", "node_index", pl.coalesce("edit", "value").alias("value")
+        )
+    return (
+        credit.sort("trace_id", "node_index")
+        .to_arrow()
+        .cast(pa.schema([("trace_id", pa.string()), ("node_index", pa.int32()), ("value", pa.float64())]))
+    )
 
 
 _ARM_DESCRIPTIONS = {
@@ -440,32 +427,6 @@ _ARM_DESCRIPTIONS = {
     "M": "CEC localized: A + lam*D*s*L/m on the selected block's turns",
     "E": "CEC edit focus: A + clip(lam*A*L/m, -c, c) on the selected block's turns",
 }
-
-
-def _edit_rows(db: Database, df: pl.DataFrame, column: str) -> pa.Table:
-    """(trace_id, node_index, values) with A + C on the selected block's nodes where C != 0."""
-    sel = df.filter(pl.col(column) != 0).select("trace_id", "selected_nodes", "advantage", column)
-    trace_ids, node_ids, values = [], [], []
-    if sel.height:
-        sizes = {
-            (t, n): k
-            for t, n, k in db.con.execute(
-                "SELECT trace_id, node_index, n_sampled FROM nodes WHERE trace_id IN (SELECT unnest(?::VARCHAR[]))",
-                [sel["trace_id"].to_list()],
-            ).fetchall()
-        }
-        for trace_id, block_nodes, advantage, c in sel.iter_rows():
-            for n in block_nodes:
-                trace_ids.append(trace_id)
-                node_ids.append(n)
-                values.append(np.full(sizes[(trace_id, n)], advantage + c, np.float32))
-    return pa.table(
-        {
-            "trace_id": pa.array(trace_ids, pa.string()),
-            "node_index": pa.array(node_ids, pa.int32()),
-            "values": pa.array(values, pa.list_(pa.float32())),
-        }
-    )
 
 
 # =========================================================================== check
@@ -522,12 +483,12 @@ ORDER BY s.trace_id
 """
 
 
-def _sums(db: Database, credit_set: str) -> dict[str, dict[str, float]]:
+def _sums(db: Handle, credit_set: str) -> dict[str, dict[str, float]]:
     names = ("tokens", "sum", "abs", "sq", "err", "err_sq", "unassigned")
     return {row[0]: dict(zip(names, row[1:])) for row in db.con.execute(_SUMS_SQL, [credit_set]).fetchall()}
 
 
-def check(db: Database, *, rel_tol: float = 1e-6) -> CheckReport:
+def check(db: HandleOf, *, rel_tol: float = 1e-6) -> CheckReport:
     """Verify the coefficient identities on the stored credit of ``cec-M`` and ``cec-B``.
 
     For every trace with available credit (a usable contrast on a valid group member),
@@ -538,8 +499,9 @@ def check(db: Database, *, rel_tol: float = 1e-6) -> CheckReport:
     2^-24 of itself relatively, so a sum may drift by 2^-24 * sum|stored|. The tolerance
     is ``rel_tol`` relative plus twice that float32 bound.
     """
+    db = handle_of(db)
     df = _selection(db)
-    missing = [name for name in (CREDIT_SETS["M"], CREDIT_SETS["B"]) if not _has_set(db, name)]
+    missing = [name for name in (CREDIT_SETS["M"], CREDIT_SETS["B"]) if not credit_sets.exists(db, name)]
     if missing:
         raise CecError(f"credit sets {missing} do not exist: run `tracedb cec stamp` first")
     sums_m = _sums(db, CREDIT_SETS["M"])
@@ -583,18 +545,15 @@ def check(db: Database, *, rel_tol: float = 1e-6) -> CheckReport:
     return report
 
 
-def _has_set(db: Database, name: str) -> bool:
-    return bool(db._scalar("SELECT count(*) FROM credit_sets WHERE name = ?", [name]))
-
-
 # =========================================================================== report
 
 
 QUANTILES = {"p05": 0.05, "median": 0.5, "p95": 0.95}
 
 
-def report(db: Database) -> dict[str, Any]:
+def report(db: HandleOf) -> dict[str, Any]:
     """The signal-availability table of the current plan (see docs/cec.md for each row)."""
+    db = handle_of(db)
     df = _selection(db)
     planned = df.filter(pl.col("query") == "planned")
     issued = planned.filter(pl.col("intervention") != "pending")

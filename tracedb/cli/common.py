@@ -27,13 +27,11 @@ JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON for scripts
 def open_db(db: Path, read_only: bool = False) -> tracedb.Database:
     """Open the database or exit 2 with the reason."""
     if read_only and not db.exists():
-        err.print(f"[red]no database at {db}[/red]")
-        raise typer.Exit(2)
+        raise fail(f"no database at {db}", 2)
     try:
         return tracedb.connect(db, read_only=read_only)
     except TraceDBError as e:
-        err.print(f"[red]{e}[/red]")
-        raise typer.Exit(2) from None
+        raise fail(e, 2) from None
 
 
 def emit(data: Any, as_json: bool, title: str | None = None) -> None:
@@ -51,8 +49,9 @@ def emit(data: Any, as_json: bool, title: str | None = None) -> None:
     out.print(table)
 
 
-def fail(e: Exception, code: int = 1) -> typer.Exit:
-    """Report an error and return the Exit to raise."""
+def fail(e: Exception | str, code: int = 1) -> typer.Exit:
+    """Report an error on stderr and return the Exit to raise (``raise fail(e) from None``):
+    every command's error exit. Codes: 1 for a failed operation, 2 for bad usage."""
     err.print(f"[red]{e}[/red]")
     return typer.Exit(code)
 

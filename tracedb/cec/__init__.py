@@ -16,31 +16,33 @@ Pieces, from pure rules to the database:
   snapshots), :func:`select_block` (verifier-blind SHA-256 choice), :func:`utility`,
   :func:`coefficients`, :func:`edit_focus`, :func:`quantile`;
 - records: :class:`TurnRecord`, :class:`TraceRecord`, :class:`VerificationRecord`
-  (JSONL, one object per line with ``kind``), :func:`ingest` into ``cec_turns``,
+  (JSONL, one object per line with ``kind``), :func:`ingest_records` into ``cec_turns``,
   ``cec_traces``, ``cec_verifications`` with the rejection rules of trace ingest;
 - :func:`plan` (per trace: blocks, selection, utilities, ``D``, coefficients, into
   ``cec_selection``), :func:`queries` (the interventions a harness should run),
   :func:`stamp` (plan + the four credit sets, one transaction), :func:`check` (the
   coefficient identities on the stored credit) and :func:`report` (signal availability).
 
-The harness side (git snapshots and the intervention patch) is :mod:`tracedb.credit.cec_git`.
+The harness side (git snapshots and the intervention patch) is :mod:`tracedb.cec.git`;
+the command line, ``tracedb cec ...``, is :mod:`tracedb.cec.cli`.
 The tables are created by ``schema/cec.sql``, which this module installs itself,
 idempotently, before it touches any ``cec_*`` table.
 """
 
 from __future__ import annotations
 
-from tracedb.credit.cec_plan import CheckReport, check, plan, queries, report, report_rows, stamp
-from tracedb.credit.cec_records import (
+from tracedb.cec.plan import CheckReport, check, plan, queries, report, report_rows, stamp
+from tracedb.cec.records import (
     CecIngestReport,
     TraceRecord,
     TurnRecord,
     VerificationRecord,
-    ingest,
+    ensure_installed,
+    ingest_records,
     install,
     parse_record,
 )
-from tracedb.credit.cec_rules import (
+from tracedb.cec.rules import (
     ARMS,
     CEC_SCHEMA_VERSION,
     CREDIT_SETS,
@@ -49,8 +51,8 @@ from tracedb.credit.cec_rules import (
     F32_EPS,
     PASSING,
     TEST_PATH_PATTERNS,
-    Block,
     CecError,
+    EditBlock,
     Turn,
     Utility,
     block_digest,
@@ -68,7 +70,7 @@ from tracedb.credit.cec_rules import (
 
 __all__ = [
     "ARMS",
-    "Block",
+    "EditBlock",
     "CEC_SCHEMA_VERSION",
     "CREDIT_SETS",
     "CecError",
@@ -90,7 +92,8 @@ __all__ = [
     "contrast",
     "edit_blocks",
     "edit_focus",
-    "ingest",
+    "ensure_installed",
+    "ingest_records",
     "install",
     "is_test_path",
     "parse_record",

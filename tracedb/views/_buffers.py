@@ -11,28 +11,22 @@ builds a view every few seconds would pay that on every view.
 So large columns live in anonymous mappings of their own, and a mapping goes back to a
 small pool when Arrow releases the last array that uses it (the array's buffer holds an
 ``_Owner``, whose ``__del__`` returns the mapping); the next view of a similar size writes
-into pages that are already there. The pool keeps at most ``TRACEDB_BUFFER_POOL_MB``
-(default 1024) MiB of idle mappings, largest first; ``0`` turns it off (every column then
-comes from Arrow's allocator).
+into pages that are already there. The pool (:func:`tracedb.runtime.idle_mappings`, state
+of the process) keeps at most ``Settings.buffer_pool_bytes`` of idle mappings
+(``TRACEDB_BUFFER_POOL_MB``, default 1024 MiB), largest first; ``0`` turns it off (every
+column then comes from Arrow's allocator).
 """
 
 from __future__ import annotations
 
 import mmap
-import os
-from collections import deque
 
 import numpy as np
 import pyarrow as pa
 
-POOL_BYTES = int(os.environ.get("TRACEDB_BUFFER_POOL_MB", "1024")) << 20
-"""Idle mappings kept for reuse, at most (bytes)."""
-SMALL = 1 << 20
-"""Columns under this size come from Arrow's allocator (faults matter little there)."""
-_GRAIN = 1 << 20  # mapping sizes are whole MiB, so views of nearly the same size share them
+from tracedb import runtime
 
-_idle: deque[mmap.mmap] = deque()  # appended to by __del__ (any thread, inside GC too): no lock
-os.register_at_fork(after_in_child=_idle.clear)  # a child starts with its own, empty pool
+_GRAIN = 1 << 20  # mapping sizes are whole MiB, so views of nearly the same size share them
 
 
 class _Owner(np.ndarray):
@@ -44,8 +38,8 @@ class _Owner(np.ndarray):
             try:
                 # No lock (this may run inside GC, anywhere): append is atomic, and a race
                 # can overshoot the budget by a mapping at most.
-                if idle_bytes() + len(mapping) <= POOL_BYTES:
-                    _idle.append(mapping)
+                if idle_bytes() + len(mapping) <= runtime.settings().buffer_pool_bytes:
+                    runtime.idle_mappings().append(mapping)
             except Exception:  # interpreter shutdown: module globals may be gone already
                 pass
 
@@ -54,7 +48,8 @@ def empty(n: int, dtype: type) -> np.ndarray:
     """An uninitialised array of ``n`` items whose memory Arrow can take without a copy
     (``values.base`` is the ``pa.Buffer``)."""
     size = n * np.dtype(dtype).itemsize
-    if size == 0 or size < SMALL or POOL_BYTES <= 0:
+    knobs = runtime.settings()
+    if size == 0 or size < knobs.buffer_min_bytes or knobs.buffer_pool_bytes <= 0:
         return np.frombuffer(pa.allocate_buffer(max(size, 1)), dtype, count=n)
     mapping = _take(size)
     owner = np.frombuffer(mapping, np.uint8, count=size).view(_Owner)
@@ -66,11 +61,13 @@ def _take(size: int) -> mmap.mmap:
     """An idle mapping of ``size`` (rounded up to whole MiB) to twice that, or a new one;
     trims the pool."""
     need = -(-size // _GRAIN) * _GRAIN
+    idle = runtime.idle_mappings()
+    budget = runtime.settings().buffer_pool_bytes
     found = None
     others = []
     while True:
         try:
-            mapping = _idle.popleft()
+            mapping = idle.popleft()
         except IndexError:
             break
         if found is None and need <= len(mapping) <= 2 * need:
@@ -79,8 +76,8 @@ def _take(size: int) -> mmap.mmap:
             others.append(mapping)
     kept = 0
     for mapping in sorted(others, key=len, reverse=True):
-        if kept + len(mapping) <= POOL_BYTES:
-            _idle.append(mapping)
+        if kept + len(mapping) <= budget:
+            idle.append(mapping)
             kept += len(mapping)
         # else dropped: unmapped once collected
     if found is not None:
@@ -92,4 +89,4 @@ def _take(size: int) -> mmap.mmap:
 
 def idle_bytes() -> int:
     """Bytes of mappings waiting in the pool."""
-    return sum(len(m) for m in list(_idle))
+    return sum(len(m) for m in list(runtime.idle_mappings()))

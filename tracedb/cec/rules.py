@@ -92,7 +92,7 @@ class Turn:
 
 
 @dataclass(frozen=True)
-class Block:
+class EditBlock:
     """A maximal run of consecutive turns with non-empty changed paths."""
 
     index: int
@@ -124,7 +124,7 @@ class Block:
         }
 
 
-def edit_blocks(turns: Sequence[Turn], baseline_tree: str) -> list[Block]:
+def edit_blocks(turns: Sequence[Turn], baseline_tree: str) -> list[EditBlock]:
     """The edit blocks of a trace's turns (in chronological order), with eligibility.
 
     A block is eligible when its net effect is non-empty, it touches no test path, and
@@ -160,7 +160,7 @@ def edit_blocks(turns: Sequence[Turn], baseline_tree: str) -> list[Block]:
             reasons.append("test_path")
         if any(touched.intersection(t.changed_paths) for t in turns[last + 1 :]):
             reasons.append("modified_later")
-        blocks.append(Block(index, tuple(turns[i].node for i in run), pre, post, tuple(paths), tuple(reasons)))
+        blocks.append(EditBlock(index, tuple(turns[i].node for i in run), pre, post, tuple(paths), tuple(reasons)))
     return blocks
 
 

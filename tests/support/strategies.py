@@ -19,7 +19,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-FIXTURES = Path(__file__).parent / "fixtures" / "verifiers-0.4.0"
+from support import FIXTURES
 
 COMPACT = ("logprobs", "advantages", "reference_logprobs", "trainer_logprobs", "entropies")
 OPTIONAL = COMPACT[1:]

@@ -1,0 +1,7 @@
+"""Helpers the tests share, imported as ``support`` (``pythonpath`` in pyproject.toml)."""
+
+from pathlib import Path
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "verifiers-0.4.0"
+"""Real traces.jsonl files written by verifiers 0.4.0, each beside its NAME.branches.json:
+verifiers' own branch views of that file (the ground truth)."""

@@ -1,0 +1,278 @@
+"""The facade: :class:`Database` and :func:`connect`, the names a user types.
+
+A database is one DuckDB file (or ``:memory:``) holding episodes, traces, nodes,
+deduplicated token segments and precomputed branches, with tracedb's SQL macros
+installed in it so that any DuckDB client can query it. :class:`Database` stores nothing
+itself: each method is one call into the package that does the work (ingest, views,
+writeback, readback, export, the credit-set registry), on the database's
+:class:`~tracedb.handle.Handle`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+
+from tracedb import credit_sets, readback, views, writeback
+from tracedb.export import export
+from tracedb.handle import SCHEMA_VERSION, Handle
+from tracedb.ingest import IngestReport, ingest_files
+from tracedb.views import Selection
+
+
+class Database:
+    """A tracedb database. Create with :func:`tracedb.connect`."""
+
+    def __init__(self, path: str | Path = ":memory:", *, read_only: bool = False, isolated: bool = False) -> None:
+        self.handle: Handle = Handle.open(path, read_only=read_only, isolated=isolated)
+        """The connection, its transaction and the SQL helpers every package works on."""
+
+    @classmethod
+    def on(cls, handle: Handle) -> Database:
+        """The facade over an open handle (the REST server puts one over a per-thread handle)."""
+        db = cls.__new__(cls)
+        db.handle = handle
+        return db
+
+    # ----------------------------------------------------------------- lifecycle
+
+    @property
+    def path(self) -> str:
+        return self.handle.path
+
+    @property
+    def con(self) -> duckdb.DuckDBPyConnection:
+        """The DuckDB connection (its default catalog is this database)."""
+        return self.handle.con
+
+    @property
+    def schema_version(self) -> int:
+        return SCHEMA_VERSION
+
+    def cursor(self) -> duckdb.DuckDBPyConnection:
+        """A new connection to this database, for another thread (a DuckDB connection is
+        not meant to be shared between threads that run queries at the same time)."""
+        return self.handle.cursor()
+
+    def close(self) -> None:
+        """Close the database (idempotent); a database opened for writing is checkpointed.
+
+        Raises (and can be retried) while another thread is still running a query on the
+        connection."""
+        self.handle.close()
+
+    def __enter__(self) -> Database:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- queries
+
+    def sql(self, query: str, params: Sequence[Any] | dict[str, Any] | None = None) -> pa.Table:
+        """Run SQL (tracedb's macros are available) and return the result as Arrow."""
+        return self.handle.sql(query, params)
+
+    def stats(self) -> dict[str, Any]:
+        """Counts and sizes: episodes, traces, nodes, branches, tokens, bytes, dedup ratio."""
+        return readback.stats(self.handle)
+
+    # ----------------------------------------------------------------- ingest
+
+    def ingest(
+        self,
+        paths: str | Path | Iterable[str | Path],
+        *,
+        strict: bool = False,
+        allow_ragged: bool = False,
+        progress: bool = False,
+    ) -> IngestReport:
+        """Ingest ``traces.jsonl`` / ``.jsonl.zst`` / ``.json`` files or directories.
+
+        Idempotent by trace id. Bad records are rejected with their location and kept in
+        the ``rejects`` table while good ones are ingested; ``strict=True`` aborts on the
+        first rejection and leaves the database unchanged (:class:`IngestAborted`).
+        ``allow_ragged`` accepts compact streams whose length differs from the sampled
+        count (they spread as verifiers spreads them). Returns an ``IngestReport``.
+        """
+        return ingest_files(self.handle, paths, strict=strict, allow_ragged=allow_ragged, progress=progress)
+
+    # ----------------------------------------------------------------- records
+
+    def trace(self, trace_id: str, *, credit: str | None = None) -> dict[str, Any]:
+        """The trace record exactly as ingested (per-token floats at float32 precision).
+
+        Later writes show: streams written back are in the record. ``credit="name"``
+        puts that credit set's advantages on the nodes instead of the default set's
+        (a node the set does not assign has no ``advantages``, i.e. None).
+        """
+        return readback.trace_record(self.handle, trace_id, credit=credit)
+
+    def episode(self, episode_id: str) -> dict[str, Any]:
+        """The episode record exactly as ingested, with its traces."""
+        return readback.episode_record(self.handle, episode_id)
+
+    # ----------------------------------------------------------------- views
+
+    def branches(
+        self,
+        *,
+        trace_ids: Sequence[str] | None = None,
+        group: str | Sequence[str] | None = None,
+        episode: str | Sequence[str] | None = None,
+        trainable: bool | None = None,
+        branch_index: int | Sequence[int] | None = None,
+        columns: Sequence[str] | None = None,
+        train_once: bool = False,
+        credit: str | None = None,
+    ) -> pa.Table:
+        """One row per branch of the selected traces, ordered by trace id then branch index.
+
+        ``trace_ids``, ``group`` (``episode.group.id``) and ``episode`` select traces;
+        ``trainable=True`` keeps only trainable branches, ``branch_index`` only the
+        branches of that index (or indices; verifiers' ``Branch.index``). ``columns``
+        picks token columns (``trace_id``, ``branch_index`` and ``trainable`` are always
+        there). ``train_once`` leaves a shared node's sampled tokens in the mask of its
+        first trainable branch only. ``credit="name"`` reads advantages from that credit
+        set (default: the ingested set). Decoded node columns are cached until the next
+        write, so repeated views of the same selection skip the database.
+        """
+        return views.branches(
+            self.handle,
+            Selection(trace_ids=trace_ids, group=group, episode=episode),
+            trainable=trainable,
+            branch_index=branch_index,
+            columns=columns,
+            train_once=train_once,
+            credit=credit,
+        )
+
+    def iter_branches(
+        self,
+        *,
+        trace_ids: Sequence[str] | None = None,
+        group: str | Sequence[str] | None = None,
+        episode: str | Sequence[str] | None = None,
+        trainable: bool | None = None,
+        branch_index: int | Sequence[int] | None = None,
+        columns: Sequence[str] | None = None,
+        train_once: bool = False,
+        credit: str | None = None,
+        batch_tokens: int = 16_000_000,
+    ) -> Iterator[pa.Table]:
+        """:meth:`branches` in batches of whole traces, about ``batch_tokens`` stored
+        tokens each, so memory stays bounded whatever the database size."""
+        return views.iter_branches(
+            self.handle,
+            Selection(trace_ids=trace_ids, group=group, episode=episode),
+            trainable=trainable,
+            branch_index=branch_index,
+            columns=columns,
+            train_once=train_once,
+            credit=credit,
+            batch_tokens=batch_tokens,
+        )
+
+    def export(
+        self,
+        path: str | Path,
+        *,
+        format: str | None = None,
+        trace_ids: Sequence[str] | None = None,
+        group: str | Sequence[str] | None = None,
+        episode: str | Sequence[str] | None = None,
+        trainable: bool | None = None,
+        columns: Sequence[str] | None = None,
+        train_once: bool = False,
+        credit: str | None = None,
+        batch_tokens: int = 16_000_000,
+        compression: str | None = "zstd",
+    ) -> dict[str, Any]:
+        """Stream branch views to Parquet (``.parquet``), an Arrow IPC file (``.arrow``)
+        or stream (``.arrows``); ``format`` overrides the suffix. Filters and ``columns``
+        are those of :meth:`branches`. Written beside ``path`` and renamed into place.
+        Returns rows, tokens and bytes."""
+        return export(
+            self.handle,
+            path,
+            Selection(trace_ids=trace_ids, group=group, episode=episode),
+            format=format,
+            trainable=trainable,
+            columns=columns,
+            train_once=train_once,
+            credit=credit,
+            batch_tokens=batch_tokens,
+            compression=compression,
+        )
+
+    # ----------------------------------------------------------------- write-back
+
+    def write_nodes(
+        self, data: Any, *, stream: str = "advantages", credit: str | None = None, name: str | None = None
+    ) -> int:
+        """Write per-node compact values ``(trace_id, node_index, values)``; see :mod:`tracedb.writeback`."""
+        return writeback.write_nodes(self.handle, data, stream=stream, credit=credit, name=name)
+
+    def write_traces(self, data: Any, *, stream: str = "advantages", credit: str | None = None) -> int:
+        """Write per trace: ``value`` broadcast over its sampled tokens, or ``values`` over all of them."""
+        return writeback.write_traces(self.handle, data, stream=stream, credit=credit)
+
+    def write_branches(
+        self, data: Any, *, stream: str = "advantages", credit: str | None = None, name: str | None = None
+    ) -> int:
+        """Write full-layout branch values ``(trace_id, branch_index, values)``, projected onto nodes."""
+        return writeback.write_branches(self.handle, data, stream=stream, credit=credit, name=name)
+
+    def clear(
+        self,
+        *,
+        stream: str = "advantages",
+        credit: str | None = None,
+        trace_ids: Sequence[str] | None = None,
+        name: str | None = None,
+    ) -> int:
+        """Return ``stream`` to unassigned (None) on every node of ``trace_ids`` (default: all)."""
+        return writeback.clear(self.handle, stream=stream, credit=credit, trace_ids=trace_ids, name=name)
+
+    # ----------------------------------------------------------------- credit sets
+
+    def create_credit_set(
+        self,
+        name: str,
+        *,
+        algorithm: str = "manual",
+        params: Mapping[str, Any] | None = None,
+        description: str | None = None,
+        replace: bool = False,
+    ) -> None:
+        """Register a named credit set; its advantages are then written with ``credit=name``."""
+        credit_sets.create(
+            self.handle, name, algorithm=algorithm, params=params, description=description, replace=replace
+        )
+
+    def drop_credit_set(self, name: str) -> None:
+        """Remove a named credit set and all its credit."""
+        credit_sets.drop(self.handle, name)
+
+    def has_credit_set(self, name: str) -> bool:
+        """True for ``"default"`` (the ingested credit) and for every named set created."""
+        return credit_sets.exists(self.handle, name)
+
+    def credit_sets(self) -> pa.Table:
+        """The credit sets: name, algorithm, params, description, created_at, assigned nodes."""
+        return credit_sets.listing(self.handle)
+
+
+def connect(path: str | Path = ":memory:", *, read_only: bool = False, isolated: bool = False) -> Database:
+    """Open (creating if needed) a tracedb database; ``":memory:"`` for a throwaway one.
+
+    Databases are attached to one DuckDB instance per process (see
+    :mod:`tracedb.runtime`: opening is ~2 ms instead of ~15 ms, and the instance's
+    memory is reused); ``SET`` statements therefore apply to all of them. ``isolated=True``
+    gives this database a DuckDB instance of its own.
+    """
+    return Database(path, read_only=read_only, isolated=isolated)

@@ -1,0 +1,74 @@
+"""Rejected records: what was wrong and where, kept in the ``rejects`` table.
+
+Trace ingest and counterfactual-edit-credit ingest both record their rejects here, so a
+reject reads the same whatever rejected it: its location, its reason, and the raw line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from tracedb import tables
+from tracedb.errors import Location, RecordError
+from tracedb.handle import Handle
+
+
+def storable_text(value: str | None) -> str | None:
+    """``value`` as storable text: a lone surrogate (not Unicode) is written as its escape."""
+    if value is None:
+        return None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    return value
+
+
+@dataclass
+class Reject:
+    """A rejected input record and why."""
+
+    file: str | None
+    line: int | None
+    trace_id: str | None
+    node: int | None
+    field: str | None
+    reason: str
+
+    @classmethod
+    def of(cls, error: RecordError) -> Reject:
+        """The reject of ``error``, every text made storable."""
+        loc = error.location
+        return cls(
+            storable_text(loc.file),
+            loc.line,
+            storable_text(loc.trace_id),
+            loc.node,
+            storable_text(loc.field),
+            storable_text(error.reason) or "",
+        )
+
+    def __str__(self) -> str:
+        return str(RecordError(self.reason, Location(self.file, self.line, self.trace_id, self.node, self.field)))
+
+
+def record_rejects(handle: Handle, rejects: Sequence[tuple[Reject, bytes]]) -> None:
+    """Insert ``(reject, raw line)`` pairs into ``rejects`` (in the caller's transaction)."""
+    if not rejects:
+        return
+    rows = {
+        "source": pa.array([r.file for r, _ in rejects], pa.string()),
+        "line": pa.array([r.line for r, _ in rejects], pa.int64()),
+        "trace_id": pa.array([r.trace_id for r, _ in rejects], pa.string()),
+        "node": pa.array([r.node for r, _ in rejects], pa.int32()),
+        "field": pa.array([r.field for r, _ in rejects], pa.string()),
+        "reason": pa.array([r.reason for r, _ in rejects], pa.string()),
+        "record": pa.array([raw.decode("utf-8", errors="replace") for _, raw in rejects], pa.string()),
+    }
+    table = tables.table_from(tables.inserted(tables.REJECTS), rows)
+    columns = ", ".join(table.column_names)
+    with handle.registered("_tdb_rejects", table):
+        handle.con.execute(f"INSERT INTO rejects ({columns}) SELECT {columns} FROM _tdb_rejects")

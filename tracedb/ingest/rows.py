@@ -1,0 +1,225 @@
+"""Rows of one ingest batch: the records of both parse paths turned into the stored tables.
+
+A :class:`Batch` collects accepted lines (``pending``), then, once ingest has left out
+what the database already holds, the rows of the fresh episodes, traces, nodes,
+segments and branches; :meth:`Batch.inserts` builds their Arrow tables, each in its
+stored schema (:mod:`tracedb.tables`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+
+from tracedb import tables
+from tracedb.graph import branch_paths
+from tracedb.ingest.columns import numpy_lists, segment_key
+from tracedb.ingest.parse import ParsedLine, ParsedNode, ParsedTrace
+from tracedb.records import COMPACT_STREAMS, trace_reward
+
+if TYPE_CHECKING:
+    from tracedb.ingest.scanned import ScannedNodes
+
+Insert = tuple[str, str, pa.Table]
+"""One INSERT of a batch: the name its rows are registered under, the statement, the rows."""
+
+
+def _compact(meta: dict[str, Any]) -> str:
+    return json.dumps(meta, separators=(",", ":"))
+
+
+class Batch:
+    """Rows buffered for one flush to DuckDB."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[ParsedLine, str, int]] = []
+        """Accepted lines (record, file, line number), not yet checked against the database."""
+        self.tokens = 0
+        self.episodes: list[dict[str, Any]] = []
+        self.traces: list[dict[str, Any]] = []
+        self.parsed_nodes: list[tuple[str, int, ParsedNode, bytes]] = []
+        """Nodes of the fallback parser: (trace id, node index, node, segment id)."""
+        self.scanned: dict[int, tuple[ScannedNodes, list[np.ndarray]]] = {}
+        """Per scanned chunk (by id): its nodes and the row ranges of its fresh traces."""
+        self.branches: list[tuple[str, int, int, bool, list[int], int, int]] = []
+        self.segments: dict[bytes, np.ndarray] = {}
+
+    def add(self, line: ParsedLine, source: str, number: int, group_id: str | None, fresh: list[ParsedTrace]) -> None:
+        """The rows of ``line``: its episode (unless already stored: None) and its ``fresh`` traces."""
+        if line.episode is not None:
+            ep = line.episode
+            env = ep.get("env")
+            self.episodes.append(
+                {
+                    "episode_id": ep["id"],
+                    "group_id": group_id,
+                    "env_id": env.get("id") if isinstance(env, dict) else None,
+                    "ok": ep.get("ok"),
+                    "record": _compact(ep),
+                    "source": source,
+                    "line": number,
+                }
+            )
+        for t in fresh:
+            scanned = t.block
+            if scanned is None:
+                parents = [n.parent for n in t.nodes]
+                links = [n.semantic_parents for n in t.nodes]
+                sizes = [len(n.token_ids) for n in t.nodes]
+                sampled = [n.n_sampled for n in t.nodes]
+            else:
+                lo, hi = t.rows
+                parents = scanned.parents(lo, hi)
+                links = scanned.links(lo, hi)
+                sizes = scanned.n_tokens[lo:hi].tolist()
+                sampled = scanned.n_sampled[lo:hi].tolist()
+            paths = branch_paths(parents, links)
+            for i, (leaf, trainable, path) in enumerate(paths):
+                self.branches.append(
+                    (t.trace_id, i, leaf, trainable, path, sum(sizes[j] for j in path), sum(sampled[j] for j in path))
+                )
+            meta = t.meta
+            self.traces.append(
+                {
+                    "trace_id": t.trace_id,
+                    "episode_id": t.episode_id,
+                    "position": t.position,
+                    "group_id": group_id,
+                    "reward": trace_reward(meta.get("rewards")),
+                    "ok": meta.get("ok"),
+                    "is_completed": meta.get("is_completed"),
+                    "is_timeout": meta.get("is_timeout"),
+                    "stop_condition": meta.get("stop_condition"),
+                    "n_nodes": len(sizes),
+                    "n_branches": len(paths),
+                    "n_tokens": sum(sizes),
+                    "n_sampled": sum(sampled),
+                    "record": _compact(meta),
+                    "source": source,
+                    "line": number,
+                }
+            )
+            if scanned is None:
+                for i, node in enumerate(t.nodes):
+                    key = segment_key(node.token_ids)
+                    self.segments.setdefault(key, node.token_ids)
+                    self.parsed_nodes.append((t.trace_id, i, node, key))
+                continue
+            lo, hi = t.rows
+            self.scanned.setdefault(id(scanned), (scanned, []))[1].append(np.arange(lo, hi))
+            segments = self.segments
+            for row in range(lo, hi):
+                key = scanned.keys[row]
+                if key not in segments:
+                    segments[key] = scanned.token_ids(row)
+
+    # ------------------------------------------------------------------ tables
+
+    def node_table(self) -> pa.Table:
+        """The nodes of both parse paths, in :data:`tracedb.tables.NODES`."""
+        parts = [self.parsed_node_table()] if self.parsed_nodes else []
+        for scanned, ranges in self.scanned.values():
+            parts.append(scanned.table(np.concatenate(ranges)))
+        return parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+
+    def parsed_node_table(self) -> pa.Table:
+        """The fallback parser's nodes, in :data:`tracedb.tables.NODES`."""
+        rows = self.parsed_nodes
+        nodes = [r[2] for r in rows]
+        slots = [None if n.mask is None else np.where(n.mask, np.cumsum(n.mask), 0).astype(np.int32) for n in nodes]
+        columns: dict[str, Any] = {
+            "trace_id": pa.array([r[0] for r in rows], pa.string()),
+            "node_index": pa.array([r[1] for r in rows], pa.int32()),
+            "parent": pa.array([n.parent for n in nodes], pa.int32()),
+            "role": pa.array([n.role for n in nodes], pa.string()),
+            "sampled": pa.array([n.sampled for n in nodes], pa.bool_()),
+            "timestamp": pa.array([None if n.timestamp is None else float(n.timestamp) for n in nodes], pa.float64()),
+            "segment_id": pa.array([r[3] for r in rows], pa.binary()),
+            "n_tokens": pa.array(np.array([len(n.token_ids) for n in nodes], dtype=np.int32)),
+            "n_sampled": pa.array(np.array([n.n_sampled for n in nodes], dtype=np.int32)),
+            "mask_prefix": pa.array([n.mask_prefix for n in nodes], pa.int32()),
+            "mask_slots": numpy_lists(slots, pa.int32()),
+            "is_content": numpy_lists([n.is_content for n in nodes], pa.bool_()),
+            **{name: numpy_lists([n.streams[name] for n in nodes], pa.float32()) for name in COMPACT_STREAMS},
+            "loss_weights": pa.array(
+                [
+                    None if n.loss_weights is None else [(k, v.tolist()) for k, v in n.loss_weights.items()]
+                    for n in nodes
+                ],
+                type=tables.LOSS_WEIGHTS,
+            ),
+            "semantic_parents": pa.array(
+                [
+                    None
+                    if n.semantic_parents is None
+                    else [{"node": s["node"], "type": s["type"]} for s in n.semantic_parents]
+                    for n in nodes
+                ],
+                type=tables.LINKS,
+            ),
+            # The links as written, only when they carry more than node and type.
+            "semantic_parents_record": pa.array(
+                [
+                    json.dumps(n.semantic_parents)
+                    if n.semantic_parents and any(len(link) != 2 for link in n.semantic_parents)
+                    else None
+                    for n in nodes
+                ],
+                pa.string(),
+            ),
+            "message": pa.array([n.message for n in nodes], pa.string()),
+            "extra": pa.array([n.extra for n in nodes], pa.string()),
+            "present": pa.array([n.present for n in nodes], pa.int32()),
+        }
+        return tables.table_from(tables.NODES, columns)
+
+    def segment_table(self) -> pa.Table:
+        keys = list(self.segments)
+        chunks = [self.segments[k] for k in keys]
+        columns = {
+            "segment_id": pa.array(keys, pa.binary()),
+            "n_tokens": pa.array([len(c) for c in chunks], pa.int32()),
+            "token_ids": numpy_lists(chunks, pa.int32()),
+        }
+        return tables.table_from(tables.SEGMENTS, columns)
+
+    def branch_table(self) -> pa.Table:
+        b = self.branches
+        columns = {
+            "trace_id": pa.array([r[0] for r in b], pa.string()),
+            "branch_index": pa.array([r[1] for r in b], pa.int32()),
+            "leaf": pa.array([r[2] for r in b], pa.int32()),
+            "trainable": pa.array([r[3] for r in b], pa.bool_()),
+            "path": pa.array([r[4] for r in b], pa.list_(pa.int32())),
+            "n_tokens": pa.array([r[5] for r in b], pa.int64()),
+            "n_sampled": pa.array([r[6] for r in b], pa.int64()),
+        }
+        return tables.table_from(tables.BRANCHES, columns)
+
+    def inserts(self) -> list[Insert]:
+        """The INSERTs of this batch, their Arrow tables built (the Python half of a flush)."""
+        out: list[Insert] = []
+        if self.episodes:
+            out.append(_insert("episodes", pa.Table.from_pylist(self.episodes, schema=_EPISODE_ROWS)))
+        if self.traces:
+            out.append(_insert("traces", pa.Table.from_pylist(self.traces, schema=_TRACE_ROWS)))
+        if self.segments:
+            out.append(_insert("segments", self.segment_table()))
+        if self.parsed_nodes or self.scanned:
+            out.append(_insert("nodes", self.node_table()))
+        if self.branches:
+            out.append(_insert("branches", self.branch_table()))
+        return out
+
+
+_EPISODE_ROWS = tables.inserted(tables.EPISODES)
+_TRACE_ROWS = tables.inserted(tables.TRACES)
+
+
+def _insert(table: str, rows: pa.Table) -> Insert:
+    name = f"_tdb_{table}"
+    columns = ", ".join(rows.column_names)
+    return name, f"INSERT INTO {table} ({columns}) SELECT {columns} FROM {name}", rows

@@ -1,0 +1,124 @@
+"""The ingest writer: INSERTs on a thread of their own, whole row groups at a time, and
+the COMMIT that writes an ingest into the file."""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+
+from tracedb import runtime
+from tracedb.handle import Handle
+from tracedb.ingest.rows import Insert
+
+
+class Writer:
+    """Runs an ingest's INSERTs on its connection (inside its transaction) in a thread of
+    its own: DuckDB releases the GIL while it inserts, so batch k is written while Python
+    parses batch k+1. At most one batch waits, which keeps ingest memory bounded."""
+
+    def __init__(self, con: Any, align_rows: int) -> None:
+        self.con = con
+        self.align_rows = align_rows
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self._queue: queue.Queue[list[Insert] | None] = queue.Queue(maxsize=1)
+        self._held: dict[str, tuple[str, pa.Table]] = {}
+        self._thread = threading.Thread(target=self._run, name="tracedb-ingest-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (inserts := self._queue.get()) is not None:
+            if self.error is not None or self.cancelled:
+                continue  # failed or cancelled: drain until stopped
+            try:
+                self._write(inserts)
+            except BaseException as e:  # handed to the ingesting thread
+                self.error = e
+        if self.error is None and not self.cancelled:
+            try:
+                self._write_held()
+            except BaseException as e:
+                self.error = e
+
+    def _write_held(self) -> None:
+        """Insert the rows still held back (see :meth:`_write`)."""
+        held, self._held = self._held, {}
+        for name, (statement, table) in held.items():
+            self._insert(name, statement, table)
+
+    def _write(self, inserts: list[Insert]) -> None:
+        """Insert whole row groups of each table; the rows beyond the last whole group wait
+        for the next batch (and the last ones for :meth:`_write_held`), each as one Arrow chunk.
+        DuckDB writes a transaction's full row groups into the file as it inserts them,
+        unless an INSERT left a row group partly filled or read its rows from several
+        chunks (in parallel): then the rows are written again at COMMIT (commit 0.16-0.3 s
+        instead of 0.035 s on the benchmark ingest, and the file keeps the first copy's
+        blocks as free space, +40%; measured)."""
+        held = self._held
+        for name, statement, table in inserts:
+            if name in held:
+                table = pa.concat_tables([held.pop(name)[1], table], promote_options="permissive")
+            table = table.combine_chunks()
+            rows = len(table) // self.align_rows * self.align_rows
+            if rows < len(table):
+                self._held[name] = (statement, table.slice(rows))
+            if rows:
+                self._insert(name, statement, table.slice(0, rows))
+
+    def _insert(self, name: str, statement: str, table: pa.Table) -> None:
+        if self.cancelled:
+            return
+        con = self.con
+        con.register(name, table)
+        try:
+            con.execute(statement)
+        except BaseException:
+            with contextlib.suppress(duckdb.Error):  # the aborted transaction refuses it; ROLLBACK drops it
+                con.unregister(name)
+            raise  # the INSERT's own error, not the unregister's
+        con.unregister(name)
+
+    def submit(self, inserts: list[Insert]) -> None:
+        self._raise()
+        self._queue.put(inserts)
+
+    def finish(self) -> None:
+        """Wait until every submitted batch is written; raise the writer's error, if any."""
+        self._queue.put(None)
+        self._thread.join()
+        self._raise()
+
+    def cancel(self) -> None:
+        """Drop what is queued and interrupt a running INSERT (then ``wait``)."""
+        self.cancelled = True
+        with contextlib.suppress(queue.Empty):
+            self._queue.get_nowait()  # the one waiting batch, if any: room for the stop
+        with contextlib.suppress(queue.Full):
+            self._queue.put_nowait(None)
+        self.con.interrupt()
+
+    def wait(self) -> None:
+        """Until the thread is gone, through further Ctrl-C: the connection must be
+        idle before anyone rolls back (an INSERT after the ROLLBACK would autocommit)."""
+        while self._thread.is_alive():
+            with contextlib.suppress(KeyboardInterrupt):
+                self._thread.join()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+def commit_into_file(handle: Handle) -> None:
+    """COMMIT with DuckDB's checkpoint threshold lowered for the moment, so that a large
+    ingest is written into the database file at commit (DuckDB then skips its WAL)
+    instead of into the WAL first and the file again at the next checkpoint: the 146 MB
+    benchmark file commits + closes in ~0.3 s instead of ~0.4 s, and the file is compact
+    as soon as ``ingest`` returns."""
+    with runtime.lowered_checkpoint(handle.instance_key, handle.con):
+        handle.con.execute("COMMIT")

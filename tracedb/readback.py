@@ -1,0 +1,139 @@
+"""The stored records read back out: a trace or an episode exactly as it was ingested,
+and the database's counts and sizes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from tracedb import credit_sets
+from tracedb.errors import NotFound
+from tracedb.handle import SCHEMA_VERSION, Handle
+from tracedb.records import BIT, COMPACT_STREAMS
+
+
+def trace_record(handle: Handle, trace_id: str, *, credit: str | None = None) -> dict[str, Any]:
+    """The trace record exactly as ingested (per-token floats at float32 precision), with
+    later write-backs; see :meth:`tracedb.Database.trace`."""
+    row = handle.row("SELECT record FROM traces WHERE trace_id = ?", [trace_id])
+    if row is None:
+        raise NotFound(f"trace {trace_id!r} is not in {handle.path}")
+    record = json.loads(row[0])
+    credit = credit_sets.resolve(handle, credit)
+    nodes = handle.sql(
+        "SELECT n.* EXCLUDE (advantages), a.advantages, s.token_ids FROM nodes n "
+        "JOIN segments s USING (segment_id) "
+        "JOIN credit_advantages(?) a USING (trace_id, node_index) "
+        "WHERE trace_id = ? ORDER BY node_index",
+        [credit, trace_id],
+    )
+    if "nodes" in record:
+        record["nodes"] = [_node_record(row, named_credit=credit is not None) for row in _rows(nodes)]
+    return record
+
+
+def episode_record(handle: Handle, episode_id: str) -> dict[str, Any]:
+    """The episode record exactly as ingested, with its traces."""
+    row = handle.row("SELECT record FROM episodes WHERE episode_id = ?", [episode_id])
+    if row is None:
+        raise NotFound(f"episode {episode_id!r} is not in {handle.path}")
+    record = json.loads(row[0])
+    ids = handle.con.execute(
+        "SELECT trace_id FROM traces WHERE episode_id = ? ORDER BY position", [episode_id]
+    ).fetchall()
+    record["traces"] = [trace_record(handle, r[0]) for r in ids]
+    return record
+
+
+def stats(handle: Handle) -> dict[str, Any]:
+    """Counts and sizes: episodes, traces, nodes, branches, tokens, bytes, dedup ratio."""
+    one = handle.scalar
+    stored_tokens = one("SELECT coalesce(sum(n_tokens), 0) FROM segments")
+    branch_tokens = one("SELECT coalesce(sum(n_tokens), 0) FROM branches")
+    size = None
+    if handle.path != ":memory:":
+        size = sum(p.stat().st_size for p in (Path(handle.path), Path(handle.path + ".wal")) if p.exists())
+    return {
+        "path": handle.path,
+        "schema_version": SCHEMA_VERSION,
+        "episodes": one("SELECT count(*) FROM episodes"),
+        "traces": one("SELECT count(*) FROM traces"),
+        "nodes": one("SELECT count(*) FROM nodes"),
+        "branches": one("SELECT count(*) FROM branches"),
+        "segments": one("SELECT count(*) FROM segments"),
+        "rejects": one("SELECT count(*) FROM rejects"),
+        "tokens": int(one("SELECT coalesce(sum(n_tokens), 0) FROM nodes")),
+        "sampled_tokens": int(one("SELECT coalesce(sum(n_sampled), 0) FROM nodes")),
+        "branch_tokens": int(branch_tokens),
+        "stored_tokens": int(stored_tokens),
+        "dedup_ratio": round(branch_tokens / stored_tokens, 3) if stored_tokens else None,
+        "bytes": size,
+    }
+
+
+def shortest(values: np.ndarray) -> list[float]:
+    """float32 values as the shortest decimals that read back to the same float32."""
+    if not len(values):
+        return []
+    text = pa.array(values, pa.float32()).cast(pa.string())
+    return [float(v) for v in text.to_pylist()]
+
+
+def _rows(table: pa.Table) -> list[dict[str, Any]]:
+    cols = {name: table.column(name) for name in table.column_names}
+    return [{name: col[i] for name, col in cols.items()} for i in range(table.num_rows)]
+
+
+def _floats(scalar: pa.Scalar) -> list[float] | None:
+    if not scalar.is_valid:
+        return None
+    return shortest(scalar.values.to_numpy(zero_copy_only=False))
+
+
+def _node_record(row: dict[str, pa.Scalar], named_credit: bool = False) -> dict[str, Any]:
+    present = row["present"].as_py()
+    if named_credit:  # a named set decides by itself whether the node has advantages
+        present = present | BIT["advantages"] if row["advantages"].is_valid else present & ~BIT["advantages"]
+
+    def has(key: str) -> bool:
+        return bool(present & BIT[key])
+
+    node: dict[str, Any] = {}
+    if has("parent"):
+        node["parent"] = row["parent"].as_py()
+    if has("semantic_parents"):
+        kept = row["semantic_parents_record"].as_py()
+        node["semantic_parents"] = json.loads(kept) if kept else row["semantic_parents"].as_py()
+    if has("message"):
+        node["message"] = json.loads(row["message"].as_py())
+    if has("sampled"):
+        node["sampled"] = row["sampled"].as_py()
+    if has("timestamp"):
+        node["timestamp"] = row["timestamp"].as_py()
+    if has("token_ids"):
+        node["token_ids"] = row["token_ids"].as_py()
+    if has("mask"):
+        n = row["n_tokens"].as_py()
+        prefix = row["mask_prefix"].as_py()
+        if prefix is not None:
+            node["mask"] = [False] * prefix + [True] * (n - prefix)
+        else:
+            node["mask"] = [k > 0 for k in row["mask_slots"].as_py()]
+    if has("is_content"):
+        node["is_content"] = row["is_content"].as_py()
+    for name in COMPACT_STREAMS:
+        if has(name):
+            node[name] = _floats(row[name])
+    if has("loss_weights"):
+        lw = row["loss_weights"]
+        node["loss_weights"] = (
+            None if not lw.is_valid else {k: shortest(np.asarray(v, np.float32)) for k, v in lw.as_py()}
+        )
+    extra = row["extra"].as_py()
+    if extra:
+        node.update(json.loads(extra))
+    return node

@@ -1,0 +1,287 @@
+"""The Arrow schema of every stored table and of the branch view, declared once.
+
+``schema/tables.sql`` and ``schema/cec.sql`` create the tables; the schemas here are
+what reading a table back gives (``SELECT * ... LIMIT 0`` to Arrow) and what every
+writer builds its rows in. ``tests/store/test_tables.py`` asserts each one equals its
+DDL: names, types, NOT NULL and defaults. A column with a default (``ingested_at``, ...)
+is left to DuckDB by the writers: :func:`inserted` is a schema without those.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import pyarrow as pa
+
+from tracedb.records import COMPACT_STREAMS, OPTIONAL_STREAMS
+
+NOW = "current_timestamp"
+
+
+def _col(name: str, kind: pa.DataType, *, required: bool = False, default: str | None = None) -> pa.Field:
+    """A column: ``required`` is NOT NULL (or part of the key), ``default`` the DDL's DEFAULT."""
+    return pa.field(name, kind, nullable=not required, metadata=None if default is None else {"default": default})
+
+
+def default_of(field: pa.Field) -> str | None:
+    """The DDL default of a column, or None."""
+    meta = field.metadata or {}
+    value = meta.get(b"default")
+    return None if value is None else value.decode()
+
+
+def inserted(schema: pa.Schema) -> pa.Schema:
+    """The columns a writer supplies: all but those DuckDB fills from their default."""
+    return pa.schema([f for f in schema if default_of(f) is None])
+
+
+def table_from(schema: pa.Schema, columns: Mapping[str, pa.Array | pa.ChunkedArray]) -> pa.Table:
+    """``columns`` as a table of exactly ``schema`` (every name, no other, cast to its type)."""
+    missing = [n for n in schema.names if n not in columns]
+    extra = [n for n in columns if n not in schema.names]
+    if missing or extra:
+        raise ValueError(f"rows for {schema.names}: missing {missing}, unknown {extra}")
+    arrays = [columns[f.name] for f in schema]
+    table = pa.Table.from_arrays(arrays, names=schema.names)
+    return table.cast(pa.schema([f.with_nullable(True) for f in schema]))
+
+
+FLOATS = pa.list_(pa.float32())
+LOSS_WEIGHTS = pa.map_(pa.string(), FLOATS)
+LINKS = pa.list_(pa.struct([("node", pa.int32()), ("type", pa.string())]))
+
+META = pa.schema([_col("key", pa.string(), required=True), _col("value", pa.string())])
+
+EPISODES = pa.schema(
+    [
+        _col("episode_id", pa.string(), required=True),
+        _col("group_id", pa.string()),
+        _col("env_id", pa.string()),
+        _col("ok", pa.bool_()),
+        _col("record", pa.string(), required=True),
+        _col("source", pa.string()),
+        _col("line", pa.int64()),
+        _col("ingested_at", pa.timestamp("us"), default=NOW),
+    ]
+)
+
+TRACES = pa.schema(
+    [
+        _col("trace_id", pa.string(), required=True),
+        _col("episode_id", pa.string()),
+        _col("position", pa.int32()),
+        _col("group_id", pa.string()),
+        _col("reward", pa.float64()),
+        _col("ok", pa.bool_()),
+        _col("is_completed", pa.bool_()),
+        _col("is_timeout", pa.bool_()),
+        _col("stop_condition", pa.string()),
+        _col("n_nodes", pa.int32()),
+        _col("n_branches", pa.int32()),
+        _col("n_tokens", pa.int64()),
+        _col("n_sampled", pa.int64()),
+        _col("record", pa.string(), required=True),
+        _col("source", pa.string()),
+        _col("line", pa.int64()),
+        _col("ingested_at", pa.timestamp("us"), default=NOW),
+    ]
+)
+
+SEGMENTS = pa.schema(
+    [
+        _col("segment_id", pa.binary(), required=True),
+        _col("n_tokens", pa.int32(), required=True),
+        _col("token_ids", pa.list_(pa.int32()), required=True),
+    ]
+)
+
+NODES = pa.schema(
+    [
+        _col("trace_id", pa.string(), required=True),
+        _col("node_index", pa.int32(), required=True),
+        _col("parent", pa.int32()),
+        _col("role", pa.string()),
+        _col("sampled", pa.bool_()),
+        _col("timestamp", pa.float64()),
+        _col("segment_id", pa.binary(), required=True),
+        _col("n_tokens", pa.int32(), required=True),
+        _col("n_sampled", pa.int32(), required=True),
+        _col("mask_prefix", pa.int32()),
+        _col("mask_slots", pa.list_(pa.int32())),
+        _col("is_content", pa.list_(pa.bool_())),
+        *(_col(name, FLOATS) for name in COMPACT_STREAMS),
+        _col("loss_weights", LOSS_WEIGHTS),
+        _col("semantic_parents", LINKS),
+        _col("semantic_parents_record", pa.string()),
+        _col("message", pa.string()),
+        _col("extra", pa.string()),
+        _col("present", pa.int32(), required=True),
+    ]
+)
+
+BRANCHES = pa.schema(
+    [
+        _col("trace_id", pa.string(), required=True),
+        _col("branch_index", pa.int32(), required=True),
+        _col("leaf", pa.int32(), required=True),
+        _col("trainable", pa.bool_(), required=True),
+        _col("path", pa.list_(pa.int32()), required=True),
+        _col("n_tokens", pa.int64(), required=True),
+        _col("n_sampled", pa.int64(), required=True),
+    ]
+)
+
+REJECTS = pa.schema(
+    [
+        _col("source", pa.string()),
+        _col("line", pa.int64()),
+        _col("trace_id", pa.string()),
+        _col("node", pa.int32()),
+        _col("field", pa.string()),
+        _col("reason", pa.string(), required=True),
+        _col("record", pa.string()),
+        _col("rejected_at", pa.timestamp("us"), default=NOW),
+    ]
+)
+
+CREDIT_SETS = pa.schema(
+    [
+        _col("name", pa.string(), required=True),
+        _col("algorithm", pa.string(), required=True),
+        _col("params", pa.string()),
+        _col("description", pa.string()),
+        _col("created_at", pa.timestamp("us"), default=NOW),
+    ]
+)
+
+CREDIT = pa.schema(
+    [
+        _col("credit_set", pa.string(), required=True),
+        _col("trace_id", pa.string(), required=True),
+        _col("node_index", pa.int32(), required=True),
+        _col("value", pa.float32()),
+        _col("advantages", FLOATS),
+    ]
+)
+
+_RECORD_TAIL = [
+    _col("info", pa.string()),
+    _col("record", pa.string(), required=True),
+    _col("source", pa.string()),
+    _col("line", pa.int64()),
+    _col("ingested_at", pa.timestamp("us"), default=NOW),
+]
+
+CEC_TRACES = pa.schema(
+    [
+        _col("trace_id", pa.string(), required=True),
+        _col("baseline_tree", pa.string(), required=True),
+        _col("instance_id", pa.string(), required=True),
+        _col("rep", pa.string(), required=True),
+        _col("cache_salt", pa.string(), required=True),
+        *_RECORD_TAIL,
+    ]
+)
+
+CEC_TURNS = pa.schema(
+    [
+        _col("trace_id", pa.string(), required=True),
+        _col("node_index", pa.int32(), required=True),
+        _col("tree", pa.string(), required=True),
+        _col("changed_paths", pa.list_(pa.string()), required=True),
+        _col("format_error", pa.bool_(), required=True),
+        *_RECORD_TAIL,
+    ]
+)
+
+CEC_VERIFICATIONS = pa.schema(
+    [
+        _col("trace_id", pa.string(), required=True),
+        _col("role", pa.string(), required=True),
+        _col("status", pa.string(), required=True),
+        _col("resolved", pa.bool_()),
+        _col("f2p", pa.map_(pa.string(), pa.string())),
+        _col("p2p", pa.map_(pa.string(), pa.string())),
+        *_RECORD_TAIL,
+    ]
+)
+
+_F64 = pa.float64()
+CEC_SELECTION = pa.schema(
+    [
+        _col("trace_id", pa.string(), required=True),
+        _col("group_key", pa.string()),
+        _col("reward", _F64),
+        _col("valid", pa.bool_(), required=True),
+        _col("advantage", _F64, required=True),
+        _col("format_error", pa.bool_(), required=True),
+        _col("n_turns", pa.int32(), required=True),
+        _col("blocks", pa.string()),
+        _col("eligible", pa.list_(pa.int32())),
+        _col("selected", pa.int32()),
+        _col("selection", pa.string(), required=True),
+        _col("selection_detail", pa.string()),
+        _col("selected_nodes", pa.list_(pa.int32())),
+        _col("touched_paths", pa.list_(pa.string())),
+        _col("baseline_tree", pa.string()),
+        _col("pre_block_tree", pa.string()),
+        _col("final_tree", pa.string()),
+        _col("generated_tokens", pa.int64(), required=True),
+        _col("edit_tokens", pa.int64()),
+        _col("query", pa.string(), required=True),
+        _col("intervention", pa.string()),
+        *(
+            _col(name, _F64)
+            for name in (
+                *("y_orig", "f_orig", "g_orig", "u_orig", "y_int", "f_int", "g_int", "u_int"),
+                *("d", "d_y", "d_f", "d_g", "s", "coef_m", "coef_b", "coef_e"),
+            )
+        ),
+        *(_col(name, _F64, required=True) for name in ("credit_m", "credit_b", "credit_e", "lam", "cap")),
+        _col("planned_at", pa.timestamp("us"), default=NOW),
+    ]
+)
+
+STORED: dict[str, pa.Schema] = {
+    "tracedb_meta": META,
+    "episodes": EPISODES,
+    "traces": TRACES,
+    "segments": SEGMENTS,
+    "nodes": NODES,
+    "branches": BRANCHES,
+    "rejects": REJECTS,
+    "credit_sets": CREDIT_SETS,
+    "credit": CREDIT,
+}
+"""The tables of ``schema/tables.sql``, by name."""
+CEC_STORED: dict[str, pa.Schema] = {
+    "cec_traces": CEC_TRACES,
+    "cec_turns": CEC_TURNS,
+    "cec_verifications": CEC_VERIFICATIONS,
+    "cec_selection": CEC_SELECTION,
+}
+"""The tables of ``schema/cec.sql`` (installed on first use of counterfactual edit credit)."""
+
+# --------------------------------------------------------------------------- views
+
+KEY_COLUMNS = ("trace_id", "branch_index", "trainable")
+"""The columns every branch view has, whatever ``columns=`` asks for."""
+TOKEN_COLUMNS = ("token_ids", "sampled_mask", *COMPACT_STREAMS, "loss_weights")
+"""A branch view's per-token columns, in view order."""
+NULLABLE_TOKEN_COLUMNS = OPTIONAL_STREAMS
+"""Token columns that are null on a branch where no node holds the stream (never
+scored is not zero credit)."""
+
+BRANCH_SCHEMA = pa.schema(
+    [
+        pa.field("trace_id", pa.string(), nullable=False),
+        pa.field("branch_index", pa.int32(), nullable=False),
+        pa.field("trainable", pa.bool_(), nullable=False),
+        pa.field("token_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("sampled_mask", pa.list_(pa.bool_()), nullable=False),
+        pa.field("logprobs", FLOATS, nullable=False),
+        *(pa.field(name, FLOATS) for name in NULLABLE_TOKEN_COLUMNS),
+        pa.field("loss_weights", LOSS_WEIGHTS, nullable=False),
+    ]
+)
+"""A branch view (``db.branches()``, exports, the REST routes): one row per branch."""
