@@ -66,6 +66,7 @@ def build(workdir: Path, traces: int, tokens: int) -> tuple[Path, dict[str, int]
 def serve(db: str, port: int, cache_tokens: int) -> None:
     """The server side: uvicorn over the app, until killed."""
     import uvicorn
+
     from tracedb.api import create_app
 
     app = create_app(db, view_cache_tokens=cache_tokens)

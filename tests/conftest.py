@@ -1,10 +1,11 @@
 from __future__ import annotations
 
 import pytest
-from support import FIXTURES
 
 import tracedb
 from tracedb import runtime
+
+from support import FIXTURES
 
 
 @pytest.fixture

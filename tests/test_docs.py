@@ -10,6 +10,8 @@ import typer.main
 
 from tracedb.cli.main import app
 
+from support import FIXTURES
+
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 
@@ -38,7 +40,7 @@ def test_every_cli_command_is_in_the_readme() -> None:
 
 
 def test_python_tour_runs(tmp_path: Path, monkeypatch) -> None:
-    shutil.copytree(Path(__file__).parent / "fixtures" / "verifiers-0.4.0", tmp_path / "runs")
+    shutil.copytree(FIXTURES, tmp_path / "runs")
     monkeypatch.chdir(tmp_path)
     (block,) = code_blocks("python")  # blocks marked `python notest` are fragments
     namespace: dict = {}

@@ -31,7 +31,8 @@ idempotently, before it touches any ``cec_*`` table.
 
 from __future__ import annotations
 
-from tracedb.cec.plan import CheckReport, check, plan, queries, report, report_rows, stamp
+from tracedb.cec.audit import CheckReport, check, report, report_rows
+from tracedb.cec.plan import plan, queries, stamp
 from tracedb.cec.records import (
     CecIngestReport,
     TraceRecord,
