@@ -1,5 +1,5 @@
--- Counterfactual edit credit (tracedb.credit.cec), schema cec/1. Installed on first use
--- by tracedb.credit.cec (idempotent). Harness records: per trace, per assistant turn,
+-- Counterfactual edit credit (tracedb.cec), schema cec/1. Installed on first use
+-- by tracedb.cec (idempotent). Harness records: per trace, per assistant turn,
 -- per verification; and the plan computed from them (one row per trace).
 
 -- Per trace: the task's baseline tree and the selection key instance_id|rep|cache_salt.

@@ -323,7 +323,7 @@ def selection(db: Handle) -> pl.DataFrame:
 
 def queries(db: HandleOf, *, pending_only: bool = False) -> list[dict[str, Any]]:
     """The planned counterfactual queries: what a harness needs to build each
-    intervention (:func:`tracedb.credit.cec_git.intervene`) and verify it."""
+    intervention (:func:`tracedb.cec.git.intervene`) and verify it."""
     db = handle_of(db)
     df = selection(db).filter(pl.col("query") == "planned")
     if pending_only:

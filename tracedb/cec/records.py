@@ -20,7 +20,8 @@ from tracedb.cec.rules import CEC_SCHEMA_VERSION, CecError
 from tracedb.errors import IngestAborted, Location, RecordError
 from tracedb.handle import Handle, HandleOf, handle_of
 from tracedb.ingest.files import find_files, read_lines
-from tracedb.ingest.rejects import Reject, record_rejects
+from tracedb.ingest.parse import json_object
+from tracedb.ingest.rejects import Reject, Report, record_rejects
 from tracedb.sqltext import load_sql
 
 
@@ -82,12 +83,7 @@ def parse_record(raw: bytes | str, where: Location | None = None) -> TurnRecord 
     by :func:`ingest`.
     """
     where = where or Location()
-    try:
-        value = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise RecordError(f"not valid JSON: {e}", where) from None
-    if not isinstance(value, dict):
-        raise RecordError(f"expected a JSON object, got {type(value).__name__}", where)
+    value = json_object(raw, where)
     loc = Location(where.file, where.line, value.get("trace_id") if isinstance(value.get("trace_id"), str) else None)
     node = value.get("node")
     if value.get("kind") == "turn" and type(node) is int:
@@ -188,8 +184,8 @@ def ensure_installed(db: HandleOf) -> None:
 
 
 @dataclass
-class CecIngestReport:
-    """What one :func:`ingest` call did, per record kind."""
+class CecIngestReport(Report):
+    """What one :func:`ingest_records` call did, per record kind."""
 
     files: int = 0
     lines: int = 0
@@ -199,31 +195,12 @@ class CecIngestReport:
     rejected: list[Reject] = field(default_factory=list)
     seconds: float = 0.0
 
-    @property
-    def ok(self) -> bool:
-        return not self.rejected
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "files": self.files,
-            "lines": self.lines,
-            "added": dict(self.added),
-            "skipped": self.skipped,
-            "rejected": [r.__dict__ for r in self.rejected],
-            "seconds": round(self.seconds, 3),
-        }
-
     def __str__(self) -> str:
         a = self.added
-        text = (
+        return (
             f"ingested {a['trace']} trace, {a['turn']} turn and {a['verification']} verification records "
             f"from {self.files} files in {self.seconds:.2f}s"
-        )
-        if self.skipped:
-            text += f"; {self.skipped} already present, not added again"
-        if self.rejected:
-            text += f"; {len(self.rejected)} records rejected"
-        return text
+        ) + self.notes()
 
 
 def ingest_records(db: HandleOf, paths: str | Path | Iterable[str | Path], *, strict: bool = False) -> CecIngestReport:

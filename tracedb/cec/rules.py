@@ -1,5 +1,5 @@
 """CEC rules as pure functions: test paths, edit blocks and eligibility, verifier-blind
-selection, utility, coefficients and quantiles (see :mod:`tracedb.credit.cec`)."""
+selection, utility, coefficients and quantiles (see :mod:`tracedb.cec`)."""
 
 from __future__ import annotations
 

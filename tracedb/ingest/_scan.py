@@ -3,17 +3,17 @@
 The scanner walks the bytes of many lines in one call and writes what ingest stores
 straight into flat buffers: token ids, masks, compact streams, message and unknown-field
 text, links, node scalars. Python never sees a node as an object; the columns are
-sliced out of the buffers (:mod:`tracedb.ingest` builds the Arrow tables).
+sliced out of the buffers (:mod:`tracedb.ingest.scanned` builds the Arrow tables).
 
 It accepts only what it can vouch for and says "fallback" for any other line, which
-then goes through :func:`tracedb.records.parse_fast` / ``parse_slow``, the paths that
+then goes through :func:`tracedb.ingest.parse.parse_fast` / ``parse_slow``, the paths that
 know every rule and word every error: a line with a grammar error, an escaped key, a
 duplicate known key, a value of an unusual type (``logprobs``, ``sampled`` or a
 timestamp null, ``loss_weights`` given as an object), semantic links carrying more than
 ``node`` and ``type``, a token id beyond int32, a lone UTF-16 surrogate escape, a value
 nested over :data:`MAX_DEPTH` levels, and any node that breaks a layout or graph rule of
 the contract. The text outside the node lists (episode and trace metadata) is validated
-here and parsed by ``json`` in Python (:mod:`tracedb.blocks`, which also sends lines with
+here and parsed by ``json`` in Python (:mod:`tracedb.ingest.scanned`, which also sends lines with
 repeated keys there, or bytes that are not UTF-8, the other way).
 
 Numbers: a token id is a JSON integer. A float is read exactly when its decimal
@@ -23,10 +23,14 @@ correctly). Any other float is copied out as text and converted by Arrow's exact
 Either way the value is what Python's ``json`` reads (the integer ``-0`` is 0.0), then
 rounded to float32 like the other path does.
 
-Memory: the kernels do not check bounds. :class:`tracedb.blocks.Scanner` sizes every
+Memory: the kernels do not check bounds. :class:`tracedb.ingest.scanned.Scanner` sizes every
 buffer for the most values a chunk of that many bytes can hold (a value takes two bytes
 of JSON at least, text is never longer than the input), and every line is followed by its
 line break in the chunk, where the digit loops stop (a line that is not falls back).
+
+Size: this module is the one over the ~600 lines a module keeps to. numba takes no
+structs and compiles each kernel with the helpers it calls, so the grammar, the node
+fields and the number parser live in one compilation unit.
 """
 
 from __future__ import annotations

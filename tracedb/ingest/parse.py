@@ -9,7 +9,7 @@ The fast path parses a line with simdjson and takes every per-token stream strai
 numpy buffers, never as Python objects. It checks the stream layouts vectorized. When
 anything looks off (a type it does not expect, a length that disagrees, bytes it cannot
 account for) the line goes through the slow path instead: ``json`` plus the pydantic
-models of :mod:`tracedb.models`, which either accept the record or say exactly what is
+models of :mod:`tracedb.records`, which either accept the record or say exactly what is
 wrong. Both paths produce the same :class:`ParsedTrace` values.
 """
 
@@ -446,6 +446,20 @@ def _lone_surrogate(value: Any, bare: bool, where: Location) -> RecordError | No
     return None
 
 
+def json_object(raw: bytes | str, where: Location) -> dict[str, Any]:
+    """One line's JSON object; :class:`RecordError` when it is not JSON, not an object, or
+    nested deeper than Python's ``json`` reads."""
+    try:
+        value = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RecordError(f"not valid JSON: {e}", where) from None
+    except RecursionError:
+        raise RecordError("nested too deeply to read (over ~900 levels of lists and objects)", where) from None
+    if not isinstance(value, dict):
+        raise RecordError(f"expected a JSON object, got {type(value).__name__}", where)
+    return value
+
+
 def parse_slow(raw: bytes, where: Location) -> ParsedLine:
     """Parse and validate one line with ``json`` and the pydantic models."""
     try:
@@ -455,12 +469,7 @@ def parse_slow(raw: bytes, where: Location) -> ParsedLine:
 
 
 def _parse_slow(raw: bytes, where: Location) -> ParsedLine:
-    try:
-        value = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise RecordError(f"not valid JSON: {e}", where) from None
-    if not isinstance(value, dict):
-        raise RecordError(f"expected a JSON object, got {type(value).__name__}", where)
+    value = json_object(raw, where)
     bare = "nodes" in value and "traces" not in value
     try:
         if bare:

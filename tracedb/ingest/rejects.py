@@ -6,8 +6,10 @@ reject reads the same whatever rejected it: its location, its reason, and the ra
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 
@@ -72,3 +74,40 @@ def record_rejects(handle: Handle, rejects: Sequence[tuple[Reject, bytes]]) -> N
     columns = ", ".join(table.column_names)
     with handle.registered("_tdb_rejects", table):
         handle.con.execute(f"INSERT INTO rejects ({columns}) SELECT {columns} FROM _tdb_rejects")
+
+
+class Report:
+    """What an ingest says when it is done: its counts (the dataclass fields of a
+    subclass, which has ``skipped``, ``rejected`` and ``seconds``) and its rejects."""
+
+    skipped: int
+    rejected: list[Reject]
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return not self.rejected
+
+    def to_dict(self) -> dict[str, Any]:
+        """The counts in field order, rejects as dicts, seconds to the millisecond."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if f.name == "rejected":
+                value = [r.__dict__ for r in value]
+            elif f.name == "seconds":
+                value = round(value, 3)
+            elif isinstance(value, dict):
+                value = dict(value)
+            out[f.name] = value
+        return out
+
+    def notes(self, what: str = "") -> str:
+        """The tail of the one-line summary: how many ``what`` were already there, how
+        many records were rejected."""
+        text = ""
+        if self.skipped:
+            text += f"; {self.skipped} {what + ' ' if what else ''}already present, not added again"
+        if self.rejected:
+            text += f"; {len(self.rejected)} records rejected"
+        return text

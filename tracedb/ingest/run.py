@@ -27,13 +27,13 @@ from tracedb.errors import IngestAborted, Location, RecordError
 from tracedb.handle import Handle
 from tracedb.ingest.files import find_files, read_chunks
 from tracedb.ingest.parse import parse_line
-from tracedb.ingest.rejects import Reject, record_rejects
+from tracedb.ingest.rejects import Reject, Report, record_rejects
 from tracedb.ingest.rows import Batch
 from tracedb.ingest.writer import Writer, commit_into_file
 
 
 @dataclass
-class IngestReport:
+class IngestReport(Report):
     """What one ``ingest`` call did."""
 
     files: int = 0
@@ -48,34 +48,11 @@ class IngestReport:
     rejected: list[Reject] = field(default_factory=list)
     seconds: float = 0.0
 
-    @property
-    def ok(self) -> bool:
-        return not self.rejected
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "files": self.files,
-            "lines": self.lines,
-            "episodes": self.episodes,
-            "traces": self.traces,
-            "skipped": self.skipped,
-            "nodes": self.nodes,
-            "tokens": self.tokens,
-            "segments_added": self.segments_added,
-            "rejected": [r.__dict__ for r in self.rejected],
-            "seconds": round(self.seconds, 3),
-        }
-
     def __str__(self) -> str:
-        text = (
+        return (
             f"ingested {self.traces} traces ({self.episodes} episodes, {self.nodes} nodes, "
             f"{self.tokens} tokens) from {self.files} files in {self.seconds:.2f}s"
-        )
-        if self.skipped:
-            text += f"; {self.skipped} traces already present, not added again"
-        if self.rejected:
-            text += f"; {len(self.rejected)} records rejected"
-        return text
+        ) + self.notes("traces")
 
 
 @dataclass
