@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ from fastapi.staticfiles import StaticFiles
 
 import tracedb
 
-from . import errors
+from . import errors, security
 from .backend import Backend
 from .routes import branches, groups, health, sql, traces, viewer, writes
 
@@ -39,30 +40,43 @@ def create_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     sql_row_limit: int = 1000,
     sql_timeout_s: float = 5.0,
+    sql_max_bytes: int = 4 * 1024 * 1024,
+    sql_needs_token: bool = False,
     view_cache_tokens: int = 8_000_000,
+    allowed_hosts: Iterable[str] | None = None,
+    read_only: bool | None = None,
 ) -> FastAPI:
     """The REST service and web viewer over the tracedb database at ``db_path``.
 
     ``token`` enables writes (bearer auth; without one every write is refused, 403).
-    ``allow_sql`` enables ``POST /sql`` (one read-only SELECT, ``sql_row_limit`` rows,
-    ``sql_timeout_s`` seconds). ``tokenizer`` is a local Hugging Face ``tokenizer.json``
-    path (or a loaded ``tokenizers.Tokenizer``) for the viewer's decoded tokens.
+    ``allow_sql`` enables ``POST /sql`` (one read-only SELECT, at most ``sql_row_limit``
+    rows and ``sql_max_bytes`` of rows, within ``sql_timeout_s`` seconds, answering
+    included); ``sql_needs_token`` puts it behind the bearer token too. ``tokenizer`` is
+    a local Hugging Face ``tokenizer.json`` path (or a loaded ``tokenizers.Tokenizer``)
+    for the viewer's decoded tokens.
     Bodies over ``max_body_bytes`` are refused with 413. Branch views of recently asked
     traces are kept up to ``view_cache_tokens`` tokens (0: no cache) until the next
-    write. Each server thread reads on its own cursor. The database is opened now and
+    write. Only requests whose Host is one of ``allowed_hosts`` are served (default: the
+    loopback names; ``"*"`` any). ``read_only`` opens the file read-only (default: when
+    there is no ``token``, so other processes can read the file beside the server).
+    Each server thread reads on its own cursor. The database is opened now and
     stays open for the app's life (test clients may run the lifespan once per request);
     ``app.state.backend.close()`` closes it, as ``tracedb serve`` does when uvicorn
     returns.
     """
     if token is not None and not token:
         raise ValueError("an empty token would let anyone write; pass None to disable writes")
+    if sql_needs_token and token is None:
+        raise ValueError("sql_needs_token needs a token")
     backend = Backend(
         db_path,
         allow_sql=allow_sql,
         sql_row_limit=sql_row_limit,
         sql_timeout_s=sql_timeout_s,
+        sql_max_bytes=sql_max_bytes,
         tokenizer=load_tokenizer(tokenizer),
         view_cache_tokens=view_cache_tokens,
+        read_only=token is None if read_only is None else read_only,
     )
 
     app = FastAPI(
@@ -75,8 +89,11 @@ def create_app(
     )
     app.state.backend = backend
     app.state.token = token
+    app.state.sql_needs_token = sql_needs_token
     errors.install(app)
     app.add_middleware(errors.BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(security.HostCheck, allowed=list(allowed_hosts or security.LOOPBACK_HOSTS))
+    app.add_middleware(security.SecurityHeaders)
     for module in (health, traces, branches, groups, writes, sql, viewer):
         app.include_router(module.router)
     app.mount("/static", StaticFiles(directory=resources.files("tracedb.api").joinpath("static")), name="static")

@@ -32,7 +32,7 @@ from tracedb.database import Database
 from tracedb.handle import Handle, PerThread
 
 from .cache import ViewCache
-from .errors import ApiError
+from .errors import ApiError, dumps
 
 
 class Backend:
@@ -45,12 +45,16 @@ class Backend:
         allow_sql: bool = False,
         sql_row_limit: int = 1000,
         sql_timeout_s: float = 5.0,
+        sql_max_bytes: int = 4 * 1024 * 1024,
         tokenizer: Any = None,
         view_cache_tokens: int = 8_000_000,
+        read_only: bool = False,
     ) -> None:
         # With user SQL the instance goes without external access (SET below), which must
         # not reach the other databases of the process: the server gets its own instance.
-        self.root = Handle.open(db_path, isolated=allow_sql)
+        self.root = Handle.open(db_path, isolated=allow_sql, read_only=read_only)
+        self.read_only = read_only
+        self.sql_max_bytes = sql_max_bytes
         self.path = self.root.path
         self.allow_sql = allow_sql
         self.sql_row_limit = sql_row_limit
@@ -98,11 +102,15 @@ class Backend:
     # ------------------------------------------------------------------ user SQL
 
     def read_sql(self, text: str, limit: int | None = None) -> dict[str, Any]:
-        """Run one read-only SELECT with a row limit and a time limit.
+        """Run one read-only SELECT within a row limit, a byte budget and a time limit.
 
         Only a single statement whose type is SELECT is accepted; it runs on a fresh
         cursor inside a READ ONLY transaction that is always rolled back (a SELECT can
-        hide a write in a CTE), and a timer interrupts it past ``sql_timeout_s``.
+        hide a write in a CTE). Rows are read a batch at a time and turned into JSON as
+        they come: the answer stops growing at ``sql_row_limit`` rows or ``sql_max_bytes``
+        of JSON, and says which (``truncated``, ``truncated_by``). The time limit covers
+        the query and the answer: a timer interrupts the query past ``sql_timeout_s``, and
+        building the answer stops there too.
         """
         if not self.allow_sql:
             raise ApiError(403, "sql_disabled", "SQL is disabled on this server; start it with --allow-sql")
@@ -124,11 +132,9 @@ class Backend:
             con.execute("BEGIN TRANSACTION READ ONLY")
             timer.start()
             try:
-                table = con.sql(text).limit(cap + 1).to_arrow_table()
+                answer = self._answer(con, text, cap, started)
             except duckdb.InterruptException:
-                raise ApiError(
-                    400, "sql_timeout", f"query ran past the time limit of {self.sql_timeout_s:g} s and was stopped"
-                ) from None
+                raise self._timeout() from None
             except duckdb.Error as e:
                 raise ApiError(400, "bad_sql", f"{type(e).__name__}: {e}") from None
             finally:
@@ -137,18 +143,53 @@ class Backend:
                     con.execute("ROLLBACK")
                 except duckdb.Error:  # an interrupted transaction may be gone already
                     pass
-            elapsed = (time.perf_counter() - started) * 1000
+            answer["elapsed_ms"] = round((time.perf_counter() - started) * 1000, 3)
         finally:
             db.close()
-        rows = [[_jsonable(v) for v in row.values()] for row in table.slice(0, cap).to_pylist()]
+        return answer
+
+    def _answer(self, con: duckdb.DuckDBPyConnection, text: str, cap: int, started: float) -> dict[str, Any]:
+        relation = con.sql(text).limit(cap + 1)
+        columns = [{"name": name, "type": str(kind)} for name, kind in zip(relation.columns, relation.types)]
+        rows: list[list[Any]] = []
+        size = 2  # "[]"
+        truncated_by = None
+        with relation.to_arrow_reader(batch_size=256) as reader:
+            for batch in reader:
+                for row in batch.to_pylist():
+                    if time.perf_counter() - started > self.sql_timeout_s:
+                        raise self._timeout()
+                    if len(rows) == cap:
+                        truncated_by = "rows"
+                        break
+                    values = [_jsonable(v) for v in row.values()]
+                    cost = len(dumps(values)) + 1
+                    if size + cost > self.sql_max_bytes:
+                        truncated_by = "bytes"
+                        break
+                    rows.append(values)
+                    size += cost
+                if truncated_by:
+                    break
+        notes = {
+            "rows": f"more rows matched than the row limit ({cap})",
+            "bytes": f"the next row would pass the answer's byte budget ({self.sql_max_bytes} bytes of JSON rows)",
+        }
         return {
-            "columns": [{"name": f.name, "type": str(f.type)} for f in table.schema],
+            "columns": columns,
             "rows": rows,
             "row_count": len(rows),
-            "truncated": table.num_rows > cap,
+            "truncated": truncated_by is not None,
+            "truncated_by": truncated_by,
+            "truncated_why": notes.get(truncated_by) if truncated_by else None,
             "limit": cap,
-            "elapsed_ms": round(elapsed, 3),
+            "max_bytes": self.sql_max_bytes,
         }
+
+    def _timeout(self) -> ApiError:
+        return ApiError(
+            400, "sql_timeout", f"query ran past the time limit of {self.sql_timeout_s:g} s and was stopped"
+        )
 
 
 def _jsonable(value: Any) -> Any:

@@ -43,9 +43,18 @@ def require_token(
         raise ApiError(403, "forbidden", "wrong bearer token")
 
 
+def require_token_for_sql(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> None:
+    """The bearer token for ``/sql`` too, on a server started with ``--sql-needs-token``."""
+    if request.app.state.sql_needs_token:
+        require_token(request, credentials)
+
+
 Reader = Annotated[Database, Depends(reader)]
 Backend_ = Annotated[Backend, Depends(backend)]
 Authorized = Depends(require_token)
+SqlAuthorized = Depends(require_token_for_sql)
 
 CreditQuery = Annotated[
     str | None,

@@ -222,6 +222,11 @@ class SqlResult(BaseModel):
     columns: list[SqlColumn]
     rows: list[list[Any]]
     row_count: int
-    truncated: bool = Field(description="More rows matched than were returned.")
+    truncated: bool = Field(description="The answer stopped before the last matching row.")
+    truncated_by: Literal["rows", "bytes"] | None = Field(
+        default=None, description="What stopped it: the row limit or the byte budget of the answer."
+    )
+    truncated_why: str | None = None
     limit: int
+    max_bytes: int = Field(description="The byte budget of the answer's rows (JSON).")
     elapsed_ms: float

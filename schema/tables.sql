@@ -1,4 +1,4 @@
--- tracedb storage, schema version 1.
+-- tracedb storage, schema version 2 (tracedb/migrations.py upgrades older files).
 -- One row per episode, trace, node, branch; token ids live once per distinct content
 -- in `segments`. Columns that hold a record's fields keep them exactly: `record` holds
 -- the JSON of everything that has no column of its own.
@@ -93,8 +93,10 @@ CREATE TABLE IF NOT EXISTS rejects (
     node        INTEGER,
     field       VARCHAR,
     reason      VARCHAR NOT NULL,
-    record      VARCHAR,           -- the rejected line as it was
-    rejected_at TIMESTAMP DEFAULT current_timestamp
+    record      VARCHAR,           -- the rejected line as it was (its first bytes when it is long)
+    rejected_at TIMESTAMP DEFAULT current_timestamp,
+    record_bytes  BIGINT,          -- the length of the whole line, in bytes
+    record_sha256 VARCHAR          -- the SHA-256 of the whole line, hex
 );
 
 -- Named credit sets: many assignments side by side on the same frozen rollouts. The

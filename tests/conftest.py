@@ -8,6 +8,15 @@ from tracedb import runtime
 from support import FIXTURES
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _scanner_always():
+    """The tests were written for ingest's compiled scanner: they use it whatever the input
+    size (the product's ``auto`` keeps small first ingests on the parser; its own tests set
+    it back)."""
+    with runtime.configure(scanner="always"):
+        yield
+
+
 @pytest.fixture
 def fresh_db():
     with tracedb.connect(":memory:") as db:

@@ -22,8 +22,16 @@ REPO = Path(__file__).resolve().parent.parent
 ROOTS = {"tracedb": REPO / "tracedb", "tracedb.api": REPO / "api", "tracedb.schema": REPO / "schema"}
 
 LAYERS: list[list[str]] = [
-    ["tracedb.errors", "tracedb.records", "tracedb.sqltext", "tracedb.jit", "tracedb.schema", "tracedb.sample"],
-    ["tracedb.graph", "tracedb.tables"],
+    [
+        "tracedb.errors",
+        "tracedb.records",
+        "tracedb.sqltext",
+        "tracedb.jit",
+        "tracedb.jitcache",
+        "tracedb.schema",
+        "tracedb.sample",
+    ],
+    ["tracedb.graph", "tracedb.tables", "tracedb.migrations"],
     ["tracedb.runtime"],
     ["tracedb.handle"],
     ["tracedb.credit_sets"],

@@ -90,6 +90,7 @@ class Database:
         strict: bool = False,
         allow_ragged: bool = False,
         progress: bool = False,
+        whole_files: bool = False,
     ) -> IngestReport:
         """Ingest ``traces.jsonl`` / ``.jsonl.zst`` / ``.json`` files or directories.
 
@@ -97,9 +98,15 @@ class Database:
         the ``rejects`` table while good ones are ingested; ``strict=True`` aborts on the
         first rejection and leaves the database unchanged (:class:`IngestAborted`).
         ``allow_ragged`` accepts compact streams whose length differs from the sampled
-        count (they spread as verifiers spreads them). Returns an ``IngestReport``.
+        count (they spread as verifiers spreads them). A file that cannot be read to its end
+        (corrupt or truncated compression) keeps the lines before the damage and is
+        reported in ``report.unreadable`` and ``rejects``; ``whole_files=True`` raises
+        :class:`~tracedb.errors.InputError` instead and writes nothing. Returns an
+        ``IngestReport``.
         """
-        return ingest_files(self.handle, paths, strict=strict, allow_ragged=allow_ragged, progress=progress)
+        return ingest_files(
+            self.handle, paths, strict=strict, allow_ragged=allow_ragged, progress=progress, whole_files=whole_files
+        )
 
     # ----------------------------------------------------------------- records
 

@@ -64,9 +64,38 @@ class NotFound(TraceDBError, KeyError):
         return str(self.args[0]) if self.args else "not found"
 
 
-class SchemaVersionError(TraceDBError):
-    """The database file was written by an incompatible tracedb schema."""
+class DatabaseError(TraceDBError):
+    """A path that cannot be opened as a tracedb database (says which and why)."""
+
+
+class SchemaVersionError(DatabaseError):
+    """The database file holds another schema version than this tracedb reads (and cannot
+    be upgraded here: it is newer, or opened read-only)."""
+
+
+class DatabaseLocked(DatabaseError):
+    """Another process holds the file (for writing, or read-only while this one wants to
+    write); ``pid`` is that process as DuckDB reports it."""
+
+    def __init__(self, message: str, pid: int | None = None) -> None:
+        self.pid = pid
+        super().__init__(message)
 
 
 class WriteError(TraceDBError):
     """A write that cannot be applied; nothing of it was written."""
+
+
+class InputError(TraceDBError):
+    """An input file that cannot be read to its end (corrupt or truncated compression).
+
+    The lines before ``line`` were read whole; ``line`` and what follows it are lost."""
+
+    def __init__(self, file: str, reason: str, line: int | None = None, partial: bytes = b"") -> None:
+        self.file = file
+        self.reason = reason
+        self.line = line
+        self.partial = partial
+        """The bytes of the line the damage cut, as far as they were read."""
+        where = file if line is None else f"{file}:{line}"
+        super().__init__(f"{where}: {reason}")

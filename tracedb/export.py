@@ -7,6 +7,7 @@ written as they come, so memory stays bounded by the batch size, not the databas
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -49,14 +50,18 @@ def export(
     ``format`` is ``parquet``, ``arrow`` (IPC file) or ``arrows`` (IPC stream); by
     default it follows the suffix. ``selection``, the filters and ``columns`` are those
     of ``db.branches()``, ``credit`` picks a credit set. The file is written beside
-    ``path`` and renamed into place, so a failed export leaves no partial file. Returns
+    ``path`` (under a name of its own) and renamed into place, so a failed export leaves no
+    partial file and concurrent exports to one path do not collide. Returns
     rows, branches' tokens and bytes.
     """
     path = Path(path)
     fmt = format or FORMATS.get(path.suffix.lower())
     if fmt not in ("parquet", "arrow", "arrows"):
         raise ValueError(f"cannot tell the export format of {path}; use .parquet, .arrow or .arrows, or format=")
-    tmp = path.with_name(path.name + ".partial")
+    # A name of its own beside the target: two exports to one path never share it.
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    os.close(fd)
+    tmp = Path(name)
     rows = tokens = 0
     writer: Any = None
     try:

@@ -15,6 +15,9 @@ server reads through one).
 
 from __future__ import annotations
 
+import hashlib
+import os
+import re
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -25,12 +28,14 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from tracedb import runtime
-from tracedb.errors import SchemaVersionError
+from tracedb import migrations, runtime
+from tracedb.errors import DatabaseError, DatabaseLocked, SchemaVersionError
+from tracedb.migrations import SCHEMA_VERSION
 from tracedb.sqltext import load_sql, quote_identifier
 
-SCHEMA_VERSION = 1
-"""Version of the stored layout; a file of another version is refused, not guessed at."""
+TRACE_FILE_SUFFIXES = (".jsonl", ".json", ".zst", ".ndjson")
+"""A database path ending so names a trace file: almost always swapped arguments."""
+_LOCK = re.compile(r"Could not set lock on file .*?Conflicting lock is held in (?P<program>.*?) \(PID (?P<pid>\d+)\)")
 
 
 class Generation:
@@ -77,23 +82,34 @@ class Handle:
 
     @classmethod
     def open(cls, path: str | Path = ":memory:", *, read_only: bool = False, isolated: bool = False) -> Handle:
-        """Open (creating if needed) a tracedb database; see :func:`tracedb.connect`."""
+        """Open (creating if needed) a tracedb database; see :func:`tracedb.connect`.
+
+        Refused with :class:`DatabaseError`, before anything is created or written: a
+        path that names a trace file (``.jsonl``, ``.json``, ``.zst``), an existing file
+        that is not a DuckDB database, a DuckDB database that is not a tracedb one, a file
+        another process holds (:class:`DatabaseLocked`), and a schema version this
+        tracedb cannot read (:class:`SchemaVersionError`). A read-write open of an older
+        file upgrades it in place (:mod:`tracedb.migrations`)."""
         text = str(path)
+        check_path(text)
         fresh = True
         handle = None
-        if not isolated:
-            try:
-                con, catalog, fresh, release = runtime.attach(text, read_only=read_only)
-                handle = cls(
-                    con, path=text, catalog=catalog, instance_key="shared", read_only=read_only, release=release
-                )
-                # A handle dropped without close() still detaches its file.
-                handle._release = weakref.finalize(handle, _close_then, con, release)
-            except duckdb.ResourceInUseException:
-                isolated = True  # a plain duckdb.connect of this process holds it: join that instance
-        if isolated:
-            con = duckdb.connect(text, read_only=read_only)
-            handle = cls(con, path=text, catalog=None, instance_key=con, read_only=read_only, release=con.close)
+        try:
+            if not isolated:
+                try:
+                    con, catalog, fresh, release = runtime.attach(text, read_only=read_only)
+                    handle = cls(
+                        con, path=text, catalog=catalog, instance_key="shared", read_only=read_only, release=release
+                    )
+                    # A handle dropped without close() still detaches its file.
+                    handle._release = weakref.finalize(handle, _close_then, con, release)
+                except duckdb.ResourceInUseException:
+                    isolated = True  # a plain duckdb.connect of this process holds it: join that instance
+            if isolated:
+                con = duckdb.connect(text, read_only=read_only)
+                handle = cls(con, path=text, catalog=None, instance_key=con, read_only=read_only, release=con.close)
+        except duckdb.IOException as e:
+            raise _refusal(text, e, read_only) from None
         assert handle is not None
         try:
             if not read_only and fresh:  # an attachment shared with another handle is installed
@@ -121,21 +137,97 @@ class Handle:
     # ----------------------------------------------------------------- lifecycle
 
     def install(self) -> None:
-        """Create the tables and (re)write the macros; an existing file of another
-        version is refused before anything is written to it."""
-        if self.columns("tracedb_meta"):
-            self.check_version()
-        self.con.execute(load_sql("tables.sql"))
-        if self.row("SELECT value FROM tracedb_meta WHERE key = 'schema_version'") is None:
-            self.con.execute("INSERT INTO tracedb_meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
+        """Create the tables and macros of a new file, or bring an existing one up to
+        date: upgrade an older schema, repair a first install that was cut short, rewrite
+        the macros when they changed. Each in one transaction; a file of another kind is
+        refused before anything is written to it."""
+        tables = self.table_names()
+        if "tracedb_meta" not in tables:
+            if tables:
+                raise DatabaseError(
+                    f"{self.path} is a DuckDB database but not a tracedb one (it has {', '.join(sorted(tables)[:5])}"
+                    f"{', ...' if len(tables) > 5 else ''} and no tracedb_meta); tracedb does not write into it"
+                )
+            with self.transaction():
+                self.con.execute(load_sql("tables.sql"))
+                self.con.execute("INSERT INTO tracedb_meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
+                self._install_macros()
+            return
+        found = self.stored_version()
+        if found is None:
+            self._repair()
+        elif found < SCHEMA_VERSION and migrations.can_upgrade(found):
+            with self.transaction():
+                migrations.upgrade(self.con, found)
+                self._install_macros()
+        elif found != SCHEMA_VERSION:
+            self.check_version()  # refused, naming both versions
+        if self.scalar("SELECT value FROM tracedb_meta WHERE key = 'macros_sha256'") != _macros_digest():
+            with self.transaction():
+                self._install_macros()
+
+    def _install_macros(self) -> None:
+        """(Re)write the macros and remember which text they are (a read-write open then
+        skips writing them again: each rewrite grows the WAL)."""
         self.con.execute(load_sql("macros.sql"))
+        self.con.execute("INSERT OR REPLACE INTO tracedb_meta VALUES ('macros_sha256', ?)", [_macros_digest()])
+
+    def _repair(self) -> None:
+        """A file with tracedb's tables but no version row: a first install killed before
+        it committed it (older tracedb installed table by table). Empty, it is finished now;
+        holding data, it is refused (its version cannot be told)."""
+        known = ("episodes", "traces", "nodes", "segments", "branches", "rejects", "credit_sets", "credit")
+        present = [t for t in known if t in self.table_names()]
+        rows = sum(self.scalar(f"SELECT count(*) FROM {quote_identifier(t)}") for t in present)
+        if rows:
+            raise SchemaVersionError(
+                f"{self.path} has tracedb's tables and {rows} rows but no schema version; it cannot be read safely"
+            )
+        with self.transaction():
+            self.con.execute(load_sql("tables.sql"))
+            self.con.execute("DELETE FROM tracedb_meta WHERE key = 'schema_version'")
+            self.con.execute("INSERT INTO tracedb_meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
+            self._install_macros()
+
+    def table_names(self) -> set[str]:
+        """The tables of this database (not of the other databases of the instance)."""
+        rows = self.con.execute(
+            "SELECT table_name FROM duckdb_tables() WHERE database_name = current_database() "
+            "AND schema_name = current_schema()"
+        ).fetchall()
+        return {r[0] for r in rows}
+
+    def stored_version(self) -> int | None:
+        """The file's schema version (None when it has none)."""
+        value = self.scalar("SELECT value FROM tracedb_meta WHERE key = 'schema_version'")
+        return None if value is None else int(value)
 
     def check_version(self) -> None:
-        """Raise :class:`SchemaVersionError` unless the file holds this tracedb's schema version."""
-        row = self.row("SELECT value FROM tracedb_meta WHERE key = 'schema_version'")
-        if row is None or int(row[0]) != SCHEMA_VERSION:
-            found = None if row is None else row[0]
-            raise SchemaVersionError(f"{self.path}: schema version {found}, this tracedb reads {SCHEMA_VERSION}")
+        """Raise unless the file holds this tracedb's schema version: a file that is not a
+        tracedb database, an older one opened read-only (how to upgrade it is said), a newer one."""
+        if "tracedb_meta" not in self.table_names():
+            raise DatabaseError(f"{self.path} is not a tracedb database (no tracedb_meta table)")
+        found = self.stored_version()
+        if found == SCHEMA_VERSION:
+            return
+        if found is None:
+            raise SchemaVersionError(
+                f"{self.path}: no schema version (a first install cut short); open it read-write once to repair it"
+            )
+        if found < SCHEMA_VERSION and not migrations.can_upgrade(found):
+            raise SchemaVersionError(
+                f"{self.path}: schema version {found} is older than any this tracedb upgrades "
+                f"(it reads {SCHEMA_VERSION} and upgrades from {min(migrations.MIGRATIONS)} on)"
+            )
+        if found < SCHEMA_VERSION:
+            raise SchemaVersionError(
+                f"{self.path}: schema version {found}, this tracedb reads {SCHEMA_VERSION}; upgrade the file "
+                f"with `tracedb migrate --db {self.path}` (or open it read-write once)"
+            )
+        raise SchemaVersionError(
+            f"{self.path}: schema version {found} is newer than this tracedb reads ({SCHEMA_VERSION}); "
+            "upgrade tracedb to read it"
+        )
 
     def close(self) -> None:
         """Close the connection and release the database (idempotent); a file opened for
@@ -243,6 +335,50 @@ class Handle:
                 con.unregister(name)
             except duckdb.Error:  # an aborted transaction refuses it; its ROLLBACK drops it
                 pass
+
+
+def check_path(path: str) -> None:
+    """Refuse, before anything is created, a database path that names a trace file or an
+    existing file that is not a DuckDB database."""
+    if path in ("", ":memory:") or path.startswith(":memory:"):
+        return
+    if os.path.basename(path).lower().endswith(TRACE_FILE_SUFFIXES):
+        raise DatabaseError(
+            f"{path} names a trace file, not a database (a database is a .duckdb file); were the arguments swapped?"
+        )
+    if os.path.isdir(path):
+        raise DatabaseError(f"{path} is a directory, not a database file")
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            head = f.read(12)
+        if head[8:12] != b"DUCK":
+            raise DatabaseError(
+                f"{path} exists and is not a DuckDB database ({'empty' if not head else 'another kind of file'}); "
+                "tracedb does not overwrite it"
+            )
+
+
+def _refusal(path: str, error: duckdb.IOException, read_only: bool) -> DatabaseError:
+    """DuckDB's lock conflict as one line: the file, the holder, what to do."""
+    found = _LOCK.search(str(error))
+    if found is None:
+        return DatabaseError(f"{path}: {error}")
+    pid = int(found["pid"])
+    if read_only:
+        what = (
+            f"{path} is open for writing in another process (PID {pid}, {found['program']}): stop it, "
+            "or query it through the server that holds it (--url)"
+        )
+    else:
+        what = (
+            f"{path} is open in another process (PID {pid}, {found['program']}), so it cannot be opened for "
+            "writing here: stop that process, or open the file read-only"
+        )
+    return DatabaseLocked(what, pid)
+
+
+def _macros_digest() -> str:
+    return hashlib.sha256(load_sql("macros.sql").encode()).hexdigest()
 
 
 def _close_then(con: duckdb.DuckDBPyConnection, release: Callable[[], None]) -> None:

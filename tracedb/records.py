@@ -58,8 +58,10 @@ def trace_reward(rewards: Mapping[str, Any] | None) -> float | None:
 
 class _Open(BaseModel):
     # strict: a "1" is not a parent index and a 0 is not a mask entry; values are never
-    # converted, so what is stored is what was written.
-    model_config = ConfigDict(extra="allow", strict=True)
+    # converted, so what is stored is what was written. No NaN or infinity in a number
+    # the contract declares (streams, rewards, weights, timestamps): Python's json reads
+    # them, but a NaN reward poisons every group mean it enters.
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
 class ParentLink(_Open):

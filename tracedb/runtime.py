@@ -93,9 +93,19 @@ class Settings:
     """Ingest writes its buffered rows after this many tokens (checked at chunk ends),
     which bounds its memory whatever the input size."""
     scanner: str = "auto"
-    """Which parser ingest reads lines with: ``auto``, the compiled scanner for every line
-    it can vouch for and the parser for the rest; ``never``, the parser for every line
-    (both store the same; tests compare them line by line)."""
+    """Which parser ingest reads lines with. The compiled scanner takes every line it can
+    vouch for (the parser the rest) and is compiled once per install (~20 s on 2 cores);
+    ``auto`` uses it when it is compiled already or the input is at least
+    ``scanner_min_bytes``, so a small first ingest does not wait for the compile;
+    ``always`` and ``never`` decide for every input (both paths store the same; tests
+    compare them line by line)."""
+    scanner_min_bytes: int = 50 << 20
+    """With ``scanner="auto"``: the input size from which ingest compiles the scanner."""
+    max_line_bytes: int = 128 << 20
+    """A line longer than this is rejected without being read into memory."""
+    reject_record_bytes: int = 64 << 10
+    """A rejected line is kept in ``rejects.record`` up to this many bytes (with its whole
+    length and SHA-256 beside it)."""
     write_alignment_rows: int = ROW_GROUP_ROWS
     """Ingest inserts whole multiples of this many rows per table and holds the rest for
     the next batch (see :data:`ROW_GROUP_ROWS`)."""

@@ -141,6 +141,8 @@ REJECTS = pa.schema(
         _col("reason", pa.string(), required=True),
         _col("record", pa.string()),
         _col("rejected_at", pa.timestamp("us"), default=NOW),
+        _col("record_bytes", pa.int64()),
+        _col("record_sha256", pa.string()),
     ]
 )
 

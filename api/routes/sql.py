@@ -6,14 +6,16 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from ..deps import Backend_
+from ..deps import Backend_, SqlAuthorized
 from ..errors import JSONBody, responses
 from ..models import SqlQuery, SqlResult
 
 router = APIRouter(tags=["sql"], default_response_class=JSONBody)
 
 
-@router.post("/sql", response_model=SqlResult, responses=responses(400, 403, 413, 422))
+@router.post(
+    "/sql", response_model=SqlResult, dependencies=[SqlAuthorized], responses=responses(400, 401, 403, 413, 422)
+)
 def run_sql(backend: Backend_, query: SqlQuery) -> Any:
-    """One SELECT (tracedb's macros available), rows capped and time-limited; anything else is refused."""
+    """One SELECT (tracedb's macros available), rows and bytes capped, time-limited; anything else is refused."""
     return JSONBody(backend.read_sql(query.sql, query.limit))

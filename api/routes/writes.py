@@ -8,11 +8,11 @@ import tempfile
 from pathlib import Path as FilePath
 from typing import Annotated, Any
 
-import zstandard
 from fastapi import APIRouter, Depends, Path, Query, Request
 from starlette.concurrency import run_in_threadpool
 
 from tracedb.credit_sets import DEFAULT_SET
+from tracedb.errors import InputError
 
 from .. import queries
 from ..backend import Backend
@@ -61,9 +61,9 @@ def _ingest(backend: Backend, body: bytes, strict: bool, allow_ragged: bool) -> 
         path.write_bytes(body)
         try:
             with backend.writer() as db:
-                report = db.ingest(path, strict=strict, allow_ragged=allow_ragged)
-        except zstandard.ZstdError as e:
-            raise invalid(f"body is not valid zstd: {e}") from None
+                report = db.ingest(path, strict=strict, allow_ragged=allow_ragged, whole_files=True)
+        except InputError as e:  # a body is one unit: nothing of it was written
+            raise invalid(f"request body: {e.reason}") from None
     result = report.to_dict()
     for reject in result["rejected"]:
         if reject["file"] == str(path):

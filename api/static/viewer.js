@@ -85,15 +85,17 @@ function paint(data, mode) {
     }
   }
   const legend = document.getElementById("legend");
-  if (mode === "logprob") {
-    legend.innerHTML = `<span class="swatch" style="background:${mix(LOGPROB, 0)}"></span>0 ` +
-      `<span class="swatch" style="background:${mix(LOGPROB, 1)}"></span>${fmt(-scale)} ` +
-      `<span class="swatch off"></span>unsampled`;
-  } else {
-    legend.innerHTML = `<span class="swatch" style="background:${mix(NEGATIVE, 1)}"></span>${fmt(-scale)} ` +
-      `<span class="swatch" style="background:${mix(POSITIVE, 0)}"></span>0 ` +
-      `<span class="swatch" style="background:${mix(POSITIVE, 1)}"></span>+${fmt(scale)} ` +
-      `<span class="swatch null"></span>null <span class="swatch off"></span>unsampled`;
+  // Built as elements (no inline style attributes: the pages' content security policy forbids them).
+  const swatches = mode === "logprob"
+    ? [[mix(LOGPROB, 0), "0"], [mix(LOGPROB, 1), fmt(-scale)], ["off", "unsampled"]]
+    : [[mix(NEGATIVE, 1), fmt(-scale)], [mix(POSITIVE, 0), "0"], [mix(POSITIVE, 1), `+${fmt(scale)}`],
+       ["null", "null"], ["off", "unsampled"]];
+  legend.replaceChildren();
+  for (const [color, text] of swatches) {
+    const swatch = document.createElement("span");
+    swatch.className = color === "off" || color === "null" ? `swatch ${color}` : "swatch";
+    if (swatch.className === "swatch") swatch.style.background = color;
+    legend.append(swatch, `${text} `);
   }
   document.body.dataset.painted = `${mode}:${data.credit}`;
 }

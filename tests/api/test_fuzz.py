@@ -47,7 +47,10 @@ def api_schema(tmp_path_factory: pytest.TempPathFactory) -> schemathesis.BaseSch
     with tracedb.connect(path) as db:
         db.ingest(FIXTURES)
         db.create_credit_set("probe")
-    app = create_app(path, token=TOKEN, allow_sql=True, sql_timeout_s=1.0)  # 413 is tested elsewhere
+    # schemathesis sends Host: testserver; the host check itself is tested in tests/api/test_hardening.py.
+    app = create_app(
+        path, token=TOKEN, allow_sql=True, sql_timeout_s=1.0, allowed_hosts=["testserver"]
+    )  # 413: elsewhere
     return schemathesis.openapi.from_asgi("/openapi.json", app)
 
 

@@ -44,7 +44,7 @@ def api_db_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="session")
 def client(api_db_path: str) -> TestClient:
-    with TestClient(create_app(api_db_path)) as c:
+    with TestClient(create_app(api_db_path), base_url="http://127.0.0.1") as c:
         yield c
 
 

@@ -19,7 +19,7 @@ def sql_client(tmp_path_factory: pytest.TempPathFactory) -> TestClient:
     with tracedb.connect(path) as db:
         db.ingest(FIXTURES)
     app = create_app(path, allow_sql=True, sql_row_limit=10, sql_timeout_s=0.5)
-    with TestClient(app) as c:
+    with TestClient(app, base_url="http://127.0.0.1") as c:
         yield c
 
 

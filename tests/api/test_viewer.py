@@ -31,7 +31,7 @@ def db_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def client(db_path: Path) -> TestClient:
-    with TestClient(create_app(db_path)) as c:
+    with TestClient(create_app(db_path), base_url="http://127.0.0.1") as c:
         yield c
 
 
@@ -136,7 +136,7 @@ def test_embedded_json_cannot_close_its_script_tag(tmp_path: Path) -> None:
     (tmp_path / "t.jsonl").write_text(json.dumps(record) + "\n")
     with tracedb.connect(tmp_path / "x.duckdb") as db:
         db.ingest(tmp_path / "t.jsonl")
-    with TestClient(create_app(tmp_path / "x.duckdb")) as c:
+    with TestClient(create_app(tmp_path / "x.duckdb"), base_url="http://127.0.0.1") as c:
         html = c.get(f"/view/{record['traces'][0]['id']}").text
     assert "<script>alert(1)" not in html and "&lt;/script&gt;&lt;script&gt;alert(1)" in html
 
@@ -156,7 +156,7 @@ def test_tokenizer_pieces(client: TestClient, db_path: Path, tmp_path: Path) -> 
     ids = [t for n in record["nodes"] for t in n["token_ids"]]
     known = ids[: len(ids) // 2]  # the rest are unknown to this tokenizer
     tokenizer = make_tokenizer(tmp_path / "tokenizer.json", known)
-    with TestClient(create_app(db_path, tokenizer=tokenizer)) as c:
+    with TestClient(create_app(db_path, tokenizer=tokenizer), base_url="http://127.0.0.1") as c:
         html = c.get(f"/view/{trace_id}").text
     assert 'class="graph decoded"' in html
     for node in payload(html)["nodes"]:

@@ -34,7 +34,7 @@ def make_client(tmp_path: Path, *, ingest: bool = True, **kwargs: Any) -> TestCl
     with tracedb.connect(path) as db:
         if ingest:
             db.ingest(FIXTURES)
-    return TestClient(create_app(path, **({"token": TOKEN} | kwargs)))
+    return TestClient(create_app(path, **({"token": TOKEN} | kwargs)), base_url="http://127.0.0.1")
 
 
 @pytest.fixture

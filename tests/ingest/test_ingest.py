@@ -1,107 +1,32 @@
-"""Ingest: file kinds, idempotency, segment dedup, exact round trips, persistence, schema version."""
+"""Ingest: file kinds, idempotency, segment dedup, exact round trips (into a database
+file, its schema version and the writer's failures: ``test_ingest_persistence.py``)."""
 
 from __future__ import annotations
 
-import copy
-import gc
 import json
 import shutil
-from pathlib import Path
 from typing import Any
 
-import duckdb
-import pyarrow as pa
 import pytest
 import zstandard
 
 import tracedb
-import tracedb.ingest.rows
-import tracedb.ingest.run
-import tracedb.ingest.writer
-from tracedb.errors import SchemaVersionError
 from tracedb.ingest import IngestReport
 
 from support import FIXTURES
-
-TABLES = ("tracedb_meta", "episodes", "traces", "segments", "nodes", "branches", "rejects")
-FIXTURE_FILES = sorted(FIXTURES.glob("*.traces.jsonl"))
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def episodes_of(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def one_episode(name: str = "linear") -> dict[str, Any]:
-    (episode,) = episodes_of(FIXTURES / f"{name}.traces.jsonl")
-    return episode
-
-
-def all_episodes() -> list[dict[str, Any]]:
-    return [e for f in FIXTURE_FILES for e in episodes_of(f)]
-
-
-def canon(value: Any) -> str:
-    """Type-exact form: equal only if ints stay ints, floats floats, None None."""
-    return json.dumps(value, sort_keys=True, ensure_ascii=False)
-
-
-def assert_same(got: Any, want: Any) -> None:
-    assert got == want
-    assert canon(got) == canon(want)
-
-
-def write_jsonl(path: Path, records: list[Any]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-    return path
-
-
-def counts(db: tracedb.Database) -> dict[str, int]:
-    return {t: db.sql(f"SELECT count(*) AS n FROM {t}").column("n")[0].as_py() for t in TABLES}
-
-
-def content(db: tracedb.Database) -> dict[str, list[str]]:
-    """Every row of every table, order-independent."""
-    return {t: sorted(repr(r) for r in db.sql(f"SELECT * FROM {t}").to_pylist()) for t in TABLES}
-
-
-def stats_without_size(db: tracedb.Database) -> dict[str, Any]:
-    s = db.stats()
-    s.pop("bytes")
-    return s
-
-
-def renamed(episode: dict[str, Any], suffix: str) -> dict[str, Any]:
-    """A copy of an episode with fresh episode and trace ids."""
-    e = copy.deepcopy(episode)
-    e["id"] = e["id"] + suffix
-    for t in e["traces"]:
-        t["id"] = t["id"] + suffix
-    return e
-
-
-def groups_head(tmp_path: Path, n: int) -> Path:
-    """The first ``n`` lines of the groups fixture, as a file of their own."""
-    path = tmp_path / f"groups_head_{n}.traces.jsonl"
-    lines = (FIXTURES / "groups.traces.jsonl").read_text().splitlines(keepends=True)[:n]
-    path.write_text("".join(lines))
-    return path
-
-
-def fixture_totals() -> dict[str, int]:
-    eps = all_episodes()
-    traces = [t for e in eps for t in e["traces"]]
-    nodes = [n for t in traces for n in t["nodes"]]
-    return {
-        "episodes": len(eps),
-        "traces": len(traces),
-        "nodes": len(nodes),
-        "tokens": sum(len(n.get("token_ids", [])) for n in nodes),
-    }
-
+from support.ingested import (
+    FIXTURE_FILES,
+    all_episodes,
+    assert_same,
+    content,
+    counts,
+    episodes_of,
+    fixture_totals,
+    groups_head,
+    one_episode,
+    renamed,
+    write_jsonl,
+)
 
 # --------------------------------------------------------------------------- file kinds
 
@@ -352,6 +277,24 @@ def test_idempotency_across_batches_and_files(fresh_db, tmp_path, knobs):
         assert_same(fresh_db.episode(e["id"]), e)
 
 
+@pytest.mark.parametrize("batch_tokens", [None, 1], ids=["one-batch", "batch-per-line"])
+def test_one_episode_over_two_lines_is_stored_once(fresh_db, tmp_path, knobs, batch_tokens):
+    """The same episode id on two lines (its traces written in two goes): one episode row,
+    both traces, whether or not the lines land in the same batch."""
+    if batch_tokens is not None:
+        knobs(batch_tokens=batch_tokens)
+        knobs(chunk_bytes=1)  # a chunk per line
+    first = one_episode("linear")
+    second = renamed(first, "-second")
+    second["id"] = first["id"]
+    report = fresh_db.ingest(write_jsonl(tmp_path / "split.jsonl", [first, second]))
+    assert report.ok, report.rejected
+    assert (report.episodes, report.traces) == (1, 2)
+    assert counts(fresh_db)["episodes"] == 1 and counts(fresh_db)["traces"] == 2
+    ids = fresh_db.sql("SELECT DISTINCT episode_id FROM traces").column("episode_id").to_pylist()
+    assert ids == [first["id"]]
+
+
 # --------------------------------------------------------------------------- segment dedup
 
 
@@ -541,278 +484,3 @@ def test_float_streams_round_trip_at_float32(fresh_db, tmp_path):
 
     assert np.array_equal(np.asarray(got, np.float32), np.asarray(node["advantages"], np.float32))
     assert got[0] == 0.1  # shortest decimal of the float32, not 0.10000000149011612
-
-
-# --------------------------------------------------------------------------- persistence
-
-
-def test_file_database_persists(tmp_path):
-    path = tmp_path / "db.duckdb"
-    with tracedb.connect(path) as db:
-        report = db.ingest(FIXTURES)
-        assert report.ok
-        stats = stats_without_size(db)
-        views = db.branches()
-        snap = content(db)
-        assert db.stats()["bytes"] > 0
-    assert path.exists()
-    for read_only in (False, True):
-        with tracedb.connect(path, read_only=read_only) as db:
-            assert stats_without_size(db) == stats
-            assert db.branches().equals(views)
-            assert content(db) == snap
-            for episode in all_episodes():
-                assert_same(db.episode(episode["id"]), episode)
-
-
-def test_file_database_reingest_after_reopen(tmp_path):
-    path = tmp_path / "db.duckdb"
-    with tracedb.connect(path) as db:
-        db.ingest(FIXTURES / "groups.traces.jsonl")
-    with tracedb.connect(path) as db:
-        report = db.ingest(FIXTURES)
-        n_groups = len(episodes_of(FIXTURES / "groups.traces.jsonl"))
-        assert report.skipped == n_groups
-        assert report.traces == fixture_totals()["traces"] - n_groups
-    with tracedb.connect(path, read_only=True) as db:
-        assert db.stats()["traces"] == fixture_totals()["traces"]
-
-
-def test_schema_version_recorded(fresh_db, tmp_path):
-    rows = fresh_db.sql("SELECT key, value FROM tracedb_meta WHERE key = 'schema_version'").to_pylist()
-    assert rows == [{"key": "schema_version", "value": str(tracedb.SCHEMA_VERSION)}]
-    assert fresh_db.stats()["schema_version"] == tracedb.SCHEMA_VERSION == fresh_db.schema_version
-    path = tmp_path / "v.duckdb"
-    with tracedb.connect(path):
-        pass
-    with tracedb.connect(path, read_only=True) as db:
-        assert db.sql("SELECT value FROM tracedb_meta WHERE key = 'schema_version'").to_pylist() == [
-            {"value": str(tracedb.SCHEMA_VERSION)}
-        ]
-
-
-@pytest.mark.parametrize("stored", ["999", "0"])
-def test_other_schema_version_refused(tmp_path, stored):
-    path = tmp_path / "old.duckdb"
-    with tracedb.connect(path) as db:
-        db.ingest(FIXTURES / "linear.traces.jsonl")
-        db.sql(f"UPDATE tracedb_meta SET value = '{stored}' WHERE key = 'schema_version'")
-    for read_only in (True, False):
-        with pytest.raises(SchemaVersionError) as info:
-            tracedb.connect(path, read_only=read_only)
-        assert stored in str(info.value) and isinstance(info.value, tracedb.TraceDBError)
-        del info
-        gc.collect()
-    # refusing did not rewrite the file's version
-    con = duckdb.connect(str(path), read_only=True)
-    try:
-        assert con.execute("SELECT value FROM tracedb_meta WHERE key = 'schema_version'").fetchall() == [(stored,)]
-    finally:
-        con.close()
-
-
-def test_refused_open_does_not_keep_the_file_open(tmp_path):
-    """A caller that holds on to the SchemaVersionError (logs it, re-raises it later) must
-    still be able to open the file again, e.g. read-only to inspect it."""
-    path = tmp_path / "old.duckdb"
-    with tracedb.connect(path) as db:
-        db.sql("UPDATE tracedb_meta SET value = '999' WHERE key = 'schema_version'")
-    try:
-        tracedb.connect(path)
-    except SchemaVersionError as e:
-        held = e
-    con = duckdb.connect(str(path), read_only=True)
-    con.close()
-    assert isinstance(held, SchemaVersionError)
-
-
-def test_a_large_ingest_lands_in_the_file_at_commit(tmp_path):
-    """The commit of a large ingest checkpoints straight into the file (no WAL left
-    behind), and the instance's checkpoint threshold is put back afterwards."""
-    from tracedb.sample import write_sample
-
-    jsonl = write_sample(tmp_path / "traces.jsonl", groups=2, tokens_per_trace=15_000, advantages=True)
-    path = tmp_path / "runs.duckdb"
-    with tracedb.connect(path) as db:
-        before = db.con.execute("SELECT current_setting('checkpoint_threshold')").fetchall()[0][0]
-        report = db.ingest(jsonl)
-        assert report.traces == 16
-        wal = Path(str(path) + ".wal")
-        assert not wal.exists() or wal.stat().st_size < 64 * 1024  # not the ~2 MB of data
-        assert db.con.execute("SELECT current_setting('checkpoint_threshold')").fetchall()[0][0] == before
-        expected = db.branches()
-    with tracedb.connect(path, read_only=True) as db:
-        assert db.branches().equals(expected)
-
-
-@pytest.mark.parametrize("batch_tokens", [None, 1], ids=["one-batch", "batch-per-line"])
-def test_one_episode_over_two_lines_is_stored_once(fresh_db, tmp_path, knobs, batch_tokens):
-    """The same episode id on two lines (its traces written in two goes): one episode row,
-    both traces, whether or not the lines land in the same batch."""
-    if batch_tokens is not None:
-        knobs(batch_tokens=batch_tokens)
-        knobs(chunk_bytes=1)  # a chunk per line
-    first = one_episode("linear")
-    second = renamed(first, "-second")
-    second["id"] = first["id"]
-    report = fresh_db.ingest(write_jsonl(tmp_path / "split.jsonl", [first, second]))
-    assert report.ok, report.rejected
-    assert (report.episodes, report.traces) == (1, 2)
-    assert counts(fresh_db)["episodes"] == 1 and counts(fresh_db)["traces"] == 2
-    ids = fresh_db.sql("SELECT DISTINCT episode_id FROM traces").column("episode_id").to_pylist()
-    assert ids == [first["id"]]
-
-
-def test_a_failed_insert_leaves_the_database_as_it_was(tmp_path, monkeypatch, knobs):
-    """The INSERTs run on the writer thread; its failure reaches the caller, after the
-    batches written before it, and the whole ingest is rolled back."""
-    knobs(batch_tokens=1)
-    knobs(chunk_bytes=1)  # a chunk per line
-    path = tmp_path / "runs.duckdb"
-    with tracedb.connect(path) as db:
-        db.ingest(FIXTURES / "linear.traces.jsonl")
-        before = content(db)
-        real = tracedb.ingest.writer.Writer._write
-        calls = []
-
-        def failing(self, inserts):
-            calls.append(len(inserts))
-            if len(calls) == 3:
-                raise OSError("disk full (simulated)")
-            real(self, inserts)
-
-        monkeypatch.setattr(tracedb.ingest.writer.Writer, "_write", failing)
-        with pytest.raises(OSError, match="simulated"):
-            db.ingest(FIXTURES / "groups.traces.jsonl")
-        assert len(calls) >= 3
-        assert content(db) == before
-        monkeypatch.setattr(tracedb.ingest.writer.Writer, "_write", real)
-        report = db.ingest(FIXTURES / "groups.traces.jsonl")  # still usable
-        assert report.ok and report.traces > 3
-    with tracedb.connect(path, read_only=True) as db:
-        assert counts(db)["traces"] == 1 + report.traces
-
-
-def test_a_failing_insert_reports_its_own_error(tmp_path, monkeypatch):
-    """The writer thread's INSERT error reaches the caller as itself, not as the
-    "transaction is aborted" that cleaning up after it would raise."""
-    import duckdb
-
-    real = tracedb.ingest.rows.Batch.inserts
-
-    def with_a_bad_row(batch):
-        bad = pa.table({"trace_id": pa.array([None], pa.string())})
-        return [
-            *real(batch),
-            ("_tdb_bad", "INSERT INTO traces (trace_id, record) SELECT trace_id, '{}' FROM _tdb_bad", bad),
-        ]
-
-    monkeypatch.setattr(tracedb.ingest.rows.Batch, "inserts", with_a_bad_row)
-    with tracedb.connect(tmp_path / "runs.duckdb") as db:
-        before = content(db)
-        with pytest.raises(duckdb.ConstraintException):
-            db.ingest(FIXTURES / "linear.traces.jsonl")
-        assert content(db) == before
-        monkeypatch.setattr(tracedb.ingest.rows.Batch, "inserts", real)
-        assert db.ingest(FIXTURES / "linear.traces.jsonl").traces == 1
-
-
-def test_a_failed_commit_reports_its_own_error(tmp_path, monkeypatch):
-    """DuckDB ends the transaction when COMMIT fails; the ROLLBACK after it must not hide
-    the commit's error behind "no transaction is active"."""
-    import duckdb
-
-    def failing_commit(db):
-        db.con.execute("ROLLBACK")  # what a failed COMMIT leaves behind
-        raise duckdb.ConstraintException("commit failed (simulated)")
-
-    monkeypatch.setattr(tracedb.ingest.run, "commit_into_file", failing_commit)
-    with tracedb.connect(tmp_path / "runs.duckdb") as db:
-        with pytest.raises(duckdb.ConstraintException, match="simulated"):
-            db.ingest(FIXTURES / "linear.traces.jsonl")
-        assert counts(db)["traces"] == 0
-
-
-def test_interrupted_twice_the_ingest_still_rolls_back_after_the_writer(tmp_path, monkeypatch, knobs):
-    """Ctrl-C while the writer inserts, and again while ingest waits for it: the ROLLBACK
-    comes only once the writer is done (an INSERT after it would autocommit)."""
-    import threading
-    import time
-
-    knobs(batch_tokens=1)
-
-    knobs(chunk_bytes=1)  # a chunk per line
-    real_write, real_join = tracedb.ingest.writer.Writer._write, threading.Thread.join
-    inserting = threading.Event()
-
-    def slow_write(self, inserts):
-        inserting.set()
-        time.sleep(0.3)  # a large INSERT
-        real_write(self, inserts)
-
-    def join_interrupted_once(self, timeout=None):
-        if self.name == "tracedb-ingest-writer" and not getattr(self, "_tdb_interrupted", False):
-            self._tdb_interrupted = True
-            raise KeyboardInterrupt  # the second Ctrl-C, while ingest waits for the writer
-        return real_join(self, timeout)
-
-    def interrupted_flush(*args, **kwargs):
-        real_flush(*args, **kwargs)
-        if inserting.is_set():
-            raise KeyboardInterrupt  # the first Ctrl-C, in the parsing thread
-
-    real_flush = tracedb.ingest.run._flush
-    with tracedb.connect(tmp_path / "runs.duckdb") as db:
-        db.ingest(FIXTURES / "linear.traces.jsonl")
-        before = content(db)
-        monkeypatch.setattr(tracedb.ingest.writer.Writer, "_write", slow_write)
-        monkeypatch.setattr(threading.Thread, "join", join_interrupted_once)
-        monkeypatch.setattr(tracedb.ingest.run, "_flush", interrupted_flush)
-        with pytest.raises(KeyboardInterrupt):
-            db.ingest(FIXTURES / "groups.traces.jsonl")
-        time.sleep(0.5)  # a writer left running would insert (and autocommit) by now
-        assert content(db) == before
-        assert not [t for t in threading.enumerate() if t.name == "tracedb-ingest-writer"]
-        monkeypatch.undo()
-        assert db.ingest(FIXTURES / "groups.traces.jsonl").ok
-
-
-def test_an_ingest_that_cannot_begin_leaves_nothing_running(fresh_db):
-    import threading
-
-    import duckdb
-
-    fresh_db.con.execute("BEGIN TRANSACTION")  # the caller's own, still open
-    before = {t.ident for t in threading.enumerate()}
-    with pytest.raises(duckdb.TransactionException):
-        fresh_db.ingest(FIXTURES / "linear.traces.jsonl", progress=True)
-    assert {t.ident for t in threading.enumerate() if t.is_alive()} <= before
-    fresh_db.con.execute("ROLLBACK")
-
-
-def test_inserts_fill_whole_row_groups(tmp_path, monkeypatch, knobs):
-    """Every INSERT of an ingest but the last of each table adds whole row groups, from one
-    Arrow chunk (else DuckDB writes the rows again at COMMIT and the file keeps both); the
-    rows held back between batches all arrive."""
-    inserted: dict[str, list[tuple[int, int]]] = {}
-    real = tracedb.ingest.writer.Writer._insert
-
-    def recording(self, name, statement, table):
-        inserted.setdefault(name, []).append((len(table), len(table.column(0).chunks)))
-        real(self, name, statement, table)
-
-    monkeypatch.setattr(tracedb.ingest.writer.Writer, "_insert", recording)
-    knobs(batch_tokens=1)
-    knobs(chunk_bytes=1)  # a batch per line
-    knobs(write_alignment_rows=4)  # the fixtures are small
-    with tracedb.connect(tmp_path / "runs.duckdb") as db:
-        report = db.ingest(FIXTURES / "groups.traces.jsonl")
-        assert report.ok
-        stats = db.stats()
-    assert sum(n for n, _ in inserted["_tdb_nodes"]) == stats["nodes"] == report.nodes
-    assert sum(n for n, _ in inserted["_tdb_traces"]) == stats["traces"]
-    assert sum(n for n, _ in inserted["_tdb_branches"]) == stats["branches"]
-    assert len(inserted["_tdb_nodes"]) > 3
-    for name, rows in inserted.items():
-        assert all(n % 4 == 0 for n, _ in rows[:-1]), (name, rows)
-        assert all(chunks == 1 for _, chunks in rows), (name, rows)

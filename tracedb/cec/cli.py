@@ -94,7 +94,7 @@ def queries(
     as_json: JsonOption = False,
 ) -> None:
     """The planned counterfactual queries: per trace, the trees and paths to build its intervention."""
-    with open_db(db) as database:
+    with open_db(db, read_only=True) as database:
         try:
             rows = cec.queries(database, pending_only=pending)
         except TraceDBError as e:

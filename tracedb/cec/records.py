@@ -17,11 +17,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tracedb import tables
 from tracedb.cec.rules import CEC_SCHEMA_VERSION, CecError
-from tracedb.errors import IngestAborted, Location, RecordError
+from tracedb.errors import IngestAborted, InputError, Location, RecordError
 from tracedb.handle import Handle, HandleOf, handle_of
-from tracedb.ingest.files import find_files, read_lines
+from tracedb.ingest.files import LongLine, find_files, read_lines
 from tracedb.ingest.parse import json_object
-from tracedb.ingest.rejects import Reject, Report, record_rejects
+from tracedb.ingest.rejects import Raw, Reject, Report, record_rejects
 from tracedb.sqltext import load_sql
 
 
@@ -221,23 +221,30 @@ def ingest_records(db: HandleOf, paths: str | Path | Iterable[str | Path], *, st
         paths = [paths]
     files = find_files(paths)
     report = CecIngestReport(files=len(files))
-    rejects: list[tuple[Reject, bytes]] = []
+    rejects: list[tuple[Reject, bytes | Raw]] = []
 
-    def reject(error: RecordError, raw: bytes) -> None:
+    def reject(error: RecordError, raw: bytes | Raw) -> None:
         if strict:
             raise IngestAborted(error)
         item = Reject.of(error)
         rejects.append((item, raw))
         report.rejected.append(item)
 
-    parsed: list[tuple[Any, str, int, bytes]] = []  # (record or RecordError, file, line, raw), in line order
+    parsed: list[tuple[Any, str, int, bytes | Raw]] = []  # (record or RecordError, file, line, raw), in line order
     for path in files:
-        for number, raw in read_lines(path):
-            report.lines += 1
-            try:
-                parsed.append((parse_record(raw, Location(str(path), number)), str(path), number, raw))
-            except RecordError as e:
-                parsed.append((e, str(path), number, raw))
+        try:
+            for number, raw in read_lines(path):
+                report.lines += 1
+                if isinstance(raw, LongLine):
+                    error = RecordError(raw.reason, Location(str(path), number))
+                    parsed.append((error, str(path), number, Raw(raw.prefix, raw.size)))
+                    continue
+                try:
+                    parsed.append((parse_record(raw, Location(str(path), number)), str(path), number, raw))
+                except RecordError as e:
+                    parsed.append((e, str(path), number, raw))
+        except InputError as e:  # a file cut short: the lines before the damage stay, the damage is a reject
+            parsed.append((RecordError(e.reason, Location(e.file, e.line)), e.file, e.line or 0, Raw(e.partial, None)))
 
     good = [item[0] for item in parsed if not isinstance(item[0], RecordError)]
     trace_ids = sorted({r.trace_id for r in good})

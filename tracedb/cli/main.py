@@ -52,10 +52,15 @@ def sql(
     db: DbOption = Path("tracedb.duckdb"),
     as_json: JsonOption = False,
     limit: Annotated[int, typer.Option(help="Print at most this many rows (table output).")] = 50,
+    write: Annotated[
+        bool, typer.Option("--write", help="Open the file for writing (for statements that change it).")
+    ] = False,
 ) -> None:
-    """Run SQL against the database; tracedb's macros (branch_tokens(), node_credit(), ...) are there."""
+    """Run SQL against the database; tracedb's macros (branch_tokens(), node_credit(), ...) are there.
+
+    The file is opened read-only (other readers may have it open too) unless --write."""
     text = sys.stdin.read() if query == "-" else query
-    with open_db(db) as database:
+    with open_db(db, read_only=not write) as database:
         try:
             table = database.sql(text)
         except Exception as e:  # DuckDB's own message says what is wrong with the query
@@ -225,6 +230,21 @@ def credit_sets(db: DbOption = Path("tracedb.duckdb"), as_json: JsonOption = Fal
 
 
 @app.command()
+def migrate(db: DbOption = Path("tracedb.duckdb"), as_json: JsonOption = False) -> None:
+    """Upgrade a database file written by an older tracedb to this one's schema, in place
+    (one transaction: a failure leaves the file as it was)."""
+    if not db.exists():
+        raise fail(f"no database at {db}", 2)
+    from tracedb.handle import SCHEMA_VERSION
+    from tracedb.migrations import stored_version
+
+    before = stored_version(db)
+    with open_db(db) as database:  # a read-write open upgrades
+        after = database.handle.stored_version()
+    emit({"path": str(db), "from_version": before, "to_version": after, "current": SCHEMA_VERSION}, as_json)
+
+
+@app.command()
 def serve(
     db: DbOption = Path("tracedb.duckdb"),
     host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
@@ -236,31 +256,55 @@ def serve(
         ),
     ] = None,
     allow_sql: Annotated[bool, typer.Option("--allow-sql", help="Enable POST /sql (one read-only SELECT).")] = False,
+    sql_needs_token: Annotated[
+        bool, typer.Option("--sql-needs-token", help="POST /sql needs the bearer token too.")
+    ] = False,
     tokenizer: Annotated[
         Path | None, typer.Option(help="Local Hugging Face tokenizer.json: the viewer shows decoded tokens.")
     ] = None,
     max_body_mb: Annotated[int, typer.Option(help="Refuse request bodies larger than this many MiB (413).")] = 256,
     sql_row_limit: Annotated[int, typer.Option(help="Rows POST /sql returns at most.")] = 1000,
-    sql_timeout: Annotated[float, typer.Option(help="Seconds a POST /sql query may run.")] = 5.0,
+    sql_max_mb: Annotated[float, typer.Option(help="MiB of JSON rows POST /sql returns at most.")] = 4.0,
+    sql_timeout: Annotated[float, typer.Option(help="Seconds a POST /sql query (and its answer) may take.")] = 5.0,
+    allowed_host: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--allowed-host", help="Another Host name to answer to (repeatable; '*' any); loopback and --host always."
+        ),
+    ] = None,
 ) -> None:
-    """Serve the REST API (branch lookup as JSON or Arrow, listings, writes) and the web trace viewer."""
+    """Serve the REST API (branch lookup as JSON or Arrow, listings, writes) and the web trace viewer.
+
+    Without a token the file is opened read-only, so other processes can read it meanwhile."""
     import uvicorn
 
     from tracedb.api import create_app
+    from tracedb.api.security import LOOPBACK_HOSTS
 
+    if token is None and not db.exists():
+        raise fail(f"no database at {db} (a read-only server needs one; with --token it is created)", 2)
+    if host not in ("127.0.0.1", "localhost", "::1") and token is None:
+        err.print(
+            f"[yellow]warning: serving on {host}, beyond this machine, with no token: anyone who reaches it "
+            "reads every trace[/yellow]"
+        )
     try:
         application = create_app(
             db,
             token=token,
             allow_sql=allow_sql,
+            sql_needs_token=sql_needs_token,
             tokenizer=tokenizer,
             max_body_bytes=max_body_mb * 1024 * 1024,
             sql_row_limit=sql_row_limit,
+            sql_max_bytes=int(sql_max_mb * 1024 * 1024),
             sql_timeout_s=sql_timeout,
+            allowed_hosts=[*LOOPBACK_HOSTS, host, *(allowed_host or [])],
         )
     except (TraceDBError, FileNotFoundError, ValueError) as e:
         raise fail(e, 2) from None
-    err.print(f"tracedb serving {db} on http://{host}:{port} (writes {'on' if token else 'off'})")
+    mode = "writes on" if token else "read-only"
+    err.print(f"tracedb serving {db} on http://{host}:{port} ({mode})")
     try:
         uvicorn.run(application, host=host, port=port, log_level="info")
     finally:

@@ -12,13 +12,14 @@ skipped but counted.
 from __future__ import annotations
 
 import io
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from tracedb import runtime
+from tracedb.errors import InputError
 
 SUFFIXES = (".jsonl", ".jsonl.zst")
 """What a directory's files must end with to be ingested."""
@@ -40,25 +41,105 @@ def find_files(paths: Iterable[str | Path]) -> list[Path]:
 
 
 def open_input(path: Path) -> io.BufferedIOBase:
-    """The file's bytes, decompressed when its name ends with ``.zst``."""
+    """The file's bytes, decompressed when its name ends with ``.zst``; a compressed file
+    that is not zstd, is corrupt, or ends inside a frame raises :class:`InputError` when
+    the reading gets there (everything before it has been handed out)."""
     if path.name.endswith(".zst"):
-        import zstandard
-
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb")), 1 << 20)
+        return io.BufferedReader(_Zstd(path), 1 << 20)
     return open(path, "rb", buffering=1 << 20)
 
 
-def read_lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    """(line number, bytes) of each non-blank record; a ``.json`` file is one record."""
-    with open_input(path) as f:
-        if path.suffix == ".json":
-            data = f.read()
-            if data.strip():
-                yield 1, data
-            return
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                yield number, line.rstrip(b"\r\n")
+class _Zstd(io.RawIOBase):
+    """A zstd file's decompressed bytes, frame after frame, that knows where it ends: the
+    stream readers of ``zstandard`` stop quietly at a frame cut short, which would ingest
+    half a file as if it were all of it."""
+
+    def __init__(self, path: Path) -> None:
+        import zstandard
+
+        self._path = path
+        self._file = open(path, "rb")
+        self._zstd = zstandard
+        self._decompressor = zstandard.ZstdDecompressor()
+        self._frame = self._decompressor.decompressobj()
+        self._in_frame = False  # bytes of a frame fed, its end not reached yet
+        self._ready = b""
+        self._error: InputError | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
+        # A damage found is raised on the read after the one that handed out the bytes
+        # before it (a buffered read of many blocks would drop them with the error).
+        while not self._ready:
+            if self._error is not None:
+                raise self._error
+            data = self._file.read(1 << 20)
+            if not data:
+                if self._in_frame:
+                    self._error = InputError(str(self._path), "truncated: the file ends inside a zstd frame")
+                    self._in_frame = False
+                    return 0
+                return 0
+            self._ready = self._feed(data)
+        n = min(len(buffer), len(self._ready))
+        buffer[:n] = self._ready[:n]
+        self._ready = self._ready[n:]
+        return n
+
+    def _feed(self, data: bytes) -> bytes:
+        out = []
+        while data:
+            try:
+                out.append(self._frame.decompress(data))
+            except self._zstd.ZstdError as e:
+                self._error = InputError(str(self._path), f"not valid zstd data: {e}")
+                break
+            self._in_frame = True
+            if self._frame.eof:  # a frame ended: the rest is the next one
+                data = self._frame.unused_data
+                self._frame = self._decompressor.decompressobj()
+                self._in_frame = False
+            else:
+                data = b""
+        return b"".join(out)
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
+
+
+def read_lines(path: Path) -> Iterator[tuple[int, bytes | LongLine]]:
+    """(line number, bytes) of each non-blank record; a ``.json`` file is one record. A
+    line over the ``max_line_bytes`` setting comes as a :class:`LongLine`, read past without
+    being held. A file cut short raises :class:`InputError` naming the first line lost."""
+    number = 0
+    knobs = runtime.settings()
+    limit = knobs.max_line_bytes
+    try:
+        with open_input(path) as f:
+            if path.suffix == ".json":
+                if path.stat().st_size > limit:
+                    yield 1, LongLine(1, path.stat().st_size, f.read(knobs.reject_record_bytes))
+                    return
+                data = f.read()
+                if data.strip():
+                    yield 1, data
+                return
+            while line := f.readline(limit + 1):
+                number += 1
+                if len(line) > limit and not line.endswith(b"\n"):
+                    size, prefix = len(line), line[: knobs.reject_record_bytes]
+                    while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
+                        size += len(rest)
+                    size += len(rest.rstrip(b"\r\n"))
+                    yield number, LongLine(number, size, prefix)
+                elif line.strip():
+                    yield number, line.rstrip(b"\r\n")
+            f.read(1)  # at the end: a damage found there is raised now
+    except InputError as e:
+        raise InputError(e.file, e.reason, number + 1) from None
 
 
 @dataclass
@@ -88,11 +169,31 @@ def _chunk(data: bytes, first_number: int) -> Chunk:
     return Chunk(data, np.array(starts, np.int64), np.array(ends, np.int64), numbers)
 
 
-def read_chunks(path: Path, chunk_bytes: int | None = None) -> Iterator[Chunk]:
+@dataclass
+class LongLine:
+    """A line over the ``max_line_bytes`` setting: never held whole, rejected unread."""
+
+    number: int
+    size: int
+    """Its length in bytes (without the line break)."""
+    prefix: bytes
+    """Its first bytes (``reject_record_bytes``), kept with the reject."""
+
+    @property
+    def reason(self) -> str:
+        limit = runtime.settings().max_line_bytes
+        return f"line of {self.size} bytes is over the limit of {limit} bytes (max_line_bytes); not read"
+
+
+def read_chunks(path: Path, chunk_bytes: int | None = None) -> Iterator[Chunk | LongLine]:
     """The file's lines in chunks of at least ``chunk_bytes`` (default: the
     ``chunk_bytes`` setting) up to a line break; a ``.json`` file is one record. Each byte
-    is copied once on the way (from the read block into its chunk)."""
-    size = max(chunk_bytes or runtime.settings().chunk_bytes, 1)
+    is copied once on the way (from the read block into its chunk). A line longer than the
+    ``max_line_bytes`` setting that spans blocks comes as a :class:`LongLine` instead,
+    read past without being held. A file cut short raises :class:`InputError` naming the
+    first line lost, after every whole line before it."""
+    knobs = runtime.settings()
+    size = max(chunk_bytes or knobs.chunk_bytes, 1)
     number = 1
 
     def cut(data: bytes) -> Iterator[Chunk]:
@@ -106,24 +207,82 @@ def read_chunks(path: Path, chunk_bytes: int | None = None) -> Iterator[Chunk]:
             start = end or len(data)
             yield chunk
 
-    with open_input(path) as f:
-        if path.suffix == ".json":
-            data = f.read()
-            if data:
-                end = np.array([len(data)], np.int64)
-                yield Chunk(data + b"\n", np.zeros(1, np.int64), end, np.ones(1, np.int64))
-            return
-        carry = b""
-        while block := f.read(max(size, 1 << 16)):
+    def long_line(size: int, prefix: bytes) -> LongLine:
+        nonlocal number
+        number += 1
+        return LongLine(number - 1, size, prefix[: knobs.reject_record_bytes])
+
+    try:
+        with open_input(path) as f:
+            if path.suffix == ".json":
+                if path.stat().st_size > knobs.max_line_bytes:
+                    yield long_line(path.stat().st_size, f.read(knobs.reject_record_bytes))
+                    return
+                data = f.read()
+                if data:
+                    end = np.array([len(data)], np.int64)
+                    yield Chunk(data + b"\n", np.zeros(1, np.int64), end, np.ones(1, np.int64))
+                return
+            yield from _blocks(f, max(size, 1 << 16), knobs.max_line_bytes, cut, long_line)
+    except _Cut as e:
+        raise InputError(e.error.file, e.error.reason, number, e.partial[: knobs.reject_record_bytes]) from None
+
+
+class _Cut(Exception):
+    """An :class:`InputError` met after ``partial`` (the start of the line it cut) was read."""
+
+    def __init__(self, error: InputError, partial: bytes) -> None:
+        self.error = error
+        self.partial = partial
+
+
+def _blocks(
+    f: io.BufferedIOBase,
+    block_size: int,
+    limit: int,
+    cut: Callable[[bytes], Iterator[Chunk]],
+    long_line: Callable[[int, bytes], LongLine],
+) -> Iterator[Chunk | LongLine]:
+    """Read ``f`` in blocks and cut them into chunks of whole lines; the line a block ends
+    inside is carried (as parts, not grown by copying) into the next block, and one that
+    grows past ``limit`` is read past to its end and handed out as a :class:`LongLine`."""
+    parts: list[bytes] = []  # the carried line, so far
+    carried = 0
+    skipped = 0  # > 0: reading past a long line, this many bytes so far
+    prefix = b""
+    try:
+        while block := f.read(block_size):
+            if skipped:
+                end = block.find(b"\n")
+                if end < 0:
+                    skipped += len(block)
+                    continue
+                yield long_line(skipped + end, prefix)
+                skipped, block = 0, block[end + 1 :]
             last = block.rfind(b"\n")
             if last < 0:
-                carry += block  # a line longer than a block
+                parts.append(block)
+                carried += len(block)
+                if carried > limit:  # a long line: read past it from here
+                    prefix, skipped = b"".join(parts[:4]), carried  # its start, for the reject
+                    parts, carried = [], 0
                 continue
-            if carry or last + 1 < len(block):
-                data = b"".join((carry, memoryview(block)[: last + 1]))
-            else:
-                data = block
-            carry = block[last + 1 :]
+            if parts:
+                first = block.find(b"\n")
+                if carried + first > limit:  # the carried line ends here, too long
+                    yield long_line(carried + first, b"".join(parts))
+                    parts, carried, block = [], 0, block[first + 1 :]
+                    last = block.rfind(b"\n")
+                    if last < 0:
+                        parts, carried = ([block], len(block)) if block else ([], 0)
+                        continue
+            data = b"".join((*parts, memoryview(block)[: last + 1])) if parts or last + 1 < len(block) else block
+            tail = block[last + 1 :]
+            parts, carried = ([tail], len(tail)) if tail else ([], 0)
             yield from cut(data)
-        if carry:
-            yield from cut(carry)
+    except InputError as e:
+        raise _Cut(e, b"".join(parts) or prefix) from None
+    if skipped:
+        yield long_line(skipped, prefix)
+    elif parts:
+        yield from cut(b"".join(parts))

@@ -28,6 +28,7 @@ from tracedb.errors import Location, RecordError
 from tracedb.records import BIT, COMPACT_STREAMS, Episode, Trace
 
 _INT32 = np.iinfo(np.int32)
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 class Fallback(Exception):
@@ -84,7 +85,16 @@ class ParsedLine:
 
 
 def _f32(values: Any) -> np.ndarray:
-    return np.asarray(values, dtype=np.float64).astype(np.float32)
+    with np.errstate(over="ignore"):  # out of range: inf, which the checks refuse
+        return np.asarray(values, dtype=np.float64).astype(np.float32)
+
+
+def _finite32(values: np.ndarray) -> np.ndarray:
+    """float32 values the fast path may keep: every one finite (a float beyond the float32
+    range became infinity; the slow path words it)."""
+    if not np.isfinite(values).all():
+        raise Fallback
+    return values
 
 
 def _tokens(values: Any) -> np.ndarray:
@@ -154,6 +164,15 @@ def split_mask(mask: np.ndarray) -> tuple[int, int | None, np.ndarray | None]:
     return k, None, mask
 
 
+def _keys(obj: Any) -> list[str]:
+    """An object's keys; a key written twice falls back (simdjson's lookup gives the first
+    value, Python's ``json``, and so verifiers, the last: the slow path decides)."""
+    keys = list(obj.keys())
+    if len(set(keys)) != len(keys):
+        raise Fallback
+    return keys
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, simdjson.Object):
         return value.as_dict()
@@ -173,7 +192,7 @@ def _fast_node(node: Any) -> tuple[ParsedNode, int]:
     n_sampled, mask_prefix, mask = 0, 0, None
     streams: dict[str, np.ndarray | None] = {}
     brackets = 0
-    for key in node.keys():
+    for key in _keys(node):
         value = node[key]
         bit = BIT.get(key)
         if bit is None:
@@ -194,6 +213,7 @@ def _fast_node(node: Any) -> tuple[ParsedNode, int]:
                 raise Fallback
             message = value.mini
             brackets += message.count(b"[")
+            _keys(value)  # a repeated key (role) means its last value, as Python's json reads it
             role = value.get("role")
         elif key == "parent":
             if value is not None and (type(value) is not int or value < 0):
@@ -227,8 +247,8 @@ def _fast_node(node: Any) -> tuple[ParsedNode, int]:
             if not isinstance(value, simdjson.Object):
                 raise Fallback
             loss_weights = {}
-            for name in value.keys():
-                loss_weights[name] = _num(value[name], "d").astype(np.float32)
+            for name in _keys(value):
+                loss_weights[name] = _finite32(_f32(_num(value[name], "d")))
                 brackets += 1 + name.count("[")
         else:  # a compact stream
             if value is None:
@@ -236,7 +256,7 @@ def _fast_node(node: Any) -> tuple[ParsedNode, int]:
                     raise Fallback  # a list, empty when unknown: pydantic words it
                 streams[key] = None
                 continue
-            streams[key] = _num(value, "d").astype(np.float32)
+            streams[key] = _finite32(_f32(_num(value, "d")))
             brackets += 1
     if message is None:
         raise Fallback  # message is required; let pydantic say so
@@ -272,7 +292,7 @@ def _fast_trace(trace: Any, episode_id: str | None, position: int) -> tuple[Pars
         raise Fallback
     meta: dict[str, Any] = {}
     nodes_value = None
-    for key in trace.keys():
+    for key in _keys(trace):
         if key == "nodes":
             nodes_value = trace[key]
             meta[key] = None  # a placeholder in the key's place; the nodes are filled in on read
@@ -313,7 +333,7 @@ def parse_fast(parser: simdjson.Parser, raw: bytes) -> ParsedLine:
         else:
             episode: dict[str, Any] = {}
             traces_value = None
-            for key in doc.keys():
+            for key in _keys(doc):
                 if key == "traces":
                     traces_value = doc[key]
                     episode[key] = None  # in the key's place; the traces are filled in on read
@@ -377,14 +397,18 @@ def _pydantic_location(err: pydantic.ValidationError, raw: dict[str, Any]) -> tu
     first = err.errors()[0]
     loc = list(first["loc"])
     where = Location()
+    unnamed = None
     traces = raw.get("traces") if "traces" in raw or "nodes" not in raw else [raw]
     if "nodes" in raw and "traces" not in raw:
         loc = ["traces", 0, *loc]
     if len(loc) >= 2 and loc[0] == "traces" and isinstance(loc[1], int):
         try:
-            where.trace_id = traces[loc[1]].get("id")
+            trace_id = traces[loc[1]].get("id")
         except (AttributeError, IndexError, TypeError):
-            pass
+            trace_id = None
+        where.trace_id = trace_id if isinstance(trace_id, str) else None  # an id that is no string names nothing
+        if where.trace_id is None and ("traces" in raw or "nodes" not in raw):
+            unnamed = loc[1]  # so the message says which of the episode's traces
         loc = loc[2:]
         if len(loc) >= 2 and loc[0] == "nodes" and isinstance(loc[1], int):
             where.node = loc[1]
@@ -396,11 +420,13 @@ def _pydantic_location(err: pydantic.ValidationError, raw: dict[str, Any]) -> tu
     if first["type"] != "missing" and "input" in first:
         shown = json.dumps(first["input"], default=str)
         message += f" (got {shown if len(shown) <= 80 else shown[:77] + '...'})"
+    if unnamed is not None:
+        message += f" (in trace {unnamed} of the episode, which has no string id)"
     return where, message
 
 
 def _check_types(value: Any, where: Location) -> None:
-    """Token ids must fit int32 (the stored type)."""
+    """Values must fit the stored types: token ids int32, per-token streams float32."""
     for t in value.get("traces", []) if "traces" in value else [value]:
         for i, node in enumerate(t.get("nodes", [])):
             ids = node.get("token_ids") or []
@@ -410,6 +436,18 @@ def _check_types(value: Any, where: Location) -> None:
                     f"token id {value} at position {ids.index(value)} does not fit int32",
                     Location(where.file, where.line, t.get("id"), i, "token_ids"),
                 )
+            streams = [(k, node.get(k)) for k in COMPACT_STREAMS]
+            streams += [(f"loss_weights.{k}", v) for k, v in (node.get("loss_weights") or {}).items()]
+            for name, values in streams:
+                if not values:
+                    continue
+                over = np.flatnonzero(np.isinf(_f32(values)))
+                if len(over):
+                    k = int(over[0])
+                    raise RecordError(
+                        f"value {values[k]!r} at position {k} is outside the float32 range (|x| <= {_F32_MAX:.7g})",
+                        Location(where.file, where.line, t.get("id"), i, f"{name}.{k}"),
+                    )
 
 
 _SURROGATE = re.compile(rb"\\u[dD][89abcdefABCDEF]|\xed[\xa0-\xbf]")

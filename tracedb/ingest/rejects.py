@@ -7,21 +7,25 @@ reject reads the same whatever rejected it: its location, its reason, and the ra
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 
-from tracedb import tables
+from tracedb import runtime, tables
 from tracedb.errors import Location, RecordError
 from tracedb.handle import Handle
 
 
-def storable_text(value: str | None) -> str | None:
-    """``value`` as storable text: a lone surrogate (not Unicode) is written as its escape."""
+def storable_text(value: object) -> str | None:
+    """``value`` as storable text: a lone surrogate (not Unicode) is written as its escape;
+    anything but a string (an id that is a number, say) as its JSON-ish ``repr``."""
     if value is None:
         return None
+    if not isinstance(value, str):
+        value = repr(value)
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
@@ -57,10 +61,26 @@ class Reject:
         return str(RecordError(self.reason, Location(self.file, self.line, self.trace_id, self.node, self.field)))
 
 
-def record_rejects(handle: Handle, rejects: Sequence[tuple[Reject, bytes]]) -> None:
-    """Insert ``(reject, raw line)`` pairs into ``rejects`` (in the caller's transaction)."""
+@dataclass
+class Raw:
+    """What is kept of a rejected line that was never held whole (too long, or cut by a
+    damaged file): its first bytes and, when known, its whole length."""
+
+    prefix: bytes
+    size: int | None
+
+
+def record_rejects(handle: Handle, rejects: Sequence[tuple[Reject, bytes | Raw]]) -> None:
+    """Insert ``(reject, raw line)`` pairs into ``rejects`` (in the caller's transaction):
+    the line's first ``reject_record_bytes`` (a setting) as text, its length and SHA-256
+    (of the whole line; none for a :class:`Raw` line, which was never read whole)."""
     if not rejects:
         return
+    keep = runtime.settings().reject_record_bytes
+    lines = [
+        (raw, len(raw), hashlib.sha256(raw).hexdigest()) if isinstance(raw, bytes) else (raw.prefix, raw.size, None)
+        for _, raw in rejects
+    ]
     rows = {
         "source": pa.array([r.file for r, _ in rejects], pa.string()),
         "line": pa.array([r.line for r, _ in rejects], pa.int64()),
@@ -68,7 +88,9 @@ def record_rejects(handle: Handle, rejects: Sequence[tuple[Reject, bytes]]) -> N
         "node": pa.array([r.node for r, _ in rejects], pa.int32()),
         "field": pa.array([r.field for r, _ in rejects], pa.string()),
         "reason": pa.array([r.reason for r, _ in rejects], pa.string()),
-        "record": pa.array([raw.decode("utf-8", errors="replace") for _, raw in rejects], pa.string()),
+        "record": pa.array([raw[:keep].decode("utf-8", errors="replace") for raw, _, _ in lines], pa.string()),
+        "record_bytes": pa.array([size for _, size, _ in lines], pa.int64()),
+        "record_sha256": pa.array([digest for _, _, digest in lines], pa.string()),
     }
     table = tables.table_from(tables.inserted(tables.REJECTS), rows)
     columns = ", ".join(table.column_names)

@@ -12,6 +12,7 @@ whole or not at all, and with ``strict=True`` any rejection aborts it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -19,17 +20,22 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 import simdjson
 
-from tracedb import runtime
-from tracedb.errors import IngestAborted, Location, RecordError
+from tracedb import jitcache, runtime
+from tracedb.errors import IngestAborted, InputError, Location, RecordError
 from tracedb.handle import Handle
-from tracedb.ingest.files import find_files, read_chunks
-from tracedb.ingest.parse import parse_line
-from tracedb.ingest.rejects import Reject, Report, record_rejects
+from tracedb.ingest.files import LongLine, find_files, read_chunks
+from tracedb.ingest.parse import ParsedLine, parse_line
+from tracedb.ingest.rejects import Raw, Reject, Report, record_rejects, storable_text
 from tracedb.ingest.rows import Batch
 from tracedb.ingest.writer import Writer, commit_into_file
+
+log = logging.getLogger("tracedb.ingest")
+SCANNER_SOURCE = str(Path(__file__).with_name("_scan.py"))
+"""The compiled scanner's source file (named, not imported: that imports numba)."""
 
 
 @dataclass
@@ -46,13 +52,19 @@ class IngestReport(Report):
     tokens: int = 0
     segments_added: int = 0
     rejected: list[Reject] = field(default_factory=list)
+    unreadable: list[str] = field(default_factory=list)
+    """Files that could not be read to their end (corrupt or truncated compression): the
+    lines before the damage were ingested; each is also a reject, naming the first line lost."""
     seconds: float = 0.0
 
     def __str__(self) -> str:
-        return (
+        text = (
             f"ingested {self.traces} traces ({self.episodes} episodes, {self.nodes} nodes, "
             f"{self.tokens} tokens) from {self.files} files in {self.seconds:.2f}s"
         ) + self.notes("traces")
+        if self.unreadable:
+            text += f"; {len(self.unreadable)} file(s) could not be read to their end: {', '.join(self.unreadable)}"
+        return text
 
 
 @dataclass
@@ -119,8 +131,160 @@ def _resolve(handle: Handle, reader: Any, batch: Batch, report: IngestReport, se
 
 
 def _flush(handle: Handle, reader: Any, writer: Writer, batch: Batch, report: IngestReport, seen: _Seen) -> None:
+    """Leave out what the database holds, then hand the batch's rows to the writer."""
     _resolve(handle, reader, batch, report, seen)
     writer.submit(batch.inserts())
+
+
+class _Ingest:
+    """One ingest under way: its transaction's connection, the reader that sees the
+    database as it was before, the writer thread, the batch being filled, the report."""
+
+    def __init__(self, handle: Handle, report: IngestReport, *, strict: bool, allow_ragged: bool) -> None:
+        self.handle = handle
+        self.report = report
+        self.strict = strict
+        self.allow_ragged = allow_ragged
+        self.bar: _Bar | None = None
+        self.knobs = runtime.settings()
+        self.parser = simdjson.Parser()
+        self.scan: Any = None  # the compiled scanner's scan_chunk, when this ingest uses it
+        self.scanner: Any = None
+        self.compiling = False
+        self.rejects: list[tuple[Reject, bytes | Raw]] = []
+        self.seen = _Seen()
+        self.batch = Batch()
+        self.reader: Any = None
+        self.writer: Writer | None = None
+
+    def start(self, files: list[Path], progress: bool) -> None:
+        """Inside the transaction: the reader, the writer thread, the progress bar, and
+        which parser reads the lines (``scanner`` setting)."""
+        self.reader = self.handle.cursor()
+        self.writer = Writer(self.handle.con, self.knobs.write_alignment_rows)
+        self.bar = _progress(files) if progress else None
+        compiled = jitcache.is_compiled(SCANNER_SOURCE)
+        mode = self.knobs.scanner
+        size = sum(p.stat().st_size for p in files) if mode == "auto" and not compiled else 0
+        if mode == "always" or (mode == "auto" and (compiled or size >= self.knobs.scanner_min_bytes)):
+            # The scanner is numba: imported by the first ingest that uses it, not with tracedb.
+            from tracedb.ingest import scanned
+
+            self.scan, self.scanner = scanned.scan_chunk, scanned.Scanner()
+            if not compiled:
+                self.compiling = True
+                self.notice(
+                    "compiling the ingest scanner (numba, once per install: ~20 s on 2 cores); later ingests load it"
+                )
+
+    def notice(self, text: str) -> None:
+        """Something a person waiting for the ingest should know."""
+        if self.bar is not None:
+            self.bar.progress.console.print(text, style="dim")
+        else:
+            log.info(text)
+
+    def read(self, path: Path) -> None:
+        """Every line of one file into the batch (flushed at chunk ends once it is full)."""
+        source = str(path)
+        limit = self.knobs.max_line_bytes
+        for chunk in read_chunks(path, self.knobs.chunk_bytes):
+            if isinstance(chunk, LongLine):
+                self.long_line(source, chunk)
+                continue
+            if self.bar is not None:
+                self.bar.advance(len(chunk.data))
+            if self.scan is None:
+                lines: list[Any] = [None] * len(chunk.starts)
+            else:
+                _, lines = self.scan(chunk, self.scanner, allow_ragged=self.allow_ragged)
+                if self.compiling:
+                    self.compiling = False
+                    jitcache.mark_compiled(SCANNER_SOURCE)
+            long = np.flatnonzero(chunk.ends - chunk.starts > limit)  # within one block, over the limit all the same
+            for k, line in enumerate(lines):
+                number = int(chunk.numbers[k])
+                if len(long) and k in long:
+                    raw = chunk.raw(k)
+                    self.long_line(source, LongLine(number, len(raw), b""), raw)
+                    continue
+                if line is None:  # not taken by the scanner (or blank)
+                    raw = chunk.raw(k)
+                    if not raw.strip():
+                        continue
+                    line = self.parse(raw, source, number)
+                    if line is None:
+                        continue
+                self.report.lines += 1
+                self.batch.pending.append((line, source, number))
+                self.batch.tokens += sum(t.n_tokens for t in line.traces)
+            if self.batch.tokens >= self.knobs.batch_tokens:  # at a chunk's end: a scan goes whole into one batch
+                self.flush()
+
+    def parse(self, raw: bytes, source: str, number: int) -> ParsedLine | None:
+        """One line the scanner did not take; None when it is rejected (and recorded)."""
+        try:
+            return parse_line(self.parser, raw, Location(source, number), allow_ragged=self.allow_ragged)
+        except RecordError as e:
+            self.report.lines += 1
+            if self.strict:
+                raise IngestAborted(e) from None
+            self.reject(Reject.of(e), raw)
+            return None
+
+    def long_line(self, source: str, line: LongLine, raw: bytes | None = None) -> None:
+        """A line over ``max_line_bytes``: rejected unparsed (``raw``: the whole line, when
+        it was read whole within a block)."""
+        self.report.lines += 1
+        error = RecordError(line.reason, Location(source, line.number))
+        if self.strict:
+            raise IngestAborted(error) from None
+        self.reject(Reject.of(error), raw if raw is not None else Raw(line.prefix, line.size))
+
+    def unreadable(self, error: InputError) -> None:
+        """A file that could not be read to its end: its lines before the damage stay."""
+        if self.strict:
+            raise IngestAborted(RecordError(error.reason, Location(error.file, error.line))) from None
+        self.reject(
+            Reject(storable_text(error.file), error.line, None, None, None, error.reason),
+            Raw(error.partial, None),
+        )
+        self.report.unreadable.append(error.file)
+
+    def reject(self, reject: Reject, raw: bytes | Raw) -> None:
+        self.rejects.append((reject, raw))
+        self.report.rejected.append(reject)
+
+    def flush(self) -> None:
+        assert self.writer is not None
+        _flush(self.handle, self.reader, self.writer, self.batch, self.report, self.seen)
+        self.batch = Batch()
+
+    def finish(self) -> None:
+        """Write what is left and the rejects, and COMMIT."""
+        assert self.writer is not None
+        self.flush()
+        self.writer.finish()
+        record_rejects(self.handle, self.rejects)
+        commit_into_file(self.handle)
+
+    def abort(self) -> None:
+        """Stop the writer (through a second Ctrl-C) and roll back."""
+        try:
+            if self.writer is not None:
+                self.writer.cancel()
+        finally:
+            if self.writer is not None:
+                self.writer.wait()  # never roll back under a running INSERT
+            # A failed COMMIT has ended the transaction already: its error is the one to see.
+            with contextlib.suppress(duckdb.TransactionException):
+                self.handle.con.execute("ROLLBACK")
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+        if self.bar is not None:
+            self.bar.stop()
 
 
 def ingest_files(
@@ -130,82 +294,35 @@ def ingest_files(
     strict: bool = False,
     allow_ragged: bool = False,
     progress: bool = False,
+    whole_files: bool = False,
 ) -> IngestReport:
-    """Ingest files or directories; see :meth:`tracedb.Database.ingest`."""
-    # The scanner is numba: imported on the first ingest, not with tracedb (~0.35 s).
-    from tracedb.ingest.scanned import Scanner, scan_chunk
+    """Ingest files or directories; see :meth:`tracedb.Database.ingest`.
 
+    A file that cannot be read to its end (corrupt or cut-short compression) keeps the
+    lines read before the damage and is reported (a reject naming the file and the first
+    line lost, and ``report.unreadable``); with ``strict`` the ingest aborts instead, and
+    with ``whole_files`` (a request body is one unit) it raises :class:`InputError` and
+    writes nothing."""
     started = time.perf_counter()
-    if isinstance(paths, (str, Path)):
-        paths = [paths]
-    files = find_files(paths)
+    files = find_files([paths] if isinstance(paths, (str, Path)) else paths)
     report = IngestReport(files=len(files))
-    parser = simdjson.Parser()
-    rejects: list[tuple[Reject, bytes]] = []
-    seen = _Seen()
-    knobs = runtime.settings()
-    con = handle.con
-    con.execute("BEGIN TRANSACTION")
-    reader: Any = None
-    writer: Writer | None = None
-    bar = None
+    run = _Ingest(handle, report, strict=strict, allow_ragged=allow_ragged)
+    handle.con.execute("BEGIN TRANSACTION")
     try:
-        reader = handle.cursor()
-        writer = Writer(con, knobs.write_alignment_rows)
-        bar = _progress(files) if progress else None
-        batch = Batch()
-        scanner = Scanner()
+        run.start(files, progress)
         for path in files:
-            source = str(path)
-            for chunk in read_chunks(path, knobs.chunk_bytes):
-                if bar is not None:
-                    bar.advance(len(chunk.data))
-                if knobs.scanner == "never":
-                    scanned: list[Any] = [None] * len(chunk.starts)
-                else:
-                    _, scanned = scan_chunk(chunk, scanner, allow_ragged=allow_ragged)
-                for k, line in enumerate(scanned):
-                    number = int(chunk.numbers[k])
-                    if line is None:  # not taken by the scanner (or blank)
-                        raw = chunk.raw(k)
-                        if not raw.strip():
-                            continue
-                        try:
-                            line = parse_line(parser, raw, Location(source, number), allow_ragged=allow_ragged)
-                        except RecordError as e:
-                            report.lines += 1
-                            reject = Reject.of(e)
-                            if strict:
-                                raise IngestAborted(e) from None
-                            rejects.append((reject, raw))
-                            report.rejected.append(reject)
-                            continue
-                    report.lines += 1
-                    batch.pending.append((line, source, number))
-                    batch.tokens += sum(t.n_tokens for t in line.traces)
-                if batch.tokens >= knobs.batch_tokens:  # at a chunk's end: a block goes whole into one batch
-                    _flush(handle, reader, writer, batch, report, seen)
-                    batch = Batch()
-        _flush(handle, reader, writer, batch, report, seen)
-        writer.finish()
-        record_rejects(handle, rejects)
-        commit_into_file(handle)
+            try:
+                run.read(path)
+            except InputError as e:
+                if whole_files:
+                    raise
+                run.unreadable(e)
+        run.finish()
     except BaseException:
-        try:
-            if writer is not None:
-                writer.cancel()
-        finally:
-            if writer is not None:
-                writer.wait()  # never roll back under a running INSERT
-            # A failed COMMIT has ended the transaction already: its error is the one to see.
-            with contextlib.suppress(duckdb.TransactionException):
-                con.execute("ROLLBACK")
+        run.abort()
         raise
     finally:
-        if reader is not None:
-            reader.close()
-        if bar is not None:
-            bar.stop()
+        run.close()
     handle.changed()
     report.seconds = time.perf_counter() - started
     return report

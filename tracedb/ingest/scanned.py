@@ -77,6 +77,9 @@ class ScannedNodes:
         self.ic_off = ends(S.N_IC_OFF, S.C_IC)
         self.is_content = used("is_content", S.C_IC)
         self._hard(out)
+        self.unfit = self._unfit()
+        """Per row: a stream value beyond the float32 range (its line goes the other way,
+        which rejects it naming the position)."""
         self.keys = segment_keys(self.tokens, self.tok_off)
         """Per row, the content address of its tokens."""
         self.trace_ids: list[str | None] = [None] * int(counts[S.C_TRACE])
@@ -98,9 +101,18 @@ class ScannedNodes:
         target, index = out["hard_target"][:h], out["hard_index"][:h]
         ts = target == S.HARD_TS
         self.timestamps[index[ts]] = values[ts]
-        for s in range(len(COMPACT_STREAMS)):
-            mine = target == s
-            self.streams[s][index[mine]] = values[mine]
+        with np.errstate(over="ignore"):  # beyond float32: infinity, refused below
+            for s in range(len(COMPACT_STREAMS)):
+                mine = target == s
+                self.streams[s][index[mine]] = values[mine]
+
+    def _unfit(self) -> np.ndarray:
+        unfit = np.zeros(self.n, bool)
+        for off, values in zip(self.stream_off, self.streams, strict=True):
+            bad = np.flatnonzero(~np.isfinite(values))
+            if len(bad):
+                unfit[np.searchsorted(off, bad, side="right") - 1] = True
+        return unfit
 
     def token_ids(self, row: int) -> np.ndarray:
         return self.tokens[self.tok_off[row] : self.tok_off[row + 1]]
@@ -249,7 +261,11 @@ def scan_chunk(
     except (pa.ArrowInvalid, ValueError):
         return None, parsed  # text that is not UTF-8, a float out of range: the other way
     traces = out["traces"]
-    for k in np.flatnonzero(status == S.OK).tolist():
+    ok = status == S.OK
+    if block.unfit.any():  # the lines of traces holding a value beyond float32: the other way
+        unfit_traces = np.unique(block.nodes[block.unfit, S.N_TRACE])
+        ok[traces[unfit_traces, S.T_LINE]] = False
+    for k in np.flatnonzero(ok).tolist():
         parsed[k] = _line(data, int(chunk.starts[k]), int(chunk.ends[k]), lines[k], traces, block)
     return block, parsed
 

@@ -1,298 +1,51 @@
-"""Write-back of per-token streams onto nodes, and named credit sets.
+"""Write-back of per-token streams onto nodes: ``write_nodes``, ``write_traces`` and
+``write_branches`` in every input kind, refusals that leave the database as it was,
+atomic batches, ``clear`` and ``loss_weights``.
 
-Every expectation is computed here from the fixture records (``tests/fixtures``) with a
-plain reference spread (loops over the record dicts, nothing shared with tracedb): a
-write is applied to a per-node model of the stream, and every read path is compared
-with the model's spread: ``db.branches()``, SQL ``branch_tokens()``, a Parquet export
-read back, and ``db.trace()``. Atomicity is checked on the full stored state (every
-writable node column, the credit table and the set registry), before and after.
+Expectations come from the reference model in :mod:`support.writeback_model`; the
+databases (``db``, ``shared_db``) from ``tests/store/conftest.py``.
 """
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-import polars as pl
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 import tracedb
-import tracedb.credit
 from tracedb.errors import WriteError
 
-from support import FIXTURES
-
-COMPACT = ("advantages", "reference_logprobs", "trainer_logprobs", "entropies")
-
-# --------------------------------------------------------------------------- records
-
-
-def _records() -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-    records, by_file = {}, {}
-    for path in sorted(FIXTURES.glob("*.traces.jsonl")):
-        for line in path.read_text().splitlines():
-            for trace in json.loads(line)["traces"]:
-                records[trace["id"]] = trace
-                by_file.setdefault(path.name.removesuffix(".traces.jsonl"), trace["id"])
-    return records, by_file
-
-
-RECORDS, FIRST_TRACE = _records()
-"""Every fixture trace by id; the first trace id of each fixture file by file name."""
-
-FORK = FIRST_TRACE["subagent_fork"]  # two branches sharing nodes 0-4
-ODD_MASK = FIRST_TRACE["noncanonical_mask"]  # sampled tokens scattered inside nodes
-LINEAR = FIRST_TRACE["linear"]  # no credit ingested
-ZERO = FIRST_TRACE["zero_credit"]  # zeros ingested
-FOREST = FIRST_TRACE["forest"]  # two roots
-WEIGHTED = FIRST_TRACE["loss_weights"]  # loss_weights {"rl": ...} ingested
-TARGETS = (FORK, ODD_MASK, LINEAR, FOREST)
-
-
-def nodes_of(tid: str) -> list[dict[str, Any]]:
-    return RECORDS[tid]["nodes"]
-
-
-def n_sampled(tid: str, node: int) -> int:
-    return sum(nodes_of(tid)[node].get("mask") or [])
-
-
-def n_tokens(tid: str, node: int) -> int:
-    return len(nodes_of(tid)[node].get("token_ids") or [])
-
-
-def sampled_nodes(tid: str) -> list[int]:
-    return [i for i in range(len(nodes_of(tid))) if n_sampled(tid, i)]
-
-
-def paths(tid: str) -> list[list[int]]:
-    """Root-to-leaf node paths, one per leaf in node order."""
-    nodes = nodes_of(tid)
-    parents = {n.get("parent") for n in nodes}
-    out = []
-    for leaf in range(len(nodes)):
-        if leaf in parents:
-            continue
-        path, at = [], leaf
-        while at is not None:
-            path.append(at)
-            at = nodes[at].get("parent")
-        out.append(path[::-1])
-    return out
-
-
-def widen(mask: list[bool], values: list[float] | None) -> list[float]:
-    values = values or []
-    out, k = [], 0
-    for sampled in mask:
-        out.append(float(values[k]) if sampled and k < len(values) else 0.0)
-        k += bool(sampled)
-    return out
-
-
-Model = dict[str, list[Any]]
-"""trace id -> per-node value (compact list / None, or a loss_weights dict / None)."""
-
-
-def ingested(stream: str, tids: list[str]) -> Model:
-    return {tid: [n.get(stream) for n in nodes_of(tid)] for tid in tids}
-
-
-def unassigned(tids: list[str]) -> Model:
-    return {tid: [None] * len(nodes_of(tid)) for tid in tids}
-
-
-def spread(model: Model) -> dict[tuple[str, int], np.ndarray | None]:
-    """Compact stream model -> per-branch full layout, None when no node on the path holds it."""
-    out = {}
-    for tid in sorted(model):
-        for b, path in enumerate(paths(tid)):
-            if all(model[tid][n] is None for n in path):
-                out[(tid, b)] = None
-            else:
-                flat = [x for n in path for x in widen(nodes_of(tid)[n].get("mask") or [], model[tid][n])]
-                out[(tid, b)] = np.asarray(flat, np.float32)
-    return out
-
-
-def spread_weights(model: Model) -> dict[tuple[str, int], dict[str, np.ndarray]]:
-    """loss_weights model -> per-branch {name: full layout}, zeros on nodes lacking a name."""
-    out = {}
-    for tid in sorted(model):
-        for b, path in enumerate(paths(tid)):
-            names = sorted({k for n in path for k in (model[tid][n] or {})})
-            out[(tid, b)] = {
-                name: np.asarray(
-                    [x for n in path for x in ((model[tid][n] or {}).get(name) or [0.0] * n_tokens(tid, n))],
-                    np.float32,
-                )
-                for name in names
-            }
-    return out
-
-
-def f32(values: Any) -> list[float]:
-    """Values as exact float32 numbers (what tracedb stores), as Python floats."""
-    return np.asarray(values, np.float32).tolist()
-
-
-def rand(rng: np.random.Generator, n: int) -> list[float]:
-    return f32(np.round(rng.normal(size=n), 3))
-
-
-# --------------------------------------------------------------------------- read paths
-
-
-def _same(got: dict, want: dict, where: str) -> None:
-    assert sorted(got) == sorted(want), where
-    for key in want:
-        g, w = got[key], want[key]
-        if w is None:
-            assert g is None, f"{where} {key}: expected None (unassigned), got {g}"
-        else:
-            assert g is not None, f"{where} {key}: expected values, got None"
-            np.testing.assert_array_equal(np.asarray(g, np.float32), w, err_msg=f"{where} {key}")
-
-
-def _keyed(table: pa.Table, column: str) -> dict[tuple[str, int], Any]:
-    return dict(
-        zip(
-            zip(table.column("trace_id").to_pylist(), table.column("branch_index").to_pylist()),
-            table.column(column).to_pylist(),
-        )
-    )
-
-
-def assert_reads(db: tracedb.Database, tmp: Path, model: Model, stream: str = "advantages", credit=None) -> None:
-    """Every read path shows exactly the model: view, SQL, Parquet export, db.trace()."""
-    tids = sorted(model)
-    want = spread(model)
-    view = db.branches(trace_ids=tids, credit=credit, columns=[stream])
-    _same(_keyed(view, stream), want, "db.branches")
-    sql = db.sql(
-        f"SELECT trace_id, branch_index, {stream} FROM branch_tokens(credit := ?) "
-        "WHERE trace_id IN (SELECT unnest(?::VARCHAR[]))",
-        [credit, tids],
-    )
-    _same(_keyed(sql, stream), want, "branch_tokens()")
-    out = tmp / f"export-{stream}-{credit}.parquet"
-    db.export(out, trace_ids=tids, credit=credit)
-    _same(_keyed(pq.read_table(out), stream), want, "export")
-    for tid in tids:
-        got = [n.get(stream) for n in db.trace(tid, credit=credit)["nodes"]]
-        for i, (g, w) in enumerate(zip(got, model[tid], strict=True)):
-            where = f"db.trace({tid}) node {i}"
-            assert (g is None) == (w is None), f"{where}: {g} vs {w}"
-            if w is not None:
-                assert f32(g) == f32(w), where
-
-
-def assert_weight_reads(db: tracedb.Database, tmp: Path, model: Model) -> None:
-    tids = sorted(model)
-    want = spread_weights(model)
-    views = {
-        "db.branches": db.branches(trace_ids=tids, columns=["loss_weights"]),
-        "branch_tokens()": db.sql(
-            "SELECT trace_id, branch_index, loss_weights FROM branch_tokens() "
-            "WHERE trace_id IN (SELECT unnest(?::VARCHAR[]))",
-            [tids],
-        ),
-    }
-    db.export(tmp / "weights.parquet", trace_ids=tids)
-    views["export"] = pq.read_table(tmp / "weights.parquet")
-    for where, table in views.items():
-        got = {k: dict(v) for k, v in _keyed(table, "loss_weights").items()}
-        assert sorted(got) == sorted(want), where
-        for key in want:
-            assert sorted(got[key]) == sorted(want[key]), f"{where} {key}"
-            for name in want[key]:
-                np.testing.assert_array_equal(np.asarray(got[key][name], np.float32), want[key][name], f"{where} {key}")
-    for tid in tids:
-        got = [n.get("loss_weights") for n in db.trace(tid)["nodes"]]
-        assert [None if g is None else {k: f32(v) for k, v in g.items()} for g in got] == [
-            None if w is None else {k: f32(v) for k, v in w.items()} for w in model[tid]
-        ], f"db.trace({tid})"
-
-
-def state(db: tracedb.Database) -> dict[str, list[dict[str, Any]]]:
-    """Everything a write may touch."""
-    return {
-        "nodes": db.sql(
-            "SELECT trace_id, node_index, advantages, reference_logprobs, trainer_logprobs, entropies, "
-            "map_entries(loss_weights) AS loss_weights, present FROM nodes ORDER BY trace_id, node_index"
-        ).to_pylist(),
-        "credit": db.sql("SELECT * FROM credit ORDER BY credit_set, trace_id, node_index").to_pylist(),
-        "credit_sets": db.sql("SELECT * FROM credit_sets ORDER BY name").to_pylist(),
-    }
-
-
-def stored(db: tracedb.Database, tid: str, stream: str = "advantages", credit: str | None = None) -> list[Any]:
-    """Per-node compact values of one trace, from SQL (None = unassigned)."""
-    rows = db.sql(
-        f"SELECT node_index, {stream} AS v FROM nodes WHERE trace_id = ? ORDER BY node_index"
-        if credit is None
-        else "SELECT node_index, advantages AS v FROM credit_advantages(?) WHERE trace_id = ? ORDER BY node_index",
-        [tid] if credit is None else [credit, tid],
-    ).to_pylist()
-    return [r["v"] for r in rows]
-
-
-def as_kind(rows: list[dict[str, Any]], kind: str) -> Any:
-    if kind == "dicts":
-        return rows
-    if kind == "polars":
-        return pl.DataFrame(rows)
-    return pa.Table.from_pylist(rows)
-
-
-def branch_layout(db: tracedb.Database, tid: str) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(token_ids, sampled_mask) of each branch of a trace, from the view."""
-    view = db.branches(trace_ids=[tid], columns=["token_ids", "sampled_mask"])
-    return [
-        (np.asarray(t), np.asarray(m, bool))
-        for t, m in zip(view.column("token_ids").to_pylist(), view.column("sampled_mask").to_pylist())
-    ]
-
-
-def node_model_from_branch(tid: str, branch: int, full: np.ndarray, compact: bool) -> dict[int, list[float]]:
-    """Reference projection of full-layout branch values onto the path's nodes."""
-    out, offset = {}, 0
-    for node in paths(tid)[branch]:
-        size = n_tokens(tid, node)
-        piece = full[offset : offset + size]
-        mask = np.asarray(nodes_of(tid)[node].get("mask") or [], bool)
-        out[node] = f32(piece[mask] if compact else piece)
-        offset += size
-    return out
-
-
-SMALL = [p for p in sorted(FIXTURES.glob("*.traces.jsonl")) if not p.name.startswith("groups.")]
-
-
-@pytest.fixture
-def db():
-    """The fixtures without the 32-episode groups file (credit algorithms use fixture_db)."""
-    with tracedb.connect(":memory:") as database:
-        assert database.ingest(SMALL).ok
-        yield database
-
-
-@pytest.fixture(scope="module")
-def shared_db():
-    """One database for the tests that expect a refusal. Each of them compares the full
-    state before and after, so a write that leaks fails the test that leaked it."""
-    with tracedb.connect(":memory:") as db:
-        assert db.ingest(FIXTURES).ok
-        db.create_credit_set("manual")
-        db.write_traces([{"trace_id": LINEAR, "value": 3.0}], credit="manual")
-        yield db
-
+from support.writeback_model import (
+    COMPACT,
+    FOREST,
+    FORK,
+    LINEAR,
+    ODD_MASK,
+    TARGETS,
+    WEIGHTED,
+    ZERO,
+    as_kind,
+    assert_reads,
+    assert_weight_reads,
+    branch_layout,
+    f32,
+    ingested,
+    keyed,
+    n_sampled,
+    n_tokens,
+    node_model_from_branch,
+    nodes_of,
+    paths,
+    rand,
+    sampled_nodes,
+    state,
+    stored,
+    unassigned,
+    widen,
+)
 
 # =========================================================================== inputs
 
@@ -485,7 +238,7 @@ def test_write_branches_project_onto_sampled_positions(db, tmp_path, stream):
     db.write_branches(rows, stream=stream)
     assert_reads(db, tmp_path, model, stream)
     # What went in per branch is what a view gives back.
-    view = _keyed(db.branches(trace_ids=[ODD_MASK, FOREST, FORK], columns=[stream]), stream)
+    view = keyed(db.branches(trace_ids=[ODD_MASK, FOREST, FORK], columns=[stream]), stream)
     for row in rows:
         assert f32(view[(row["trace_id"], row["branch_index"])]) == f32(row["values"])
 
@@ -771,185 +524,3 @@ def test_clear_one_loss_weight_name_keeps_the_others(db, tmp_path):
         model[row["trace_id"]][row["node_index"]] = {"kl": row["values"]}
     model = {tid: [None if not v or set(v) == {"rl"} else v for v in nodes] for tid, nodes in model.items()}
     assert_weight_reads(db, tmp_path, model)
-
-
-# =========================================================================== credit sets
-
-
-def test_credit_sets_side_by_side_with_algorithm_params_and_time(fixture_db):
-    tracedb.credit.run(fixture_db, "grpo", "grpo", scale_std=True)
-    tracedb.credit.run(fixture_db, "rloo", "rloo")
-    fixture_db.create_credit_set("manual", params={"note": "by hand"}, description="hand-written")
-    fixture_db.write_traces([{"trace_id": LINEAR, "value": 1.0}], credit="manual")
-    sets = {r["name"]: r for r in fixture_db.credit_sets().to_pylist()}
-    assert set(sets) == {"default", "grpo", "rloo", "manual"}
-    assert all(fixture_db.has_credit_set(name) for name in sets) and not fixture_db.has_credit_set("nope")
-    assert sets["grpo"]["algorithm"] == "grpo" and sets["rloo"]["algorithm"] == "rloo"
-    assert sets["manual"]["algorithm"] == "manual" and sets["manual"]["description"] == "hand-written"
-    assert json.loads(sets["grpo"]["params"])["scale_std"] is True
-    assert json.loads(sets["manual"]["params"]) == {"note": "by hand"}
-    for name in ("grpo", "rloo", "manual"):
-        assert sets[name]["created_at"] is not None
-    assert sets["manual"]["assigned_nodes"] == len(sampled_nodes(LINEAR))
-    grpo = _keyed(fixture_db.branches(credit="grpo", columns=["advantages"]), "advantages")
-    rloo = _keyed(fixture_db.branches(credit="rloo", columns=["advantages"]), "advantages")
-    assert any(g is not None and not np.allclose(g, r) for g, r in zip(grpo.values(), rloo.values()))
-
-
-def test_named_set_writes_leave_the_default_set_untouched(fixture_db):
-    before_nodes = state(fixture_db)["nodes"]
-    before_view = fixture_db.branches()
-    fixture_db.create_credit_set("manual")
-    fixture_db.write_traces([{"trace_id": tid, "value": 2.0} for tid in TARGETS], credit="manual")
-    fixture_db.write_nodes(
-        [{"trace_id": ZERO, "node_index": n, "values": [1.0] * n_sampled(ZERO, n)} for n in sampled_nodes(ZERO)],
-        credit="manual",
-    )
-    (_, mask), *_ = branch_layout(fixture_db, ODD_MASK)
-    fixture_db.write_branches(
-        [{"trace_id": ODD_MASK, "branch_index": 0, "values": np.where(mask, -1.0, 0.0).tolist()}], credit="manual"
-    )
-    tracedb.credit.run(fixture_db, "grpo", "g")
-    fixture_db.clear(credit="manual", trace_ids=[FORK])
-    assert state(fixture_db)["nodes"] == before_nodes
-    assert fixture_db.branches().equals(before_view)
-    assert fixture_db.credit_sets().to_pylist()[0]["name"] == "default"
-
-
-def test_named_set_is_read_by_view_sql_export_and_trace(db, tmp_path):
-    rng = np.random.default_rng(7)
-    db.create_credit_set("manual")
-    tids = [FORK, ODD_MASK, LINEAR, ZERO]
-    model = unassigned(tids)  # the set assigns nothing until written
-    db.write_traces([{"trace_id": LINEAR, "value": 0.0}], credit="manual")  # zeros, not None
-    for node in sampled_nodes(LINEAR):
-        model[LINEAR][node] = [0.0] * n_sampled(LINEAR, node)
-    rows = [{"trace_id": FORK, "node_index": n, "values": rand(rng, n_sampled(FORK, n))} for n in sampled_nodes(FORK)]
-    rows += [{"trace_id": ODD_MASK, "node_index": sampled_nodes(ODD_MASK)[1], "values": None}]
-    db.write_nodes(rows, credit="manual")
-    for row in rows:
-        model[row["trace_id"]][row["node_index"]] = row["values"]
-    assert_reads(db, tmp_path, model, credit="manual")  # ZERO's ingested zeros are not in the set
-    assert_reads(db, tmp_path, ingested("advantages", tids))  # the default set is as ingested
-
-
-def test_every_layout_writes_a_named_set(db, tmp_path):
-    rng = np.random.default_rng(8)
-    db.create_credit_set("manual")
-    model = unassigned([LINEAR, ODD_MASK, FORK])
-    rows = [
-        {"trace_id": LINEAR, "node_index": n, "values": rand(rng, n_sampled(LINEAR, n))} for n in sampled_nodes(LINEAR)
-    ]
-    db.write_nodes(rows, credit="manual")
-    for row in rows:
-        model[LINEAR][row["node_index"]] = row["values"]
-    total = sum(n_sampled(ODD_MASK, n) for n in range(len(nodes_of(ODD_MASK))))
-    values = rand(rng, total)
-    db.write_traces([{"trace_id": ODD_MASK, "values": values}], credit="manual")
-    for node in sampled_nodes(ODD_MASK):
-        model[ODD_MASK][node], values = values[: n_sampled(ODD_MASK, node)], values[n_sampled(ODD_MASK, node) :]
-    (_, mask), *_ = branch_layout(db, FORK)
-    full = np.where(mask, np.round(rng.normal(size=len(mask)), 3), 0.0).astype(np.float32)
-    db.write_branches([{"trace_id": FORK, "branch_index": 0, "values": full.tolist()}], credit="manual")
-    for node, node_values in node_model_from_branch(FORK, 0, full, compact=True).items():
-        model[FORK][node] = node_values
-    assert_reads(db, tmp_path, model, credit="manual")
-
-
-@pytest.mark.parametrize(
-    "call",
-    [
-        lambda db, tmp: db.branches(credit="nope"),
-        lambda db, tmp: db.export(tmp / "x.parquet", credit="nope"),
-        lambda db, tmp: db.trace(LINEAR, credit="nope"),
-        lambda db, tmp: db.write_traces([{"trace_id": LINEAR, "value": 1.0}], credit="nope"),
-        lambda db, tmp: db.write_nodes([{"trace_id": LINEAR, "node_index": 2, "values": None}], credit="nope"),
-        lambda db, tmp: db.clear(credit="nope"),
-        lambda db, tmp: db.drop_credit_set("nope"),
-    ],
-    ids=["branches", "export", "trace", "write_traces", "write_nodes", "clear", "drop"],
-)
-def test_unknown_credit_set_is_not_found(shared_db, tmp_path, call: Callable):
-    before = state(shared_db)
-    with pytest.raises(tracedb.NotFound, match="nope"):
-        call(shared_db, tmp_path)
-    assert state(shared_db) == before
-    assert not (tmp_path / "x.parquet").exists()
-
-
-def test_create_existing_set_refused_unless_replace(db):
-    db.create_credit_set("manual", params={"v": 1})
-    db.write_traces([{"trace_id": LINEAR, "value": 1.0}], credit="manual")
-    before = state(db)
-    with pytest.raises(WriteError, match="manual"):
-        db.create_credit_set("manual", params={"v": 2})
-    assert state(db) == before
-    db.create_credit_set("manual", algorithm="other", params={"v": 2}, replace=True)
-    row = [r for r in db.credit_sets().to_pylist() if r["name"] == "manual"]
-    assert len(row) == 1 and row[0]["algorithm"] == "other" and json.loads(row[0]["params"]) == {"v": 2}
-    assert row[0]["assigned_nodes"] == 0  # the old credit went with the old set
-    assert db.sql("SELECT count(*) AS n FROM credit WHERE credit_set = 'manual'").to_pylist()[0]["n"] == 0
-    view = db.branches(trace_ids=[LINEAR], credit="manual", columns=["advantages"])
-    assert view.column("advantages").to_pylist() == [None]
-
-
-def test_run_refuses_an_existing_set_unless_replace(fixture_db):
-    tracedb.credit.run(fixture_db, "grpo", "g")
-    before = state(fixture_db)
-    with pytest.raises(WriteError, match="g"):
-        tracedb.credit.run(fixture_db, "rloo", "g")
-    assert state(fixture_db) == before
-    tracedb.credit.run(fixture_db, "rloo", "g", replace=True)
-    assert [r["algorithm"] for r in fixture_db.credit_sets().to_pylist() if r["name"] == "g"] == ["rloo"]
-
-
-def test_drop_credit_set(fixture_db):
-    tracedb.credit.run(fixture_db, "grpo", "g")
-    tracedb.credit.run(fixture_db, "rloo", "r")
-    kept = fixture_db.branches(credit="r")
-    fixture_db.drop_credit_set("g")
-    assert [r["name"] for r in fixture_db.credit_sets().to_pylist()] == ["default", "r"]
-    assert fixture_db.sql("SELECT DISTINCT credit_set FROM credit").to_pylist() == [{"credit_set": "r"}]
-    with pytest.raises(tracedb.NotFound):
-        fixture_db.branches(credit="g")
-    assert fixture_db.branches(credit="r").equals(kept)
-
-
-def test_credit_sets_hold_advantages_only(shared_db):
-    before = state(shared_db)
-    with pytest.raises(WriteError):
-        shared_db.write_traces([{"trace_id": LINEAR, "value": 1.0}], stream="entropies", credit="manual")
-    assert state(shared_db) == before
-
-
-def test_credit_compare_matches_numpy_sums_of_the_views(fixture_db):
-    tracedb.credit.run(fixture_db, "grpo", "grpo", scale_std=True)
-    tracedb.credit.run(fixture_db, "rloo", "rloo")
-    cleared = fixture_db.sql("SELECT min(trace_id) AS t FROM credit WHERE credit_set = 'rloo'").to_pylist()[0]["t"]
-    fixture_db.clear(credit="rloo", trace_ids=[cleared])  # assigned in one set, not in the other
-
-    def masses(credit: str) -> dict[str, tuple[float, float] | None]:
-        # train_once keeps each node's sampled tokens in one branch: every node counted once
-        view = fixture_db.branches(credit=credit, train_once=True, columns=["sampled_mask", "advantages"])
-        out: dict[str, Any] = {}
-        for tid, mask, adv in zip(*(view.column(c).to_pylist() for c in ("trace_id", "sampled_mask", "advantages"))):
-            out.setdefault(tid, None)
-            if adv is not None:
-                picked = np.asarray(adv, np.float64)[np.asarray(mask, bool)]
-                signed, absolute = out[tid] or (0.0, 0.0)
-                out[tid] = (signed + picked.sum(), absolute + np.abs(picked).sum())
-        return out
-
-    want_a, want_b = masses("grpo"), masses("rloo")
-    rows = fixture_db.sql("SELECT * FROM credit_compare('grpo', 'rloo')").to_pylist()
-    assert sorted(r["trace_id"] for r in rows) == sorted(RECORDS)
-    assert any(r["mass_a"] is not None and abs(r["mass_a"]) > 0 for r in rows)
-    assert any(r["mass_b"] is None and r["mass_a"] is not None for r in rows)
-    for row in rows:
-        for want, mass, abs_mass in ((want_a, "mass_a", "abs_mass_a"), (want_b, "mass_b", "abs_mass_b")):
-            expected = want[row["trace_id"]]
-            if expected is None:
-                assert row[mass] is None and row[abs_mass] is None, row
-            else:
-                assert row[mass] == pytest.approx(expected[0], rel=1e-6, abs=1e-6), row
-                assert row[abs_mass] == pytest.approx(expected[1], rel=1e-6, abs=1e-6), row
