@@ -1,6 +1,8 @@
 """tracedb: verifiers v1 message graphs stored deduplicated in DuckDB, served as
 branch-spread token views for trainers, analysts and services."""
 
+from tracedb import batches
+from tracedb.batches import MicroBatch, Plan, read_micro_batches
 from tracedb.database import Database, connect
 from tracedb.errors import IngestAborted, NotFound, RecordError, TraceDBError
 from tracedb.handle import SCHEMA_VERSION
@@ -17,5 +19,9 @@ __all__ = [
     "IngestAborted",
     "NotFound",
     "SCHEMA_VERSION",
+    "MicroBatch",
+    "Plan",
+    "read_micro_batches",
+    "batches",
 ]
 __version__ = "0.1.0"

@@ -17,7 +17,7 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from tracedb import credit_sets, readback, views, writeback
+from tracedb import batches, credit_sets, readback, views, writeback
 from tracedb.export import export
 from tracedb.handle import SCHEMA_VERSION, Handle
 from tracedb.ingest import IngestReport, ingest_files
@@ -214,6 +214,60 @@ class Database:
             credit=credit,
             batch_tokens=batch_tokens,
             compression=compression,
+        )
+
+    def micro_batches(
+        self,
+        seq_len: int,
+        *,
+        ranks: int = 1,
+        trace_ids: Sequence[str] | None = None,
+        group: str | Sequence[str] | None = None,
+        episode: str | Sequence[str] | None = None,
+        trainable: bool | None = True,
+        branch_index: int | Sequence[int] | None = None,
+        credit: str | None = None,
+        train_once: bool = True,
+        overflow: str = "truncate",
+        cost: tuple[float, float] = (1.0, 0.0),
+        pad_to_multiple_of: int = 1,
+        pad_token_id: int = 0,
+        share_prefixes: bool = False,
+        drop_zero_advantages: bool = False,
+    ) -> batches.Plan:
+        """Packed, rank-balanced micro-batches of the selected branches, for a trainer.
+
+        One sample per trainable branch (``trainable=None``: every branch) of the selected
+        traces (filters as in :meth:`branches`), its advantages from ``credit``; a branch
+        whose advantages are None (never scored) is skipped and counted, never zero-filled
+        (``drop_zero_advantages`` also leaves out samples whose advantages are all 0).
+        ``train_once``: a shared sampled token is in the loss once, in the first trainable
+        sample still carrying it after truncation. A sample over ``seq_len`` is cut
+        (``overflow="truncate"``), left out (``"drop"``) or refused (``"error"``). Samples
+        are packed first-fit-decreasing into bins of at most ``seq_len`` tokens; the bins
+        are split over ``ranks`` with as many per rank (zero-loss padding bins where needed)
+        and balanced costs (``cost=(linear, quadratic)``: a bin costs linear * tokens +
+        quadratic * the sum of its samples' lengths squared). Each bin is padded with
+        ``pad_token_id`` to a multiple of ``pad_to_multiple_of``. ``share_prefixes`` stores
+        the tokens several samples of a bin share as a prefix once (see
+        :mod:`tracedb.batches.plan`). Returns a :class:`~tracedb.batches.Plan`: ``plan[r]``
+        is rank r's micro-batches, ``plan.report`` what was packed and left out.
+        """
+        return batches.micro_batches(
+            self.handle,
+            seq_len,
+            Selection(trace_ids=trace_ids, group=group, episode=episode),
+            ranks=ranks,
+            trainable=trainable,
+            branch_index=branch_index,
+            credit=credit,
+            train_once=train_once,
+            overflow=overflow,
+            cost=cost,
+            pad_to_multiple_of=pad_to_multiple_of,
+            pad_token_id=pad_token_id,
+            share_prefixes=share_prefixes,
+            drop_zero_advantages=drop_zero_advantages,
         )
 
     # ----------------------------------------------------------------- write-back

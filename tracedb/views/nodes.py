@@ -48,6 +48,7 @@ class NodeColumns:
 
     base: dict[str, int]  # trace id -> row of its node 0
     n_tok: np.ndarray  # int64 per node row
+    n_sampled: np.ndarray  # int64 per node row: its sampled tokens
     starts: np.ndarray  # int64 per node row + 1: token offset of each node, node-flat
     tok_src: np.ndarray  # int64 per node row: offset of its tokens in seg_values
     seg_values: np.ndarray  # int32: the segments' tokens
@@ -324,6 +325,7 @@ def _decode(
     return NodeColumns(
         base=base,
         n_tok=n_tok,
+        n_sampled=n_sampled,
         starts=starts,
         tok_src=tok_src,
         seg_values=seg_values.astype(np.int32, copy=False),

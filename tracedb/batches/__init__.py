@@ -1,0 +1,17 @@
+"""The trainer feed: packed, rank-balanced micro-batches straight from the store.
+
+- :mod:`~tracedb.batches.samples`: one sample per packed branch, its tokens cut to
+  ``seq_len``, its loss mask under the train-once rule, its shareable prefix;
+- :mod:`~tracedb.batches.packing`: first-fit-decreasing bins and the balanced split over
+  ranks (plain algorithms);
+- :mod:`~tracedb.batches.plan`: the bins laid out as :class:`MicroBatch` objects, per rank
+  (:class:`Plan`), and the :class:`PackReport`;
+- :mod:`~tracedb.batches.files`: a step directory for trainers (``tracedb pack``) and
+  :func:`read_micro_batches`.
+"""
+
+from tracedb.batches.files import read_micro_batches, write_step
+from tracedb.batches.plan import MicroBatch, PackReport, Plan
+from tracedb.batches.run import micro_batches
+
+__all__ = ["MicroBatch", "PackReport", "Plan", "micro_batches", "read_micro_batches", "write_step"]

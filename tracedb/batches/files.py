@@ -1,0 +1,110 @@
+"""A step directory for trainers: one rank's micro-batches per Arrow IPC file.
+
+``write_step(plan, out)`` writes, per rank ``r``, ``rank_{r}.arrow`` (an Arrow IPC file
+whose record batches are that rank's micro-batches, in order) and ``rank_{r}.samples.arrow``
+(one samples table, with a ``micro_batch`` column), each under a temporary name renamed
+into place, and ``manifest.json`` last (the arguments, the report, the files): a trainer
+that waits for the manifest never reads half a step. :func:`read_micro_batches` reads one
+rank back as the same :class:`~tracedb.batches.plan.MicroBatch` objects.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.ipc as ipc
+
+from tracedb.batches.plan import SAMPLES_SCHEMA, MicroBatch, Plan
+from tracedb.errors import TraceDBError
+
+MANIFEST = "manifest.json"
+FORMAT = "tracedb-micro-batches/1"
+
+
+def _rank_files(rank: int) -> tuple[str, str]:
+    return f"rank_{rank}.arrow", f"rank_{rank}.samples.arrow"
+
+
+def _replace_into(path: Path, write: Any) -> None:
+    """``write(tmp_path)`` then rename onto ``path`` (a reader sees the whole file or none)."""
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    os.close(fd)
+    try:
+        write(Path(name))
+        os.replace(name, path)
+    finally:
+        if os.path.exists(name):
+            os.unlink(name)
+
+
+def write_step(plan: Plan, out: str | Path) -> dict[str, Any]:
+    """Write ``plan`` into the directory ``out`` (created); returns the manifest."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MANIFEST).unlink(missing_ok=True)  # a step being rewritten is not a step until its manifest is back
+    files = []
+    for rank, batches in enumerate(plan):
+        tokens_name, samples_name = _rank_files(rank)
+        schema = batches[0].tokens.schema if batches else pa.schema([])
+
+        def tokens_file(tmp: Path, batches: list[MicroBatch] = batches, schema: pa.Schema = schema) -> None:
+            with ipc.new_file(tmp, schema) as writer:
+                for mb in batches:
+                    writer.write_batch(mb.tokens)
+
+        def samples_file(tmp: Path, batches: list[MicroBatch] = batches) -> None:
+            parts = [
+                mb.samples.append_column("micro_batch", pa.array([i] * mb.samples.num_rows, pa.int32()))
+                for i, mb in enumerate(batches)
+            ]
+            schema = SAMPLES_SCHEMA.append(pa.field("micro_batch", pa.int32(), nullable=False))
+            table = pa.concat_tables(parts) if parts else schema.empty_table()
+            with ipc.new_file(tmp, table.schema) as writer:
+                writer.write_table(table)
+
+        _replace_into(out / tokens_name, tokens_file)
+        _replace_into(out / samples_name, samples_file)
+        files.append({"rank": rank, "tokens": tokens_name, "samples": samples_name, "micro_batches": len(batches)})
+    manifest = {"format": FORMAT, "arguments": plan.arguments, "report": plan.report.to_dict(), "files": files}
+    _replace_into(out / MANIFEST, lambda tmp: tmp.write_text(json.dumps(manifest, indent=2, default=str) + "\n"))
+    return manifest
+
+
+def read_manifest(step: str | Path, *, wait: float = 0.0) -> dict[str, Any]:
+    """A step directory's manifest, waiting up to ``wait`` seconds for it to appear."""
+    path = Path(step) / MANIFEST
+    deadline = time.monotonic() + wait
+    while not path.exists():
+        if time.monotonic() >= deadline:
+            raise TraceDBError(f"{step} is not a finished step: no {MANIFEST} (its writer may still be at it)")
+        time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != FORMAT:
+        raise TraceDBError(f"{path}: not a tracedb micro-batch step (format {manifest.get('format')!r})")
+    return manifest
+
+
+def read_micro_batches(step: str | Path, rank: int, *, wait: float = 0.0) -> list[MicroBatch]:
+    """One rank's micro-batches from a step directory ``tracedb pack`` (or
+    :func:`write_step`) wrote: the objects ``db.micro_batches`` gave, in order."""
+    manifest = read_manifest(step, wait=wait)
+    entry = next((f for f in manifest["files"] if f["rank"] == rank), None)
+    if entry is None:
+        raise TraceDBError(f"{step} has ranks 0-{len(manifest['files']) - 1}, not {rank}")
+    with ipc.open_file(Path(step) / entry["tokens"]) as reader:
+        tokens = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+    with ipc.open_file(Path(step) / entry["samples"]) as reader:
+        samples = reader.read_all()
+    index = samples.column("micro_batch")
+    out = []
+    for i, batch in enumerate(tokens):
+        rows = samples.filter(pc.equal(index, i)).drop_columns(["micro_batch"])
+        out.append(MicroBatch(batch, rows.cast(SAMPLES_SCHEMA)))
+    return out

@@ -1,0 +1,87 @@
+"""``micro_batches``: read a selection's nodes once, make its samples, pack them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tracedb import credit_sets
+from tracedb.batches.plan import Plan, build_plan
+from tracedb.batches.samples import OVERFLOW, build
+from tracedb.handle import Handle
+from tracedb.records import COMPACT_STREAMS
+from tracedb.views import Selection, branch_indices, select_traces
+from tracedb.views.nodes import load_nodes
+
+
+def micro_batches(
+    handle: Handle,
+    seq_len: int,
+    selection: Selection = Selection(),
+    *,
+    ranks: int = 1,
+    trainable: bool | None = True,
+    branch_index: int | Sequence[int] | None = None,
+    credit: str | None = None,
+    train_once: bool = True,
+    overflow: str = "truncate",
+    cost: tuple[float, float] = (1.0, 0.0),
+    pad_to_multiple_of: int = 1,
+    pad_token_id: int = 0,
+    share_prefixes: bool = False,
+    drop_zero_advantages: bool = False,
+) -> Plan:
+    """Packed micro-batches of the selected branches; see :meth:`tracedb.Database.micro_batches`."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be at least 1, got {seq_len}")
+    if ranks < 1:
+        raise ValueError(f"ranks must be at least 1, got {ranks}")
+    if pad_to_multiple_of < 1:
+        raise ValueError(f"pad_to_multiple_of must be at least 1, got {pad_to_multiple_of}")
+    if overflow not in OVERFLOW:
+        raise ValueError(f"overflow must be one of {list(OVERFLOW)}, not {overflow!r}")
+    if len(cost) != 2 or min(cost) < 0:
+        raise ValueError(f"cost is (linear, quadratic), both >= 0, not {cost!r}")
+    if share_prefixes and not train_once:
+        raise ValueError(
+            "share_prefixes stores a shared token once, so it is in the loss once: it needs train_once=True"
+        )
+    credit = credit_sets.resolve(handle, credit)
+    trace_ids = None if selection.everything else [tid for tid, _ in select_traces(handle, selection)]
+    data = load_nodes(handle, trace_ids, list(COMPACT_STREAMS), credit)
+    samples = build(
+        data,
+        seq_len,
+        trainable=trainable,
+        branch_index=branch_indices(branch_index),
+        train_once=train_once,
+        overflow=overflow,
+        drop_zero_advantages=drop_zero_advantages,
+        share_prefixes=share_prefixes,
+    )
+    arguments = {
+        "seq_len": seq_len,
+        "ranks": ranks,
+        "trace_ids": None if selection.trace_ids is None else list(selection.trace_ids),
+        "group": selection.group,
+        "episode": selection.episode,
+        "trainable": trainable,
+        "branch_index": branch_index,
+        "credit": credit,
+        "train_once": train_once,
+        "overflow": overflow,
+        "cost": list(cost),
+        "pad_to_multiple_of": pad_to_multiple_of,
+        "pad_token_id": pad_token_id,
+        "share_prefixes": share_prefixes,
+        "drop_zero_advantages": drop_zero_advantages,
+    }
+    return build_plan(
+        samples,
+        seq_len=seq_len,
+        ranks=ranks,
+        cost=(float(cost[0]), float(cost[1])),
+        pad_to_multiple_of=pad_to_multiple_of,
+        pad_token_id=pad_token_id,
+        share_prefixes=share_prefixes,
+        arguments=arguments,
+    )

@@ -1,0 +1,219 @@
+"""Training samples from the store: one per packed branch, its tokens and its loss mask.
+
+A sample is a branch's token view (the spreading rule of :mod:`tracedb.views.spread`),
+cut to ``seq_len`` when it is longer (or dropped, or refused: ``overflow``). A branch
+whose advantages are None (never scored) is not a sample: it is skipped and counted,
+never filled with zeros.
+
+**The train-once rule on samples as packed.** A node shared by several packed samples
+(a compaction's prefix, a subagent fork) has one value; its sampled tokens are in the
+loss once, in the first trainable sample (in the owning-branch order of
+:mod:`tracedb.graph`: trainable first, then by branch) that still carries each token after
+truncation. So a token a truncated sample lost goes to the next sample holding it.
+
+**Shareable prefixes.** With ``share_prefixes`` the samples' prefixes are interned in a
+trie of nodes: two samples share a trie node when their paths up to it hold the same
+nodes, where a node is the same node of one trace, or, for a node without sampled tokens
+or loss weights (a system or task prompt), the same tokens in any trace (its spread values
+are zeros everywhere then, so one copy serves every sample).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from tracedb.tables import TOKEN_COLUMNS
+from tracedb.views.nodes import NodeColumns
+from tracedb.views.spread import branch_entries, branch_table
+
+OVERFLOW = ("truncate", "drop", "error")
+
+
+@dataclass
+class Samples:
+    """The packed samples of one call, as flat columns over their (truncated) tokens."""
+
+    trace_id: list[str]
+    branch_index: np.ndarray  # int32 per sample
+    length: np.ndarray  # int64 per sample: tokens kept
+    truncated: np.ndarray  # bool per sample
+    rows: np.ndarray  # int64 per sample: its row of ``view``
+    start: np.ndarray  # int64 per sample: where its tokens start among the view's flat values
+    view: pa.Table  # the branch view of every selected branch (packed or not), as built
+    view_offsets: np.ndarray  # int64 per view row + 1: its tokens among the flat values
+    loss_mask: np.ndarray  # bool per view token (train-once rule applied; beyond a sample's length: unused)
+    prefixes: list[list[tuple[int, int]]] | None  # per sample: (trie id, tokens up to it), with sharing
+    counts: dict[str, int]
+
+
+def build(
+    data: NodeColumns,
+    seq_len: int,
+    *,
+    trainable: bool | None,
+    branch_index: list[int] | None,
+    train_once: bool,
+    overflow: str,
+    drop_zero_advantages: bool,
+    share_prefixes: bool,
+) -> Samples:
+    """The samples of the branches in ``data`` (see the module docstring)."""
+    if overflow not in OVERFLOW:
+        raise ValueError(f"overflow must be one of {list(OVERFLOW)}, not {overflow!r}")
+    view = branch_table(data, TOKEN_COLUMNS, False, trainable, branch_index)
+    br = data.branches
+    if trainable is not None:
+        br = br.filter(pc.equal(br.column("trainable"), trainable))
+    if branch_index is not None:
+        br = br.filter(pc.is_in(br.column("branch_index"), value_set=pa.array(branch_index, pa.int32())))
+    path_off, path_rows = branch_entries(data, br)
+    counts = {"branches": view.num_rows, "skipped_never_scored": 0, "dropped_zero_advantages": 0}
+    counts.update({"dropped_overflow": 0, "truncated": 0})
+
+    full = pc.list_value_length(view.column("token_ids")).to_numpy(zero_copy_only=False).astype(np.int64)
+    keep = view.column("advantages").is_valid().to_numpy(zero_copy_only=False)
+    counts["skipped_never_scored"] = int((~keep).sum())
+    if drop_zero_advantages:
+        adv = view.column("advantages").combine_chunks()
+        bounds = adv.offsets.to_numpy().astype(np.int64)
+        csum = np.concatenate([[0], np.cumsum(adv.values.to_numpy(zero_copy_only=False) != 0)])
+        zero = keep & (csum[bounds[1:]] == csum[bounds[:-1]])
+        counts["dropped_zero_advantages"] = int(zero.sum())
+        keep &= ~zero
+    long = keep & (full > seq_len)
+    if long.any() and overflow == "error":
+        i = int(np.flatnonzero(long)[0])
+        raise ValueError(
+            f"trace {view.column('trace_id')[i].as_py()}, branch {view.column('branch_index')[i].as_py()}: "
+            f"{full[i]} tokens, over seq_len {seq_len} (overflow='error'; 'truncate' or 'drop' packs the others)"
+        )
+    if overflow == "drop":
+        counts["dropped_overflow"] = int(long.sum())
+        keep &= ~long
+    rows = np.flatnonzero(keep)
+    view_offsets = np.zeros(len(keep) + 1, np.int64)
+    np.cumsum(pc.list_value_length(view.column("token_ids")).to_numpy(zero_copy_only=False), out=view_offsets[1:])
+    full = full[rows]
+    length = np.minimum(full, seq_len)
+    truncated = full > length
+    counts["truncated"] = int(truncated.sum())
+
+    # The samples' path entries, in view order, and each entry's token offset in its sample.
+    sizes = (path_off[1:] - path_off[:-1])[rows]
+    entry_off = np.zeros(len(rows) + 1, np.int64)
+    np.cumsum(sizes, out=entry_off[1:])
+    step = np.arange(int(entry_off[-1])) - np.repeat(entry_off[:-1], sizes)  # entry's place on its path
+    entry_rows = path_rows[np.repeat(path_off[:-1][rows], sizes) + step]
+    n_tok = data.n_tok[entry_rows]
+    sample_of = np.repeat(np.arange(len(rows)), sizes)
+    within = np.zeros(len(entry_rows), np.int64)  # token offset of each entry in its sample
+    if len(entry_rows):
+        csum = np.cumsum(n_tok)
+        within = csum - n_tok - np.repeat(csum[entry_off[:-1]] - n_tok[entry_off[:-1]], sizes)
+    start = view_offsets[rows]
+
+    sampled = view.column("sampled_mask").combine_chunks().values.to_numpy(zero_copy_only=False).astype(bool)
+    if train_once:
+        trainable_col = view.column("trainable").to_numpy(zero_copy_only=False).astype(bool)[rows]
+        loss = sampled & _owned(entry_rows, sample_of, within, n_tok, length, trainable_col, start, len(sampled))
+    else:
+        loss = sampled.copy()
+    prefixes = _prefixes(data, entry_rows, entry_off, within, n_tok, length) if share_prefixes else None
+    return Samples(
+        trace_id=view.column("trace_id").take(pa.array(rows, pa.int64())).to_pylist(),
+        branch_index=view.column("branch_index").to_numpy().astype(np.int32)[rows],
+        length=length,
+        truncated=truncated,
+        rows=rows,
+        start=start,
+        view=view,
+        view_offsets=view_offsets,
+        loss_mask=loss,
+        prefixes=prefixes,
+        counts=counts,
+    )
+
+
+def _owned(
+    entry_rows: np.ndarray,
+    sample_of: np.ndarray,
+    within: np.ndarray,
+    n_tok: np.ndarray,
+    length: np.ndarray,
+    trainable: np.ndarray,
+    start: np.ndarray,
+    total: int,
+) -> np.ndarray:
+    """Per view token: whether its sample owns it under the train-once rule.
+
+    Entry ``e`` (a node on a sample) carries the node's first ``c_e`` tokens, what is
+    left of the sample's length at the node. In the owners' order (trainable samples first,
+    then view order) the entries of one node take, in turn, the tokens no earlier entry
+    carried: entry ``e`` owns ``[max c before it, c_e)``."""
+    carried = np.clip(length[sample_of] - within, 0, n_tok)
+    rank = sample_of + np.where(trainable[sample_of], 0, len(length))
+    order = np.lexsort((rank, entry_rows))
+    node_sorted = entry_rows[order]
+    c_sorted = carried[order]
+    first = np.ones(len(order), bool)
+    first[1:] = node_sorted[1:] != node_sorted[:-1]
+    # Running max of carried tokens within each node's entries, before each entry.
+    before = np.zeros(len(order), np.int64)
+    if len(order):
+        group = np.cumsum(first) - 1
+        shifted = np.where(first, 0, np.concatenate([[0], c_sorted[:-1]]))
+        # max over the node's earlier entries: a running max that restarts at each node
+        big = shifted + group * (int(n_tok.max(initial=0)) + 1)
+        before = np.maximum.accumulate(big) - group * (int(n_tok.max(initial=0)) + 1)
+    lo = np.empty(len(order), np.int64)
+    hi = np.empty(len(order), np.int64)
+    lo[order] = before
+    hi[order] = np.maximum(before, c_sorted)
+    # Mark each entry's owned range in the flat view: +1 at its start, -1 at its end.
+    first_token = start[sample_of] + within
+    mark = np.zeros(total + 1, np.int64)
+    owns = hi > lo
+    np.add.at(mark, (first_token + lo)[owns], 1)
+    np.add.at(mark, (first_token + hi)[owns], -1)
+    return np.cumsum(mark[:-1]) > 0
+
+
+def _prefixes(
+    data: NodeColumns,
+    entry_rows: np.ndarray,
+    entry_off: np.ndarray,
+    within: np.ndarray,
+    n_tok: np.ndarray,
+    length: np.ndarray,
+) -> list[list[tuple[int, int]]]:
+    """Per sample, its path as (trie id, tokens up to the end of that node) pairs, up to
+    its first node the truncation cuts (a shared span is whole nodes)."""
+    content = _content_keys(data)
+    trie: dict[tuple[int, object], int] = {}
+    out = []
+    for s in range(len(entry_off) - 1):
+        parent = -1
+        pairs = []
+        for e in range(int(entry_off[s]), int(entry_off[s + 1])):
+            end = int(within[e] + n_tok[e])
+            if end > length[s]:
+                break
+            row = int(entry_rows[e])
+            key = (parent, content.get(row, ("row", row)))
+            parent = trie.setdefault(key, len(trie))
+            pairs.append((parent, end))
+        out.append(pairs)
+    return out
+
+
+def _content_keys(data: NodeColumns) -> dict[int, object]:
+    """Node rows whose tokens are all a sample takes from them (no sampled token, no loss
+    weights): keyed by their token content, so equal prompts of different traces share.
+    Segments are stored once per content, so a node's segment (where its tokens start
+    among the loaded segments' values) names its content."""
+    plain = (data.n_sampled == 0) & np.array([w is None for w in data.loss_weights], bool)
+    return {int(row): ("segment", int(data.tok_src[row]), int(data.n_tok[row])) for row in np.flatnonzero(plain)}
