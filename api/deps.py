@@ -31,6 +31,15 @@ _bearer = HTTPBearer(auto_error=False, description="Writes need `Authorization: 
 def require_token(
     request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> None:
+    """For writes: 401 without a bearer token, 403 with a wrong one, when the server has
+    none, or when it opened its file read-only (``read_only=True`` beside a token)."""
+    _check_bearer(request, credentials)
+    backend: Backend = request.app.state.backend
+    if backend.read_only:
+        raise ApiError(403, "read_only", f"this server opened {backend.path} read-only: writes are refused")
+
+
+def _check_bearer(request: Request, credentials: HTTPAuthorizationCredentials | None) -> None:
     """401 without a bearer token, 403 with a wrong one or when the server has none."""
     expected: str | None = request.app.state.token
     if expected is None:
@@ -48,7 +57,7 @@ def require_token_for_sql(
 ) -> None:
     """The bearer token for ``/sql`` too, on a server started with ``--sql-needs-token``."""
     if request.app.state.sql_needs_token:
-        require_token(request, credentials)
+        _check_bearer(request, credentials)
 
 
 Reader = Annotated[Database, Depends(reader)]

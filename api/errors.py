@@ -27,6 +27,14 @@ from tracedb.errors import IngestAborted, NotFound, RecordError, TraceDBError
 
 log = logging.getLogger("tracedb.api")
 
+SECURITY_HEADERS = [
+    (b"x-content-type-options", b"nosniff"),
+    (b"x-frame-options", b"DENY"),
+    (b"referrer-policy", b"no-referrer"),
+]
+"""On every response (see :mod:`.security`); here because errors sent outside the
+middleware stack (500s) need them too."""
+
 
 class JSONBody(JSONResponse):
     """JSON via orjson: numpy arrays natively, float32 at its shortest round-trip
@@ -148,7 +156,9 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _bug(_: Request, exc: Exception) -> Response:  # a bug: still JSON, and logged
         log.exception("unhandled error", exc_info=exc)
-        return _body(500, "internal_error", f"{type(exc).__name__}: {exc}")
+        # Sent by Starlette's outermost middleware, outside SecurityHeaders: they go on here.
+        headers = {k.decode(): v.decode() for k, v in SECURITY_HEADERS}
+        return _body(500, "internal_error", f"{type(exc).__name__}: {exc}", headers=headers)
 
 
 class BodyLimit:

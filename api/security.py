@@ -9,16 +9,12 @@ from collections.abc import Iterable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .errors import SECURITY_HEADERS as _HEADERS
 from .errors import dumps
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 """The names a server bound to loopback answers to."""
 
-_HEADERS = [
-    (b"x-content-type-options", b"nosniff"),
-    (b"x-frame-options", b"DENY"),
-    (b"referrer-policy", b"no-referrer"),
-]
 _CSP = (
     b"default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
     b"object-src 'none'; base-uri 'none'; frame-ancestors 'none'; form-action 'self'"

@@ -176,6 +176,15 @@ class Handle:
         """A file with tracedb's tables but no version row: a first install killed before
         it committed it (older tracedb installed table by table). Empty, it is finished now;
         holding data, it is refused (its version cannot be told)."""
+        self._refuse_unversioned_rows()
+        with self.transaction():
+            self.con.execute(load_sql("tables.sql"))
+            self.con.execute("DELETE FROM tracedb_meta WHERE key = 'schema_version'")
+            self.con.execute("INSERT INTO tracedb_meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
+            self._install_macros()
+
+    def _refuse_unversioned_rows(self) -> None:
+        """Refuse a file without a version row that holds data (its version cannot be told)."""
         known = ("episodes", "traces", "nodes", "segments", "branches", "rejects", "credit_sets", "credit")
         present = [t for t in known if t in self.table_names()]
         rows = sum(self.scalar(f"SELECT count(*) FROM {quote_identifier(t)}") for t in present)
@@ -183,11 +192,6 @@ class Handle:
             raise SchemaVersionError(
                 f"{self.path} has tracedb's tables and {rows} rows but no schema version; it cannot be read safely"
             )
-        with self.transaction():
-            self.con.execute(load_sql("tables.sql"))
-            self.con.execute("DELETE FROM tracedb_meta WHERE key = 'schema_version'")
-            self.con.execute("INSERT INTO tracedb_meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
-            self._install_macros()
 
     def table_names(self) -> set[str]:
         """The tables of this database (not of the other databases of the instance)."""
@@ -211,6 +215,7 @@ class Handle:
         if found == SCHEMA_VERSION:
             return
         if found is None:
+            self._refuse_unversioned_rows()  # holding data, it cannot be repaired either
             raise SchemaVersionError(
                 f"{self.path}: no schema version (a first install cut short); open it read-write once to repair it"
             )
@@ -367,7 +372,7 @@ def _refusal(path: str, error: duckdb.IOException, read_only: bool) -> DatabaseE
     if read_only:
         what = (
             f"{path} is open for writing in another process (PID {pid}, {found['program']}): stop it, "
-            "or query it through the server that holds it (--url)"
+            "or query it through the server that holds it (its REST API)"
         )
     else:
         what = (

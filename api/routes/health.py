@@ -26,7 +26,7 @@ def health(request: Request, db: Reader) -> Any:
             "schema_version": db.schema_version,
             "database": db.path,
             "traces": db.handle.scalar("SELECT count(*) FROM traces"),
-            "writes_enabled": state.token is not None,
+            "writes_enabled": state.token is not None and not state.backend.read_only,
             "sql_enabled": state.backend.allow_sql,
         }
     )

@@ -345,7 +345,7 @@ def serve(
     if host not in ("127.0.0.1", "localhost", "::1") and token is None:
         err.print(
             f"[yellow]warning: serving on {host}, beyond this machine, with no token: anyone who reaches it "
-            "reads every trace[/yellow]"
+            "reads every trace (clients using another name for this machine need --allowed-host NAME)[/yellow]"
         )
     try:
         application = create_app(

@@ -65,22 +65,26 @@ class _Zstd(io.RawIOBase):
         self._in_frame = False  # bytes of a frame fed, its end not reached yet
         self._ready = b""
         self._error: InputError | None = None
+        self._ended = False  # the read before the damage's said "end"
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
-        # A damage found is raised on the read after the one that handed out the bytes
-        # before it (a buffered read of many blocks would drop them with the error).
+        # A damage found first reads as the end (0 bytes), and is raised by the read after
+        # that: a buffered read of many blocks would drop the bytes before it with the error.
         while not self._ready:
             if self._error is not None:
+                if not self._ended:
+                    self._ended = True
+                    return 0
                 raise self._error
             data = self._file.read(1 << 20)
             if not data:
                 if self._in_frame:
                     self._error = InputError(str(self._path), "truncated: the file ends inside a zstd frame")
                     self._in_frame = False
-                    return 0
+                    continue
                 return 0
             self._ready = self._feed(data)
         n = min(len(buffer), len(self._ready))
@@ -114,9 +118,10 @@ def read_lines(path: Path) -> Iterator[tuple[int, bytes | LongLine]]:
     """(line number, bytes) of each non-blank record; a ``.json`` file is one record. A
     line over the ``max_line_bytes`` setting comes as a :class:`LongLine`, read past without
     being held. A file cut short raises :class:`InputError` naming the first line lost."""
-    number = 0
+    number = 0  # the lines read whole so far
     knobs = runtime.settings()
     limit = knobs.max_line_bytes
+    line = b""
     try:
         with open_input(path) as f:
             if path.suffix == ".json":
@@ -127,19 +132,27 @@ def read_lines(path: Path) -> Iterator[tuple[int, bytes | LongLine]]:
                 if data.strip():
                     yield 1, data
                 return
+            # A line without its line break ends the file, or was cut by a damage: the
+            # read after it (f.read(1)) raises the damage, and the line is the first lost.
             while line := f.readline(limit + 1):
-                number += 1
                 if len(line) > limit and not line.endswith(b"\n"):
                     size, prefix = len(line), line[: knobs.reject_record_bytes]
                     while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
                         size += len(rest)
+                    if not rest:
+                        f.read(1)
                     size += len(rest.rstrip(b"\r\n"))
+                    number += 1
                     yield number, LongLine(number, size, prefix)
-                elif line.strip():
+                    continue
+                if not line.endswith(b"\n"):
+                    f.read(1)
+                number += 1
+                if line.strip():
                     yield number, line.rstrip(b"\r\n")
             f.read(1)  # at the end: a damage found there is raised now
     except InputError as e:
-        raise InputError(e.file, e.reason, number + 1) from None
+        raise InputError(e.file, e.reason, number + 1, line[: knobs.reject_record_bytes]) from None
 
 
 @dataclass
@@ -280,6 +293,9 @@ def _blocks(
             tail = block[last + 1 :]
             parts, carried = ([tail], len(tail)) if tail else ([], 0)
             yield from cut(data)
+        # The read that reaches the end returns nothing; a damage found there is raised
+        # by the read after it (a file cut inside its first frame hands out no bytes at all).
+        f.read(1)
     except InputError as e:
         raise _Cut(e, b"".join(parts) or prefix) from None
     if skipped:

@@ -303,8 +303,8 @@ def _fast_trace(trace: Any, episode_id: str | None, position: int) -> tuple[Pars
         raise Fallback
     brackets = json.dumps(meta).count("[")
     parsed = ParsedTrace(trace_id, episode_id, position, meta)
-    if nodes_value is not None:
-        if not isinstance(nodes_value, simdjson.Array):
+    if "nodes" in meta:
+        if not isinstance(nodes_value, simdjson.Array):  # "nodes": null is no list: pydantic words it
             raise Fallback
         brackets += 1
         for node in nodes_value:

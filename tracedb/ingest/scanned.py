@@ -78,8 +78,8 @@ class ScannedNodes:
         self.is_content = used("is_content", S.C_IC)
         self._hard(out)
         self.unfit = self._unfit()
-        """Per row: a stream value beyond the float32 range (its line goes the other way,
-        which rejects it naming the position)."""
+        """Per row: a stream value beyond the float32 range, or a timestamp beyond the
+        double range (its line goes the other way, which rejects it naming the field)."""
         self.keys = segment_keys(self.tokens, self.tok_off)
         """Per row, the content address of its tokens."""
         self.trace_ids: list[str | None] = [None] * int(counts[S.C_TRACE])
@@ -95,9 +95,9 @@ class ScannedNodes:
         text = pa.Array.from_buffers(
             pa.string(), h, [None, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(out["hard_text"])]
         )
-        values = pc.cast(text, pa.float64()).to_numpy()  # float32 streams round from these doubles
-        if not np.isfinite(values).all():
-            raise ValueError("a float beyond the double range")  # the slow path decides
+        # float32 streams round from these doubles; one beyond the double range is infinity,
+        # which sends its line (only) the other way (see _unfit)
+        values = pc.cast(text, pa.float64()).to_numpy()
         target, index = out["hard_target"][:h], out["hard_index"][:h]
         ts = target == S.HARD_TS
         self.timestamps[index[ts]] = values[ts]
@@ -107,7 +107,7 @@ class ScannedNodes:
                 self.streams[s][index[mine]] = values[mine]
 
     def _unfit(self) -> np.ndarray:
-        unfit = np.zeros(self.n, bool)
+        unfit = ~np.isfinite(self.timestamps) & ((self.nulls & S.NULL_TS) == 0)
         for off, values in zip(self.stream_off, self.streams, strict=True):
             bad = np.flatnonzero(~np.isfinite(values))
             if len(bad):
