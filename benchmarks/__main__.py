@@ -2,7 +2,9 @@
 
 Prints the table and writes ``benchmarks/results.json``. ``--suite credit`` (or
 ``python -m benchmarks credit``) runs the credit-stamping suite instead (``benchmarks/credit.py``,
-writing ``results-credit.json``). Exits 0 whether or not the targets are met (the table
+writing ``results-credit.json``); ``--suite batches`` (or ``python -m benchmarks batches``) the
+trainer-feed suite (``benchmarks/batches.py``, ``db.micro_batches``, writing
+``results-batches.json``). Exits 0 whether or not the targets are met (the table
 reports PASS/MISS); 2 when tracedb's answers differ from verifiers' (the figures would mean
 nothing); 1 on any other error.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from benchmarks.workload import Workload
 
@@ -22,10 +25,12 @@ FULL = {"traces": 256, "tokens": 30_000, "repeat": 5}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] in (["core"], ["credit"]):  # `python -m benchmarks credit` = `--suite credit`
+    if argv[:1] in (["core"], ["credit"], ["batches"]):  # `python -m benchmarks credit` = `--suite credit`
         argv = ["--suite", *argv]
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
-    p.add_argument("--suite", choices=["core", "credit"], default="core", help="which suite to run (default core)")
+    p.add_argument(
+        "--suite", choices=["core", "credit", "batches"], default="core", help="which suite to run (default core)"
+    )
     p.add_argument("--workdir", type=Path, default=Path("out/bench"), help="workload cache and scratch databases")
     p.add_argument("--traces", type=int, help=f"traces, in groups of 8 (default {FULL['traces']})")
     p.add_argument("--tokens", type=int, help=f"tokens per trace (default {FULL['tokens']})")
@@ -34,21 +39,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test (16 traces, 3k tokens, 1 run)")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
-    p.add_argument("--results", type=Path, help=f"results file (default {RESULTS}; credit: results-credit.json)")
+    p.add_argument(
+        "--results",
+        type=Path,
+        help=f"results file (default {RESULTS}; credit: results-credit.json; batches: results-batches.json)",
+    )
+    p.add_argument("--seq-len", type=int, default=32_768, help="batches suite: tokens per micro-batch (default 32768)")
+    p.add_argument("--ranks", type=int, default=8, help="batches suite: data-parallel ranks (default 8)")
     args = p.parse_args(argv)
     if args.suite == "credit":
         from benchmarks import credit
 
         args.results = args.results or credit.RESULTS
         defaults = credit.QUICK if args.quick else credit.FULL
+    elif args.suite == "batches":
+        from benchmarks import batches
+
+        args.results = args.results or batches.RESULTS
+        defaults = batches.QUICK if args.quick else batches.FULL
     else:
         args.results = args.results or RESULTS
         defaults = QUICK if args.quick else FULL
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if args.traces < 1 or args.tokens < 100 or args.repeat < 1:
-        p.error("--traces >= 1, --tokens >= 100 and --repeat >= 1")
+    if args.traces < 1 or args.tokens < 100 or args.repeat < 1 or args.seq_len < 1 or args.ranks < 1:
+        p.error("--traces >= 1, --tokens >= 100, --repeat >= 1, --seq-len >= 1 and --ranks >= 1")
     return args
 
 
@@ -61,14 +77,19 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.core import CorrectnessError, write_results
     from benchmarks.workload import build
 
+    options: dict[str, Any] = {}
     if args.suite == "credit":
         from benchmarks.credit import render, run
+    elif args.suite == "batches":
+        from benchmarks.batches import render, run
+
+        options = {"seq_len": args.seq_len, "ranks": args.ranks}
     else:
         from benchmarks.core import render, run
 
     files = build(Workload(traces=args.traces, tokens=args.tokens, seed=args.seed), args.workdir, log=log)
     try:
-        results = run(files, args.workdir, args.repeat, log=log)
+        results = run(files, args.workdir, args.repeat, log=log, **options)
     except CorrectnessError as e:
         print(f"CORRECTNESS FAILURE: {e}", file=sys.stderr)
         return 2
