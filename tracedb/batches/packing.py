@@ -125,6 +125,8 @@ def balanced_differencing(cost: Sequence[float], ranks: int) -> list[list[int]]:
     partition with one bin per rank. Repeatedly the two partial partitions whose spread
     (largest minus smallest subset) is widest are merged, largest subset of one with the
     smallest of the other, until one is left: every subset took one bin per round."""
+    if not len(cost):
+        return [[] for _ in range(ranks)]
     order = sorted(range(len(cost)), key=lambda i: (-cost[i], i))
     heap: list[tuple[float, int, list[tuple[float, list[int]]]]] = []
     for k, start in enumerate(range(0, len(order), ranks)):

@@ -139,6 +139,8 @@ class MicroBatch:
         seg = self.segment_ids()
         ancestors = self.span_ancestors()
         n = len(seg)
+        if not len(ancestors):  # no spans (a padding micro-batch): every token is padding
+            return np.eye(n, dtype=bool)
         q, k = np.meshgrid(np.arange(n), np.arange(n), indexing="ij")
         real = (seg[:, None] >= 0) & (seg[None, :] >= 0)
         above = ancestors[np.maximum(seg, 0)][:, np.maximum(seg, 0)] & (seg[:, None] != seg[None, :])
@@ -219,9 +221,10 @@ def _layout(bin_samples: list[int], samples: Samples, share: bool) -> _Layout:
             last = k + 1 == len(chain) or users[chain[k + 1][0]] != users[key]
             if last:
                 ident = tuple(run)
-                if ident not in placed:
-                    placed[ident] = layout.piece(s, start, run_end - start, users[key], samples)
-                spans.append(placed[ident])
+                if run_end > start:  # a run of token-less nodes is no span (it would collide with others)
+                    if ident not in placed:
+                        placed[ident] = layout.piece(s, start, run_end - start, users[key], samples)
+                    spans.append(placed[ident])
                 start, run = run_end, []
         rest = int(samples.length[s]) - start
         if rest > 0 or not spans:
@@ -328,7 +331,8 @@ class _ViewColumns:
         streams = {}
         for name in OPTIONAL_COLUMNS:
             values, valid = _flat(view, name)
-            if valid is None or valid[samples.rows].any():  # a column only when some packed sample holds it
+            held = valid if valid is not None else np.ones(view.num_rows, bool)
+            if held[samples.rows].any():  # a column only when some packed sample holds it
                 per_token = None if valid is None else np.repeat(valid, np.diff(samples.view_offsets))
                 streams[name] = (values, per_token)
         return cls(

@@ -15,7 +15,9 @@ truncation. So a token a truncated sample lost goes to the next sample holding i
 trie of nodes: two samples share a trie node when their paths up to it hold the same
 nodes, where a node is the same node of one trace, or, for a node without sampled tokens
 or loss weights (a system or task prompt), the same tokens in any trace (its spread values
-are zeros everywhere then, so one copy serves every sample).
+are zeros everywhere then, so one copy serves every sample), and the two samples hold the
+same optional streams and loss-weight names (a shared token is null or not for all of
+its samples at once).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tracedb.tables import TOKEN_COLUMNS
+from tracedb.tables import NULLABLE_TOKEN_COLUMNS, TOKEN_COLUMNS
 from tracedb.views.nodes import NodeColumns
 from tracedb.views.spread import branch_entries, branch_table
 
@@ -122,7 +124,9 @@ def build(
         loss = sampled & _owned(entry_rows, sample_of, within, n_tok, length, trainable_col, start, len(sampled))
     else:
         loss = sampled.copy()
-    prefixes = _prefixes(data, entry_rows, entry_off, within, n_tok, length) if share_prefixes else None
+    prefixes = None
+    if share_prefixes:
+        prefixes = _prefixes(data, entry_rows, entry_off, within, n_tok, length, _null_patterns(view, rows))
     return Samples(
         trace_id=view.column("trace_id").take(pa.array(rows, pa.int64())).to_pylist(),
         branch_index=view.column("branch_index").to_numpy().astype(np.int32)[rows],
@@ -189,14 +193,17 @@ def _prefixes(
     within: np.ndarray,
     n_tok: np.ndarray,
     length: np.ndarray,
+    patterns: list[tuple[object, ...]],
 ) -> list[list[tuple[int, int]]]:
     """Per sample, its path as (trie id, tokens up to the end of that node) pairs, up to
-    its first node the truncation cuts (a shared span is whole nodes)."""
+    its first node the truncation cuts (a shared span is whole nodes). Samples share
+    nothing unless their null patterns are the same (a shared token holds one value,
+    valid or null, for every sample using it)."""
     content = _content_keys(data)
     trie: dict[tuple[int, object], int] = {}
     out = []
     for s in range(len(entry_off) - 1):
-        parent = -1
+        parent = trie.setdefault((-1, ("nulls", patterns[s])), len(trie))  # a root per pattern, never a span
         pairs = []
         for e in range(int(entry_off[s]), int(entry_off[s + 1])):
             end = int(within[e] + n_tok[e])
@@ -208,6 +215,18 @@ def _prefixes(
             pairs.append((parent, end))
         out.append(pairs)
     return out
+
+
+def _null_patterns(view: pa.Table, rows: np.ndarray) -> list[tuple[object, ...]]:
+    """Per sample (view row ``rows[s]``): which optional streams it holds (the others are
+    null on its tokens) and the loss-weight names it holds."""
+    streams = [view.column(name).is_valid().to_numpy(zero_copy_only=False) for name in NULLABLE_TOKEN_COLUMNS]
+    weights = view.column("loss_weights").combine_chunks()
+    keys = weights.keys.to_pylist()
+    offsets = weights.offsets.to_numpy()
+    return [
+        (tuple(bool(v[r]) for v in streams), tuple(sorted(keys[offsets[r] : offsets[r + 1]]))) for r in rows.tolist()
+    ]
 
 
 def _content_keys(data: NodeColumns) -> dict[int, object]:
