@@ -95,6 +95,8 @@ class Handle:
         fresh = True
         handle = None
         try:
+            if not read_only:
+                create_whole(text)
             if not isolated:
                 try:
                     con, catalog, fresh, release = runtime.attach(text, read_only=read_only)
@@ -361,6 +363,35 @@ def check_path(path: str) -> None:
                 f"{path} exists and is not a DuckDB database ({'empty' if not head else 'another kind of file'}); "
                 "tracedb does not overwrite it"
             )
+
+
+def create_whole(path: str) -> None:
+    """Put a new database file at ``path`` whole, if there is none: made by DuckDB under a
+    name of its own beside it, then linked into place. (ATTACH creates the file empty and
+    writes its header after; a process killed between the two left an empty file that
+    neither DuckDB nor tracedb opens again.) A killed creation leaves at most the hidden
+    ``.NAME.*.creating`` file, never a part of a file at ``path``."""
+    if path in ("", ":memory:") or path.startswith(":memory:") or os.path.lexists(path):
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return  # ATTACH says what is wrong
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{os.urandom(4).hex()}.creating")
+    try:
+        con, _, _, release = runtime.attach(tmp, read_only=False)
+        con.close()
+        release()  # detached: a whole, empty DuckDB file
+        try:
+            os.link(tmp, path)  # fails if another process made it meanwhile: that one stands
+        except FileExistsError:
+            pass
+        except OSError:  # no hard links here
+            if not os.path.lexists(path):
+                os.rename(tmp, path)
+    finally:
+        for leftover in (tmp, tmp + ".wal"):
+            if os.path.lexists(leftover):
+                os.unlink(leftover)
 
 
 def _refusal(path: str, error: duckdb.IOException, read_only: bool) -> DatabaseError:

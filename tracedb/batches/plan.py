@@ -26,6 +26,7 @@ import pyarrow as pa
 
 from tracedb.batches import packing
 from tracedb.batches.samples import Samples
+from tracedb.views import _buffers
 
 SPAN = pa.struct([("start", pa.int32()), ("length", pa.int32())])
 SAMPLES_SCHEMA = pa.schema(
@@ -176,20 +177,16 @@ class Plan(Sequence[list[MicroBatch]]):
 
 @dataclass
 class _Layout:
-    """A bin's physical layout: for each piece of tokens, where it comes from."""
+    """A bin's physical layout: pieces of tokens, each copied from its first user's view
+    tokens (``sample``, its tokens ``start:start + length``), used by ``users``."""
 
-    src: list[np.ndarray] = field(default_factory=list)  # view token indices
-    pos: list[np.ndarray] = field(default_factory=list)  # position ids
-    owners: list[list[int]] = field(default_factory=list)  # per piece: the samples using it
-    spans: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # sample -> its spans
+    pieces: list[tuple[int, int, int, list[int]]] = field(default_factory=list)  # sample, start, length, users
+    spans: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # sample -> its spans in the bin
     size: int = 0
 
-    def piece(self, sample: int, start: int, length: int, users: list[int], samples: Samples) -> tuple[int, int]:
+    def piece(self, sample: int, start: int, length: int, users: list[int]) -> tuple[int, int]:
         at = self.size
-        first = int(samples.start[sample]) + start
-        self.src.append(np.arange(first, first + length, dtype=np.int64))
-        self.pos.append(np.arange(start, start + length, dtype=np.int32))
-        self.owners.append(users)
+        self.pieces.append((sample, start, length, users))
         self.size += length
         return at, length
 
@@ -199,7 +196,7 @@ def _layout(bin_samples: list[int], samples: Samples, share: bool) -> _Layout:
     layout = _Layout()
     if not share:
         for s in bin_samples:
-            layout.spans[s] = [layout.piece(s, 0, int(samples.length[s]), [s], samples)]
+            layout.spans[s] = [layout.piece(s, 0, int(samples.length[s]), [s])]
         return layout
     assert samples.prefixes is not None
     # Users of each trie node in this bin, and each sample's chain of trie nodes.
@@ -223,12 +220,12 @@ def _layout(bin_samples: list[int], samples: Samples, share: bool) -> _Layout:
                 ident = tuple(run)
                 if run_end > start:  # a run of token-less nodes is no span (it would collide with others)
                     if ident not in placed:
-                        placed[ident] = layout.piece(s, start, run_end - start, users[key], samples)
+                        placed[ident] = layout.piece(s, start, run_end - start, users[key])
                     spans.append(placed[ident])
                 start, run = run_end, []
         rest = int(samples.length[s]) - start
         if rest > 0 or not spans:
-            spans.append(layout.piece(s, start, rest, [s], samples))
+            spans.append(layout.piece(s, start, rest, [s]))
         layout.spans[s] = spans
     return layout
 
@@ -238,7 +235,8 @@ def _layout(bin_samples: list[int], samples: Samples, share: bool) -> _Layout:
 
 def _flat(view: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray | None]:
     """A list column's values over the view's tokens, and per row whether it is valid."""
-    column = view.column(name).combine_chunks()
+    chunked = view.column(name)
+    column = chunked.chunk(0) if chunked.num_chunks == 1 else chunked.combine_chunks()
     values = column.values.to_numpy(zero_copy_only=False)
     valid = column.is_valid().to_numpy(zero_copy_only=False) if column.null_count else None
     return values, valid
@@ -287,42 +285,35 @@ def build_plan(
     report.micro_batches = len(bins) + padding
     report.physical_tokens = int(sum(lay.size for lay in layouts))
 
-    view_columns = _ViewColumns.of(samples)
     multiple = max(pad_to_multiple_of, 1)
-    batches: list[MicroBatch] = []
-    for lay, b in zip(layouts, bins, strict=True):
-        pad = (-lay.size) % multiple
-        report.padding_tokens += pad
-        tokens = view_columns.bin(lay, samples, pad, pad_token_id)
-        batches.append(MicroBatch(tokens, _samples_table(sorted(b.samples), lay, samples)))
-    empty = _samples_table([], _Layout(), samples)
-    for _ in range(padding):
-        batches.append(MicroBatch(view_columns.bin(_Layout(), samples, multiple, pad_token_id), empty))
-        report.padding_tokens += multiple
+    layouts += [_Layout() for _ in range(padding)]  # the zero-loss bins: padding only
+    pads = [(-lay.size) % multiple or (multiple if not lay.pieces else 0) for lay in layouts]
+    report.padding_tokens = int(sum(pads))
+    columns = _ViewColumns.of(samples).assemble(layouts, pads, samples, pad_token_id)
+    tables = _samples_tables([sorted(b.samples) for b in bins] + [[] for _ in range(padding)], layouts, samples)
+    starts = np.concatenate([[0], np.cumsum([lay.size + pad for lay, pad in zip(layouts, pads, strict=True)])])
+    batches = [
+        MicroBatch(
+            pa.RecordBatch.from_arrays(
+                [c.slice(int(starts[i]), int(starts[i + 1] - starts[i])) for c in columns.values()],
+                names=list(columns),
+            ),
+            table,
+        )
+        for i, table in enumerate(tables)
+    ]
     plan = [[batches[i] for i in g] for g in groups]
     return Plan(plan, report, arguments)
 
 
-def _any_user(layout: _Layout, samples: Samples, per_token: np.ndarray) -> np.ndarray:
-    """``per_token`` (over the view's tokens) for the bin's physical tokens: true where it
-    is true for any sample using the token (the pieces' sources are their first user's)."""
-    out = []
-    for piece, users in zip(layout.src, layout.owners, strict=True):
-        got = per_token[piece]
-        for s in users[1:]:
-            got = got | per_token[piece - samples.start[users[0]] + samples.start[s]]
-        out.append(got)
-    return np.concatenate(out) if out else np.zeros(0, bool)
-
-
 @dataclass
 class _ViewColumns:
-    """The samples' token columns, flat over the view's tokens, that bins gather from."""
+    """The samples' token columns, flat over the view's tokens, that bins copy from."""
 
     token_ids: np.ndarray
     logprobs: np.ndarray
     advantages: np.ndarray
-    streams: dict[str, tuple[np.ndarray, np.ndarray | None]]  # values, valid per view token (None: all)
+    streams: dict[str, tuple[np.ndarray, np.ndarray | None]]  # values, valid per view row (None: all)
     weights: dict[str, tuple[np.ndarray, np.ndarray]]  # loss_weights.NAME: values, held per view token
 
     @classmethod
@@ -330,11 +321,11 @@ class _ViewColumns:
         view = samples.view
         streams = {}
         for name in OPTIONAL_COLUMNS:
-            values, valid = _flat(view, name)
+            column = view.column(name)
+            valid = column.is_valid().to_numpy(zero_copy_only=False) if column.null_count else None
             held = valid if valid is not None else np.ones(view.num_rows, bool)
             if held[samples.rows].any():  # a column only when some packed sample holds it
-                per_token = None if valid is None else np.repeat(valid, np.diff(samples.view_offsets))
-                streams[name] = (values, per_token)
+                streams[name] = (_flat(view, name)[0], valid)
         return cls(
             token_ids=_flat(view, "token_ids")[0],
             logprobs=_flat(view, "logprobs")[0],
@@ -343,41 +334,90 @@ class _ViewColumns:
             weights=_loss_weight_columns(samples),
         )
 
-    def bin(self, layout: _Layout, samples: Samples, pad: int, pad_token_id: int) -> pa.RecordBatch:
-        """One bin's token columns. A physical token is in the loss when a sample using it
-        owns it (train-once), and holds a stream when any sample using it does. Padding:
-        ``pad_token_id``, position 0, no loss, zeros, null in the optional columns."""
-        src = np.concatenate(layout.src) if layout.src else np.zeros(0, np.int64)
-        pos = np.concatenate(layout.pos) if layout.pos else np.zeros(0, np.int32)
-
-        def padded(values: np.ndarray, fill: Any) -> np.ndarray:
-            return np.concatenate([values, np.full(pad, fill, values.dtype)]) if pad else values
-
+    def assemble(
+        self, layouts: list[_Layout], pads: list[int], samples: Samples, pad_token_id: int
+    ) -> dict[str, pa.Array]:
+        """Every bin's token columns, back to back (each bin then padded), one copy of
+        each piece. A physical token is in the loss when a sample using it owns it
+        (train-once); optional streams are null where its samples hold none (samples
+        share tokens only when they hold the same streams). Padding: ``pad_token_id``,
+        position 0, no loss, zeros, null in the optional columns."""
+        total = sum(lay.size + pad for lay, pad in zip(layouts, pads, strict=True))
+        # Every position is written below, by a piece or as padding: no zero-filled pages
+        # first, and memory that stays mapped between steps (views/_buffers).
+        ids, pos, loss = _buffers.empty(total, np.int32), _buffers.empty(total, np.int32), np.empty(total, bool)
+        adv, lp = _buffers.empty(total, np.float32), _buffers.empty(total, np.float32)
+        streams = {name: (_buffers.empty(total, np.float32), np.empty(total, bool)) for name in self.streams}
+        weights = {name: (_buffers.empty(total, np.float32), np.empty(total, bool)) for name in self.weights}
+        ramp = np.arange(max((int(n) for n in samples.length), default=0) + 1, dtype=np.int32)
+        at = 0
+        for lay, pad in zip(layouts, pads, strict=True):
+            for sample, start, length, users in lay.pieces:
+                a = int(samples.start[sample]) + start
+                here, there = slice(at, at + length), slice(a, a + length)
+                ids[here] = self.token_ids[there]
+                pos[here] = ramp[start : start + length]
+                adv[here] = self.advantages[there]
+                lp[here] = self.logprobs[there]
+                piece_loss = samples.loss_mask[there]
+                for other in users[1:]:
+                    b = int(samples.start[other]) + start
+                    piece_loss = piece_loss | samples.loss_mask[b : b + length]
+                loss[here] = piece_loss
+                row = samples.rows[sample]
+                for name, (values, valid) in self.streams.items():
+                    streams[name][0][here] = values[there]
+                    streams[name][1][here] = True if valid is None else bool(valid[row])
+                for name, (values, held) in self.weights.items():
+                    weights[name][0][here] = values[there]
+                    weights[name][1][here] = held[there]
+                at += length
+            padding = slice(at, at + pad)
+            ids[padding], pos[padding], loss[padding], adv[padding], lp[padding] = pad_token_id, 0, False, 0.0, 0.0
+            for values, present in (*streams.values(), *weights.values()):
+                values[padding], present[padding] = 0.0, False
+            at += pad
         columns: dict[str, pa.Array] = {
-            "input_ids": pa.array(padded(self.token_ids[src].astype(np.int32), pad_token_id)),
-            "position_ids": pa.array(padded(pos.astype(np.int32), 0)),
-            "loss_mask": pa.array(padded(_any_user(layout, samples, samples.loss_mask), False)),
-            "advantages": pa.array(padded(self.advantages[src].astype(np.float32), 0.0)),
-            "inference_logprobs": pa.array(padded(self.logprobs[src].astype(np.float32), 0.0)),
+            "input_ids": _arrow(ids),
+            "position_ids": _arrow(pos),
+            "loss_mask": pa.array(loss),
+            "advantages": _arrow(adv),
+            "inference_logprobs": _arrow(lp),
         }
-        for name, (values, valid) in self.streams.items():
-            present = np.ones(len(src), bool) if valid is None else _any_user(layout, samples, valid)
-            columns[name] = pa.array(padded(values[src].astype(np.float32), 0.0), mask=padded(~present, True))
-        for name, (values, held) in self.weights.items():
-            present = _any_user(layout, samples, held)
-            columns[f"loss_weights.{name}"] = pa.array(padded(values[src], 0.0), mask=padded(~present, True))
-        return pa.RecordBatch.from_pydict(columns)
+        for name, (values, present) in streams.items():
+            columns[name] = _arrow(values, ~present)
+        for name, (values, present) in weights.items():
+            columns[f"loss_weights.{name}"] = _arrow(values, ~present)
+        return columns
 
 
-def _samples_table(bin_samples: list[int], layout: _Layout, samples: Samples) -> pa.Table:
-    return pa.Table.from_pydict(
-        {
-            "trace_id": pa.array([samples.trace_id[s] for s in bin_samples], pa.string()),
-            "branch_index": pa.array([int(samples.branch_index[s]) for s in bin_samples], pa.int32()),
-            "spans": pa.array(
-                [[{"start": a, "length": n} for a, n in layout.spans[s]] for s in bin_samples], pa.list_(SPAN)
-            ),
-            "truncated": pa.array([bool(samples.truncated[s]) for s in bin_samples], pa.bool_()),
-        },
+def _arrow(values: np.ndarray, null: np.ndarray | None = None) -> pa.Array:
+    """``values`` as an Arrow array without a copy (a pooled buffer), null where ``null``."""
+    kind = pa.from_numpy_dtype(values.dtype)
+    bitmap = None if null is None or not null.any() else pa.array(~null).buffers()[1]
+    data = values.base if isinstance(values.base, pa.Buffer) else pa.py_buffer(values)
+    return pa.Array.from_buffers(kind, len(values), [bitmap, data], null_count=-1 if bitmap else 0)
+
+
+def _samples_tables(bins: list[list[int]], layouts: list[_Layout], samples: Samples) -> list[pa.Table]:
+    """Each bin's samples table, sliced from one table of every bin's samples in bin order."""
+    order = [s for b in bins for s in b]
+    spans = [layouts[i].spans[s] for i, b in enumerate(bins) for s in b]
+    span_off = np.zeros(len(order) + 1, np.int32)
+    np.cumsum([len(x) for x in spans], out=span_off[1:])
+    flat = [span for x in spans for span in x]
+    span_values = pa.StructArray.from_arrays(
+        [pa.array([a for a, _ in flat], pa.int32()), pa.array([n for _, n in flat], pa.int32())], fields=list(SPAN)
+    )
+    index = pa.array(np.array(order, np.int64))
+    table = pa.Table.from_arrays(
+        [
+            pa.array(samples.trace_id, pa.string()).take(index) if order else pa.array([], pa.string()),
+            pa.array(samples.branch_index[order] if order else np.zeros(0, np.int32)),
+            pa.ListArray.from_arrays(pa.array(span_off), span_values),
+            pa.array(samples.truncated[order] if order else np.zeros(0, bool)),
+        ],
         schema=SAMPLES_SCHEMA,
     )
+    bounds = np.concatenate([[0], np.cumsum([len(b) for b in bins])])
+    return [table.slice(int(bounds[i]), int(bounds[i + 1] - bounds[i])) for i in range(len(bins))]

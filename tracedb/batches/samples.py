@@ -118,12 +118,10 @@ def build(
         within = csum - n_tok - np.repeat(csum[entry_off[:-1]] - n_tok[entry_off[:-1]], sizes)
     start = view_offsets[rows]
 
-    sampled = view.column("sampled_mask").combine_chunks().values.to_numpy(zero_copy_only=False).astype(bool)
+    loss = view.column("sampled_mask").combine_chunks().values.to_numpy(zero_copy_only=False).astype(bool)
     if train_once:
         trainable_col = view.column("trainable").to_numpy(zero_copy_only=False).astype(bool)[rows]
-        loss = sampled & _owned(entry_rows, sample_of, within, n_tok, length, trainable_col, start, len(sampled))
-    else:
-        loss = sampled.copy()
+        _train_once(loss, data.n_sampled, entry_rows, sample_of, within, n_tok, length, trainable_col, start)
     prefixes = None
     if share_prefixes:
         prefixes = _prefixes(data, entry_rows, entry_off, within, n_tok, length, _null_patterns(view, rows))
@@ -142,7 +140,9 @@ def build(
     )
 
 
-def _owned(
+def _train_once(
+    loss: np.ndarray,
+    n_sampled: np.ndarray,
     entry_rows: np.ndarray,
     sample_of: np.ndarray,
     within: np.ndarray,
@@ -150,40 +150,37 @@ def _owned(
     length: np.ndarray,
     trainable: np.ndarray,
     start: np.ndarray,
-    total: int,
-) -> np.ndarray:
-    """Per view token: whether its sample owns it under the train-once rule.
+) -> None:
+    """Clear from ``loss`` (the sampled mask over the view's tokens) every token of a
+    shared sampled node that its sample does not own under the train-once rule.
 
     Entry ``e`` (a node on a sample) carries the node's first ``c_e`` tokens, what is
     left of the sample's length at the node. In the owners' order (trainable samples first,
     then view order) the entries of one node take, in turn, the tokens no earlier entry
-    carried: entry ``e`` owns ``[max c before it, c_e)``."""
-    carried = np.clip(length[sample_of] - within, 0, n_tok)
-    rank = sample_of + np.where(trainable[sample_of], 0, len(length))
-    order = np.lexsort((rank, entry_rows))
-    node_sorted = entry_rows[order]
-    c_sorted = carried[order]
+    carried: entry ``e`` owns ``[max c before it, c_e)``. Only nodes on several samples
+    that hold sampled tokens need it (the others' tokens are their one sample's)."""
+    count = np.bincount(entry_rows, minlength=len(n_sampled))
+    shared = np.flatnonzero((count[entry_rows] > 1) & (n_sampled[entry_rows] > 0))
+    if not len(shared):
+        return
+    rows, samples, n = entry_rows[shared], sample_of[shared], n_tok[shared]
+    carried = np.clip(length[samples] - within[shared], 0, n)
+    rank = samples + np.where(trainable[samples], 0, len(length))
+    order = np.lexsort((rank, rows))
     first = np.ones(len(order), bool)
-    first[1:] = node_sorted[1:] != node_sorted[:-1]
-    # Running max of carried tokens within each node's entries, before each entry.
-    before = np.zeros(len(order), np.int64)
-    if len(order):
-        group = np.cumsum(first) - 1
-        shifted = np.where(first, 0, np.concatenate([[0], c_sorted[:-1]]))
-        # max over the node's earlier entries: a running max that restarts at each node
-        big = shifted + group * (int(n_tok.max(initial=0)) + 1)
-        before = np.maximum.accumulate(big) - group * (int(n_tok.max(initial=0)) + 1)
-    lo = np.empty(len(order), np.int64)
-    hi = np.empty(len(order), np.int64)
-    lo[order] = before
-    hi[order] = np.maximum(before, c_sorted)
-    # Mark each entry's owned range in the flat view: +1 at its start, -1 at its end.
-    first_token = start[sample_of] + within
-    mark = np.zeros(total + 1, np.int64)
-    owns = hi > lo
-    np.add.at(mark, (first_token + lo)[owns], 1)
-    np.add.at(mark, (first_token + hi)[owns], -1)
-    return np.cumsum(mark[:-1]) > 0
+    first[1:] = rows[order][1:] != rows[order][:-1]
+    # Max of the carried counts of the node's earlier entries: a running max that
+    # restarts at each node (each node's values lifted above the ones before it).
+    c_sorted = carried[order]
+    lift = np.cumsum(first) * (int(n.max()) + 1)
+    before = np.maximum.accumulate(np.where(first, 0, np.concatenate([[0], c_sorted[:-1]])) + lift) - lift
+    lo, hi = np.empty(len(order), np.int64), np.empty(len(order), np.int64)
+    lo[order], hi[order] = before, np.maximum(before, c_sorted)
+    # Each shared entry's tokens, and whether its entry owns each.
+    at = np.repeat(start[samples] + within[shared], n) + (np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n))
+    k = at - np.repeat(start[samples] + within[shared], n)
+    owned = (k >= np.repeat(lo, n)) & (k < np.repeat(hi, n))
+    loss[at] &= owned
 
 
 def _prefixes(

@@ -10,6 +10,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 import tracedb
@@ -52,7 +53,7 @@ def emit(data: Any, as_json: bool, title: str | None = None) -> None:
 def fail(e: Exception | str, code: int = 1) -> typer.Exit:
     """Report an error on stderr and return the Exit to raise (``raise fail(e) from None``):
     every command's error exit. Codes: 1 for a failed operation, 2 for bad usage."""
-    err.print(f"[red]{e}[/red]")
+    err.print(f"[red]{escape(str(e))}[/red]")  # a message is text, never markup (a path may hold [ ])
     return typer.Exit(code)
 
 

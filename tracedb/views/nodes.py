@@ -194,6 +194,8 @@ def flat_column(con: Any, query: str, lengths: pa.ChunkedArray, dtype: type) -> 
     offsets = np.zeros(len(lengths) + 1, np.int64)
     np.cumsum(pc.fill_null(lengths, 0).to_numpy(zero_copy_only=False), out=offsets[1:])
     total = int(offsets[-1])
+    if total == 0:  # nothing to read (a stream no node holds): skip the scan
+        return np.zeros(0, dtype), offsets, valid
     values = _buffers.empty(total, dtype)
     pos = end = 0
     for batch in con.sql(query).to_arrow_reader(runtime.settings().stream_rows):

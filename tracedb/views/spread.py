@@ -94,6 +94,9 @@ def branch_table(
         if name not in data.streams:
             continue
         stream = data.streams[name]
+        if name != "logprobs" and not stream.has[path_rows].any():  # no node on any path holds it: nulls
+            out[name] = pa.nulls(n_branches, pa.list_(pa.float32()))
+            continue
         values = _buffers.empty(total, np.float32)
         kernels().spread_stream(
             0, n_branches, path_off, path_rows, out_off, data.n_tok, data.prefix, data.slot_src, data.slots,
