@@ -8,7 +8,12 @@ shares most with). :func:`balance` splits bins over ranks so that every rank get
 same number of bins (zero-cost padding bins make the count a multiple) and the rank
 costs are close: it runs the balanced largest-differencing method (Karmarkar-Karp with
 equal cardinality) and cardinality-constrained LPT, and keeps the better partition.
-``tests/batches/test_packing.py`` checks both against brute force on small cases.
+
+The bound reached, against the optimum found by brute force (``tests/batches/test_packing.py``,
+2-3 ranks, up to 9 bins, random costs): the largest rank cost is within 7/6 of the optimum
+(asserted; the worst of 360 seeded cases was 1.077, of 3,000 cases 1.132, where LPT alone
+reached 1.143 and the differencing method alone 1.213). First-fit decreasing stays within
+its bound of 11/9 OPT + 6/9 bins.
 """
 
 from __future__ import annotations
