@@ -1,4 +1,4 @@
--- tracedb storage, schema version 2 (tracedb/migrations.py upgrades older files).
+-- tracedb storage, schema version 3 (tracedb/migrations.py upgrades older files).
 -- One row per episode, trace, node, branch; token ids live once per distinct content
 -- in `segments`. Columns that hold a record's fields keep them exactly: `record` holds
 -- the JSON of everything that has no column of its own.
@@ -36,7 +36,30 @@ CREATE TABLE IF NOT EXISTS traces (
     record         JSON NOT NULL,  -- the trace without its nodes
     source         VARCHAR,
     line           BIGINT,
-    ingested_at    TIMESTAMP DEFAULT current_timestamp
+    ingested_at    TIMESTAMP DEFAULT current_timestamp,
+    seq            BIGINT          -- ingest sequence number: 1, 2, ... in commit order (the watermark)
+);
+
+-- Typed tags on traces (`tracedb ingest --tag name=value` or `name=$.json.path`): one row
+-- per trace and name; numbers compare as numbers (`number`), strings as strings (`text`).
+CREATE TABLE IF NOT EXISTS trace_tags (
+    trace_id VARCHAR NOT NULL,
+    name     VARCHAR NOT NULL,
+    value    JSON NOT NULL,        -- the tag's value as JSON
+    number   DOUBLE,               -- the value when it is a number
+    text     VARCHAR               -- the value when it is a string
+);
+
+-- Where `tracedb ingest --follow` is in each file it follows, committed with the lines
+-- read up to there (so a restart continues exactly where the last commit ended).
+CREATE TABLE IF NOT EXISTS follow_positions (
+    path       VARCHAR PRIMARY KEY, -- the file, absolute
+    device     BIGINT,
+    inode      BIGINT,
+    "offset"   BIGINT NOT NULL,    -- bytes consumed: the end of the last whole line read
+    line       BIGINT NOT NULL,    -- lines consumed
+    head       BLOB,               -- BLAKE2b of the first bytes consumed (up to 4 KiB): a rewrite changes it
+    updated_at TIMESTAMP DEFAULT current_timestamp
 );
 
 -- Token ids stored once per distinct content (system prompts, task prompts).

@@ -7,13 +7,14 @@ from tracedb.database import Database, connect
 from tracedb.errors import IngestAborted, NotFound, RecordError, TraceDBError
 from tracedb.handle import SCHEMA_VERSION
 from tracedb.tables import BRANCH_SCHEMA
-from tracedb.views import to_polars
+from tracedb.views import to_polars, watermark_of
 
 __all__ = [
     "connect",
     "Database",
     "BRANCH_SCHEMA",
     "to_polars",
+    "watermark_of",
     "TraceDBError",
     "RecordError",
     "IngestAborted",

@@ -91,6 +91,7 @@ class Database:
         allow_ragged: bool = False,
         progress: bool = False,
         whole_files: bool = False,
+        tags: Iterable[str] = (),
     ) -> IngestReport:
         """Ingest ``traces.jsonl`` / ``.jsonl.zst`` / ``.json`` files or directories.
 
@@ -101,12 +102,50 @@ class Database:
         count (they spread as verifiers spreads them). A file that cannot be read to its end
         (corrupt or truncated compression) keeps the lines before the damage and is
         reported in ``report.unreadable`` and ``rejects``; ``whole_files=True`` raises
-        :class:`~tracedb.errors.InputError` instead and writes nothing. Returns an
-        ``IngestReport``.
+        :class:`~tracedb.errors.InputError` instead and writes nothing. ``tags``
+        (``"step=12"``, ``"step=$.info.step"``) are stored on every trace added, in
+        ``trace_tags`` (see :mod:`tracedb.ingest.tags`). Each trace added gets the next
+        sequence number (:meth:`watermark`). Returns an ``IngestReport``.
         """
         return ingest_files(
-            self.handle, paths, strict=strict, allow_ragged=allow_ragged, progress=progress, whole_files=whole_files
+            self.handle,
+            paths,
+            strict=strict,
+            allow_ragged=allow_ragged,
+            progress=progress,
+            whole_files=whole_files,
+            tags=tags,
         )
+
+    def watermark(self) -> int:
+        """The highest ingest sequence number committed: every trace gets the next one
+        when its ingest commits (1, 2, ...; 0 before the first). Pass it as ``after=`` to
+        select what arrived since."""
+        return self.handle.watermark()
+
+    def wait(self, after: int, timeout: float) -> int:
+        """Block until a trace above the watermark ``after`` is committed (by an ingest or
+        a follower of this process) or ``timeout`` seconds passed; returns the watermark."""
+        return self.handle.wait_for(after, timeout)
+
+    def traces(
+        self,
+        *,
+        trace_ids: Sequence[str] | None = None,
+        group: str | Sequence[str] | None = None,
+        episode: str | Sequence[str] | None = None,
+        after: int | None = None,
+        complete_groups: int | None = None,
+        tags: Mapping[str, Any] | None = None,
+        limit: int | None = None,
+    ) -> pa.Table:
+        """The selected traces in arrival order, one row each (``seq``, ids, reward,
+        flags, counts, source, ``tags`` as a JSON object), filters as in :meth:`branches`.
+        The table carries the watermark to pass as ``after`` next time
+        (``tracedb.watermark_of``); with ``limit`` it is the last row's, so paging through
+        a live run misses nothing and repeats nothing."""
+        selection = Selection(trace_ids, group, episode, after, complete_groups, tags)
+        return readback.trace_listing(self.handle, selection, limit)
 
     # ----------------------------------------------------------------- records
 
@@ -131,6 +170,9 @@ class Database:
         trace_ids: Sequence[str] | None = None,
         group: str | Sequence[str] | None = None,
         episode: str | Sequence[str] | None = None,
+        after: int | None = None,
+        complete_groups: int | None = None,
+        tags: Mapping[str, Any] | None = None,
         trainable: bool | None = None,
         branch_index: int | Sequence[int] | None = None,
         columns: Sequence[str] | None = None,
@@ -147,10 +189,17 @@ class Database:
         first trainable branch only. ``credit="name"`` reads advantages from that credit
         set (default: the ingested set). Decoded node columns are cached until the next
         write, so repeated views of the same selection skip the database.
+
+        For a live run: ``after=W`` selects the traces committed since the watermark
+        ``W``; ``complete_groups=N`` the groups of at least N members that completed since
+        (each group once, in the call after its N-th member arrived); ``tags`` filters on
+        ingest tags (``{"step": 12}``, ``{"step": (10, None)}``). The table carries the
+        watermark it was read at, to pass as ``after`` next time:
+        ``tracedb.watermark_of(table)``.
         """
         return views.branches(
             self.handle,
-            Selection(trace_ids=trace_ids, group=group, episode=episode),
+            Selection(trace_ids, group, episode, after, complete_groups, tags),
             trainable=trainable,
             branch_index=branch_index,
             columns=columns,
@@ -164,6 +213,9 @@ class Database:
         trace_ids: Sequence[str] | None = None,
         group: str | Sequence[str] | None = None,
         episode: str | Sequence[str] | None = None,
+        after: int | None = None,
+        complete_groups: int | None = None,
+        tags: Mapping[str, Any] | None = None,
         trainable: bool | None = None,
         branch_index: int | Sequence[int] | None = None,
         columns: Sequence[str] | None = None,
@@ -172,10 +224,11 @@ class Database:
         batch_tokens: int = 16_000_000,
     ) -> Iterator[pa.Table]:
         """:meth:`branches` in batches of whole traces, about ``batch_tokens`` stored
-        tokens each, so memory stays bounded whatever the database size."""
+        tokens each, so memory stays bounded whatever the database size; every batch
+        carries the watermark the selection was made at."""
         return views.iter_branches(
             self.handle,
-            Selection(trace_ids=trace_ids, group=group, episode=episode),
+            Selection(trace_ids, group, episode, after, complete_groups, tags),
             trainable=trainable,
             branch_index=branch_index,
             columns=columns,
@@ -192,6 +245,9 @@ class Database:
         trace_ids: Sequence[str] | None = None,
         group: str | Sequence[str] | None = None,
         episode: str | Sequence[str] | None = None,
+        after: int | None = None,
+        complete_groups: int | None = None,
+        tags: Mapping[str, Any] | None = None,
         trainable: bool | None = None,
         columns: Sequence[str] | None = None,
         train_once: bool = False,
@@ -202,11 +258,11 @@ class Database:
         """Stream branch views to Parquet (``.parquet``), an Arrow IPC file (``.arrow``)
         or stream (``.arrows``); ``format`` overrides the suffix. Filters and ``columns``
         are those of :meth:`branches`. Written beside ``path`` and renamed into place.
-        Returns rows, tokens and bytes."""
+        Returns rows, tokens, bytes and the watermark (also in the file's schema metadata)."""
         return export(
             self.handle,
             path,
-            Selection(trace_ids=trace_ids, group=group, episode=episode),
+            Selection(trace_ids, group, episode, after, complete_groups, tags),
             format=format,
             trainable=trainable,
             columns=columns,
@@ -224,6 +280,9 @@ class Database:
         trace_ids: Sequence[str] | None = None,
         group: str | Sequence[str] | None = None,
         episode: str | Sequence[str] | None = None,
+        after: int | None = None,
+        complete_groups: int | None = None,
+        tags: Mapping[str, Any] | None = None,
         trainable: bool | None = True,
         branch_index: int | Sequence[int] | None = None,
         credit: str | None = None,
@@ -251,12 +310,14 @@ class Database:
         ``pad_token_id`` to a multiple of ``pad_to_multiple_of``. ``share_prefixes`` stores
         the tokens several samples of a bin share as a prefix once (see
         :mod:`tracedb.batches.plan`). Returns a :class:`~tracedb.batches.Plan`: ``plan[r]``
-        is rank r's micro-batches, ``plan.report`` what was packed and left out.
+        is rank r's micro-batches, ``plan.report`` what was packed and left out, and
+        ``plan.report.watermark`` the watermark to pass as ``after`` for the next step
+        (``complete_groups=N``: the groups completed since, each once; see :meth:`branches`).
         """
         return batches.micro_batches(
             self.handle,
             seq_len,
-            Selection(trace_ids=trace_ids, group=group, episode=episode),
+            Selection(trace_ids, group, episode, after, complete_groups, tags),
             ranks=ranks,
             trainable=trainable,
             branch_index=branch_index,

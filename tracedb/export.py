@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 
 from tracedb.handle import Handle
 from tracedb.tables import BRANCH_SCHEMA
-from tracedb.views import Selection, iter_branches
+from tracedb.views import Selection, iter_branches, watermark_of
 
 FORMATS = {
     ".parquet": "parquet",
@@ -52,7 +52,8 @@ def export(
     of ``db.branches()``, ``credit`` picks a credit set. The file is written beside
     ``path`` (under a name of its own) and renamed into place, so a failed export leaves no
     partial file and concurrent exports to one path do not collide. Returns
-    rows, branches' tokens and bytes.
+    rows, branches' tokens, bytes and the watermark the selection was read at (also in
+    the file's schema metadata, ``tracedb.watermark``).
     """
     path = Path(path)
     fmt = format or FORMATS.get(path.suffix.lower())
@@ -63,6 +64,7 @@ def export(
     os.close(fd)
     tmp = Path(name)
     rows = tokens = 0
+    mark = None
     writer: Any = None
     try:
         for table in iter_branches(
@@ -74,8 +76,9 @@ def export(
             credit=credit,
             batch_tokens=batch_tokens,
         ):
-            if writer is None:
+            if writer is None:  # the file's schema carries the watermark (tracedb.watermark_of)
                 writer = _writer(fmt, tmp, table.schema, compression)
+                mark = watermark_of(table)
             if table.num_rows:
                 writer.write_table(table)
                 rows += table.num_rows
@@ -91,7 +94,8 @@ def export(
             writer.close()
         if tmp.exists():
             tmp.unlink()
-    return {"path": str(path), "format": fmt, "rows": rows, "tokens": tokens, "bytes": path.stat().st_size}
+    size = path.stat().st_size
+    return {"path": str(path), "format": fmt, "rows": rows, "tokens": tokens, "bytes": size, "watermark": mark}
 
 
 def _writer(fmt: str, path: Path, schema: pa.Schema, compression: str | None) -> Any:

@@ -7,8 +7,10 @@ attaches a file to the process's DuckDB instance (:mod:`tracedb.runtime`), insta
 schema when it opens a file for writing, and refuses a file of another schema version.
 
 A handle serves one thread at a time (a DuckDB connection does). :meth:`Handle.child`
-gives another thread a handle of its own on the same database, sharing the write
-counter, so a write through any of them makes every view cached on any of them stale;
+gives another thread a handle of its own on the same database. Every handle on one file
+of the process shares its :class:`~tracedb.runtime.Shared` state (write counter, write
+lock, change condition), so a write through any of them makes every view cached on any
+of them stale;
 :class:`PerThread` is one object that hands each calling thread its own child (the REST
 server reads through one).
 """
@@ -19,6 +21,7 @@ import hashlib
 import os
 import re
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -38,18 +41,6 @@ TRACE_FILE_SUFFIXES = (".jsonl", ".json", ".zst", ".ndjson")
 _LOCK = re.compile(r"Could not set lock on file .*?Conflicting lock is held in (?P<program>.*?) \(PID (?P<pid>\d+)\)")
 
 
-class Generation:
-    """A write counter shared by the handles of one database (see :meth:`Handle.child`)."""
-
-    def __init__(self) -> None:
-        self.value = 0
-        self._lock = threading.Lock()
-
-    def bump(self) -> None:
-        with self._lock:
-            self.value += 1
-
-
 class Handle:
     """One connection to one tracedb database. Open with :meth:`Handle.open`."""
 
@@ -62,7 +53,7 @@ class Handle:
         instance_key: object,
         read_only: bool,
         release: Callable[[], None],
-        generation: Generation | None = None,
+        shared: runtime.Shared | None = None,
     ) -> None:
         self.con = con
         """The DuckDB connection; its default catalog is this database."""
@@ -73,7 +64,8 @@ class Handle:
         self.instance_key = instance_key
         """Which DuckDB instance (whose settings are shared) the connection belongs to."""
         self.read_only = read_only
-        self.shared_generation = generation or Generation()
+        self.shared = shared or runtime.Shared()
+        """The write counter, write lock and change condition of this database (all its handles')."""
         self.view_cache: Any = None
         """The decoded nodes of the last view (:mod:`tracedb.views`), keyed by generation."""
         self.in_transaction = False
@@ -99,9 +91,15 @@ class Handle:
                 create_whole(text)
             if not isolated:
                 try:
-                    con, catalog, fresh, release = runtime.attach(text, read_only=read_only)
+                    con, catalog, fresh, shared, release = runtime.attach(text, read_only=read_only)
                     handle = cls(
-                        con, path=text, catalog=catalog, instance_key="shared", read_only=read_only, release=release
+                        con,
+                        path=text,
+                        catalog=catalog,
+                        instance_key="shared",
+                        read_only=read_only,
+                        release=release,
+                        shared=shared,
                     )
                     # A handle dropped without close() still detaches its file.
                     handle._release = weakref.finalize(handle, _close_then, con, release)
@@ -133,7 +131,7 @@ class Handle:
             instance_key=self.instance_key,
             read_only=self.read_only,
             release=con.close,
-            generation=self.shared_generation,
+            shared=self.shared,
         )
 
     # ----------------------------------------------------------------- lifecycle
@@ -255,11 +253,30 @@ class Handle:
     @property
     def generation(self) -> int:
         """How many writes this database has seen through its handles."""
-        return self.shared_generation.value
+        return self.shared.generation
+
+    def watermark(self, con: Any = None) -> int:
+        """The highest ingest sequence number committed (0 before the first trace), as
+        ``con`` (default: this handle's connection, in its transaction if one is open) sees it."""
+        rows = (con or self.con).execute("SELECT value FROM tracedb_meta WHERE key = 'last_seq'").fetchall()
+        return int(rows[0][0]) if rows else 0
+
+    def wait_for(self, after: int, timeout: float) -> int:
+        """Until the watermark is above ``after`` or ``timeout`` seconds passed; returns
+        the watermark. Woken by every write of this process (the only one that can
+        write the file while it is open here)."""
+        deadline = time.monotonic() + max(timeout, 0.0)
+        while True:
+            generation = self.shared.generation  # before the read: a commit after it wakes the wait
+            mark = self.watermark()
+            left = deadline - time.monotonic()
+            if mark > after or left <= 0:
+                return mark
+            self.shared.wait(generation, left)
 
     def changed(self) -> None:
         """Something was written: views cached on any handle of the database are stale."""
-        self.shared_generation.bump()
+        self.shared.bump()
         self.view_cache = None
 
     @contextmanager
@@ -378,7 +395,7 @@ def create_whole(path: str) -> None:
         return  # ATTACH says what is wrong
     tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{os.urandom(4).hex()}.creating")
     try:
-        con, _, _, release = runtime.attach(tmp, read_only=False)
+        con, _, _, _, release = runtime.attach(tmp, read_only=False)
         con.close()
         release()  # detached: a whole, empty DuckDB file
         try:

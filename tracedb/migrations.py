@@ -16,7 +16,7 @@ from pathlib import Path
 
 import duckdb
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """The stored layout this tracedb reads and writes."""
 
 
@@ -29,7 +29,29 @@ def _v1_to_v2(con: duckdb.DuckDBPyConnection) -> None:
     )
 
 
-MIGRATIONS: dict[int, Callable[[duckdb.DuckDBPyConnection], None]] = {1: _v1_to_v2}
+def _v2_to_v3(con: duckdb.DuckDBPyConnection) -> None:
+    """Live runs: every trace gets an ingest sequence number (the traces already stored
+    are numbered in the order they were ingested: time, then file and line), the
+    watermark is kept in ``tracedb_meta``, and the tables of ingest tags and follower
+    positions are created."""
+    con.execute("ALTER TABLE traces ADD COLUMN seq BIGINT")
+    con.execute(
+        "UPDATE traces SET seq = o.seq FROM (SELECT trace_id, row_number() OVER "
+        "(ORDER BY ingested_at, source, line, position, trace_id) AS seq FROM traces) o "
+        "WHERE traces.trace_id = o.trace_id"
+    )
+    con.execute("INSERT OR REPLACE INTO tracedb_meta SELECT 'last_seq', coalesce(max(seq), 0)::VARCHAR FROM traces")
+    con.execute(
+        "CREATE TABLE trace_tags (trace_id VARCHAR NOT NULL, name VARCHAR NOT NULL, value JSON NOT NULL, "
+        "number DOUBLE, text VARCHAR)"
+    )
+    con.execute(
+        'CREATE TABLE follow_positions (path VARCHAR PRIMARY KEY, device BIGINT, inode BIGINT, "offset" BIGINT '
+        "NOT NULL, line BIGINT NOT NULL, head BLOB, updated_at TIMESTAMP DEFAULT current_timestamp)"
+    )
+
+
+MIGRATIONS: dict[int, Callable[[duckdb.DuckDBPyConnection], None]] = {1: _v1_to_v2, 2: _v2_to_v3}
 """``MIGRATIONS[n]`` upgrades a file of version ``n`` to ``n + 1``."""
 
 

@@ -1,5 +1,6 @@
 """The stored records read back out: a trace or an episode exactly as it was ingested,
-and the database's counts and sizes."""
+the traces of a selection in arrival order (what a consumer of a live run polls), and
+the database's counts and sizes."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tracedb import credit_sets
 from tracedb.errors import NotFound
 from tracedb.handle import SCHEMA_VERSION, Handle
 from tracedb.records import BIT, COMPACT_STREAMS
+from tracedb.views import Selection, resolve, with_watermark
 
 
 def trace_record(handle: Handle, trace_id: str, *, credit: str | None = None) -> dict[str, Any]:
@@ -72,7 +74,77 @@ def stats(handle: Handle) -> dict[str, Any]:
         "stored_tokens": int(stored_tokens),
         "dedup_ratio": round(branch_tokens / stored_tokens, 3) if stored_tokens else None,
         "bytes": size,
+        "watermark": handle.watermark(),
     }
+
+
+TRACE_LISTING = (
+    "seq",
+    "trace_id",
+    "episode_id",
+    "group_id",
+    "reward",
+    "ok",
+    "is_completed",
+    "is_timeout",
+    "stop_condition",
+    "n_nodes",
+    "n_branches",
+    "n_tokens",
+    "n_sampled",
+    "source",
+    "line",
+    "ingested_at",
+)
+"""The columns of :func:`trace_listing` (then ``tags``, a JSON object of the trace's tags)."""
+
+
+def trace_listing(handle: Handle, selection: Selection, limit: int | None = None) -> pa.Table:
+    """The selected traces in sequence order (arrival), one row each: ``TRACE_LISTING``
+    and ``tags``. The table carries the watermark to pass as ``after`` next time
+    (:func:`tracedb.views.watermark_of`): the selection's, or, when ``limit`` cut the
+    listing short, the last row's sequence number (with ``complete_groups``, whole groups
+    are listed, at least one, and the watermark is the last one's completion), so paging
+    with it misses nothing and repeats nothing."""
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+        raise ValueError(f"limit is a number of traces (an int >= 1), not {limit!r}")
+    selected = resolve(handle, selection)
+    ids = [tid for tid, _ in selected.traces]
+    columns = ", ".join(f"t.{c}" for c in TRACE_LISTING)
+    with handle.registered("_tdb_listing", pa.table({"trace_id": pa.array(ids, pa.string())})):
+        table = handle.sql(
+            f"SELECT {columns}, (SELECT json_group_object(g.name, g.value) FROM trace_tags g "
+            "WHERE g.trace_id = t.trace_id) AS tags FROM traces t "
+            "WHERE t.trace_id IN (SELECT trace_id FROM _tdb_listing) ORDER BY t.seq"
+        )
+    mark = selected.watermark
+    if limit is not None and table.num_rows > limit:
+        if selection.complete_groups is None:
+            table = table.slice(0, limit)
+            mark = table.column("seq")[limit - 1].as_py()
+        else:
+            table, mark = _whole_groups(table, selection.complete_groups, limit)
+    return with_watermark(table, mark)
+
+
+def _whole_groups(table: pa.Table, size: int, limit: int) -> tuple[pa.Table, int]:
+    """The groups of ``table`` (each complete: ``size`` members or more) in the order they
+    completed, as many whole ones as fit in ``limit`` rows (at least one); and the
+    completion of the last one kept."""
+    seqs = table.column("seq").to_pylist()
+    groups = table.column("group_id").to_pylist()
+    members: dict[str, list[int]] = {}
+    for row, group in enumerate(groups):
+        members.setdefault(group, []).append(row)
+    completed = sorted(members, key=lambda g: seqs[members[g][size - 1]])  # rows are in seq order
+    keep: list[int] = []
+    mark = 0
+    for group in completed:
+        if keep and len(keep) + len(members[group]) > limit:
+            break
+        keep += members[group]
+        mark = seqs[members[group][size - 1]]
+    return table.take(sorted(keep)), mark
 
 
 def shortest(values: np.ndarray) -> list[float]:

@@ -101,6 +101,9 @@ class Settings:
     compare them line by line)."""
     scanner_min_bytes: int = 50 << 20
     """With ``scanner="auto"``: the input size from which ingest compiles the scanner."""
+    follow_batch_bytes: int = 64 << 20
+    """A follower reads about this many new bytes per transaction at most (more when one
+    line is longer), so a backlog is committed in steps."""
     max_line_bytes: int = 128 << 20
     """A line longer than this is rejected without being read into memory."""
     reject_record_bytes: int = 64 << 10
@@ -132,6 +135,36 @@ class _Attachment:
     read_only: bool
     users: int
     pid: int  # the process that attached it (and may detach it)
+    shared: Shared = dataclasses.field(default_factory=lambda: Shared())
+
+
+class Shared:
+    """What every handle on one open database of this process shares: the write counter
+    (a write through any handle makes the views cached on all of them stale), the write
+    lock (ingests commit one at a time, so sequence numbers are handed out in commit order)
+    and the condition a reader waiting for new traces sleeps on (woken by every write)."""
+
+    def __init__(self) -> None:
+        self.generation = 0
+        self.writing = threading.RLock()
+        """Held by an ingest from its first sequence number to its COMMIT."""
+        self.changed = threading.Condition(threading.Lock())
+
+    def bump(self) -> None:
+        """A write committed (or rolled back): count it and wake the waiters."""
+        with self.changed:
+            self.generation += 1
+            self.changed.notify_all()
+
+    def wait(self, generation: int, timeout: float) -> bool:
+        """Sleep until the counter differs from ``generation`` (True) or ``timeout``
+        seconds passed (False)."""
+        with self.changed:
+            return self.changed.wait_for(lambda: self.generation != generation, timeout)
+
+    def after_fork(self) -> None:
+        self.writing = threading.RLock()
+        self.changed = threading.Condition(threading.Lock())
 
 
 class _Instance:
@@ -174,6 +207,8 @@ def _after_fork_in_child() -> None:
     state.threads = None
     if state.instance is not None:
         state.instance.lock = threading.Lock()
+        for attachment in state.instance.attached.values():
+            attachment.shared.after_fork()
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(state.instance.root))
 
 
@@ -298,11 +333,11 @@ def _alias(inst: _Instance, path: str) -> str:
     return f"{stem}_{next(inst.names)}"
 
 
-def attach(path: str, *, read_only: bool) -> tuple[duckdb.DuckDBPyConnection, str, bool, Callable[[], None]]:
+def attach(path: str, *, read_only: bool) -> tuple[duckdb.DuckDBPyConnection, str, bool, Shared, Callable[[], None]]:
     """Attach ``path`` (``":memory:"``: a new in-memory database) to the process's
     instance; returns a connection using it, its catalog name, whether this call attached
-    it (False: it was open already) and the release function (idempotent; the last
-    release of a file DETACHes it).
+    it (False: it was open already), the state its handles share (:class:`Shared`) and the
+    release function (idempotent; the last release of a file DETACHes it).
 
     Raises ``duckdb.ResourceInUseException`` when another DuckDB instance of the process
     (a plain ``duckdb.connect``) has the file open."""
@@ -349,7 +384,7 @@ def attach(path: str, *, read_only: bool) -> tuple[duckdb.DuckDBPyConnection, st
             released = True
             _release(inst, key, attachment)
 
-    return con, attachment.alias, fresh, release
+    return con, attachment.alias, fresh, attachment.shared, release
 
 
 def is_attached(path: str) -> bool:

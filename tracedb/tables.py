@@ -84,6 +84,29 @@ TRACES = pa.schema(
         _col("source", pa.string()),
         _col("line", pa.int64()),
         _col("ingested_at", pa.timestamp("us"), default=NOW),
+        _col("seq", pa.int64()),
+    ]
+)
+
+TRACE_TAGS = pa.schema(
+    [
+        _col("trace_id", pa.string(), required=True),
+        _col("name", pa.string(), required=True),
+        _col("value", pa.string(), required=True),
+        _col("number", pa.float64()),
+        _col("text", pa.string()),
+    ]
+)
+
+FOLLOW_POSITIONS = pa.schema(
+    [
+        _col("path", pa.string(), required=True),
+        _col("device", pa.int64()),
+        _col("inode", pa.int64()),
+        _col("offset", pa.int64(), required=True),
+        _col("line", pa.int64(), required=True),
+        _col("head", pa.binary()),
+        _col("updated_at", pa.timestamp("us"), default=NOW),
     ]
 )
 
@@ -248,6 +271,8 @@ STORED: dict[str, pa.Schema] = {
     "tracedb_meta": META,
     "episodes": EPISODES,
     "traces": TRACES,
+    "trace_tags": TRACE_TAGS,
+    "follow_positions": FOLLOW_POSITIONS,
     "segments": SEGMENTS,
     "nodes": NODES,
     "branches": BRANCHES,

@@ -103,8 +103,8 @@ def _install_marks(marks: _Marks) -> None:
 
     def marked_attach(path: str, *, read_only: bool) -> Any:
         marks("attach")
-        con, catalog, fresh, release = attach(path, read_only=read_only)
-        return _Con(con, marks), catalog, fresh, release
+        con, catalog, fresh, shared, release = attach(path, read_only=read_only)
+        return _Con(con, marks), catalog, fresh, shared, release
 
     runtime.attach = marked_attach
     replace = os.replace

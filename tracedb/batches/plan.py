@@ -69,6 +69,8 @@ class PackReport:
     """Tokens stored in the bins, a shared prefix once (padding not counted)."""
     padding_tokens: int = 0
     rank_costs: list[float] = field(default_factory=list)
+    watermark: int = 0
+    """The watermark the selection was read at: pass it as ``after`` for the next step."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -9,7 +9,7 @@ from tracedb.batches.plan import Plan, build_plan
 from tracedb.batches.samples import OVERFLOW, build
 from tracedb.handle import Handle
 from tracedb.records import COMPACT_STREAMS
-from tracedb.views import Selection, branch_indices, select_traces
+from tracedb.views import Selection, branch_indices, resolve
 from tracedb.views.nodes import load_nodes
 
 
@@ -46,7 +46,11 @@ def micro_batches(
             "share_prefixes stores a shared token once, so it is in the loss once: it needs train_once=True"
         )
     credit = credit_sets.resolve(handle, credit)
-    trace_ids = None if selection.everything else [tid for tid, _ in select_traces(handle, selection)]
+    if selection.everything:
+        trace_ids, mark = None, None
+    else:
+        selected = resolve(handle, selection)
+        trace_ids, mark = [tid for tid, _ in selected.traces], selected.watermark
     data = load_nodes(handle, trace_ids, list(COMPACT_STREAMS), credit)
     samples = build(
         data,
@@ -64,6 +68,9 @@ def micro_batches(
         "trace_ids": None if selection.trace_ids is None else list(selection.trace_ids),
         "group": selection.group,
         "episode": selection.episode,
+        "after": selection.after,
+        "complete_groups": selection.complete_groups,
+        "tags": None if selection.tags is None else {k: _plain(v) for k, v in selection.tags.items()},
         "trainable": trainable,
         "branch_index": branch_index,
         "credit": credit,
@@ -75,7 +82,7 @@ def micro_batches(
         "share_prefixes": share_prefixes,
         "drop_zero_advantages": drop_zero_advantages,
     }
-    return build_plan(
+    plan = build_plan(
         samples,
         seq_len=seq_len,
         ranks=ranks,
@@ -85,3 +92,10 @@ def micro_batches(
         share_prefixes=share_prefixes,
         arguments=arguments,
     )
+    plan.report.watermark = data.watermark if mark is None else mark
+    return plan
+
+
+def _plain(value: object) -> object:
+    """A tag filter as the manifest's JSON holds it (a range as a list)."""
+    return list(value) if isinstance(value, tuple) else value

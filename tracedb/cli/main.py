@@ -13,6 +13,7 @@ import typer
 from tracedb import credit as credit_lib
 from tracedb.cec.cli import app as cec_app
 from tracedb.cli.common import DbOption, JsonOption, emit, err, fail, open_db, out, report_ingest
+from tracedb.cli.follow import follow as run_follower
 from tracedb.errors import TraceDBError
 
 app = typer.Typer(
@@ -35,12 +36,56 @@ def ingest(
         bool, typer.Option(help="Accept compact streams longer/shorter than the sampled count.")
     ] = False,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    tag: Annotated[
+        list[str] | None,
+        typer.Option("--tag", help="Store a tag on each trace added: name=value, or name=$.json.path (repeatable)."),
+    ] = None,
+    follow: Annotated[
+        bool, typer.Option("--follow", help="Keep following the paths (new lines, new files) until Ctrl-C / SIGTERM.")
+    ] = False,
+    interval: Annotated[float, typer.Option(help="--follow: commit what was read at least this often (s).")] = 0.25,
+    settle: Annotated[
+        float, typer.Option(help="--follow: take a .jsonl.zst once it has not changed for this long (s).")
+    ] = 2.0,
     as_json: JsonOption = False,
 ) -> None:
-    """Ingest verifiers traces. Exits 1 when any record was rejected (they are kept in `rejects`)."""
+    """Ingest verifiers traces. Exits 1 when any record was rejected (they are kept in `rejects`).
+
+    With --follow, tails the files and directories (a line is taken once its line break is
+    there; positions are committed with the lines, so a restart continues where it ended)
+    and exits 0 on Ctrl-C or SIGTERM after finishing the transaction under way."""
+    tags = tag or []
+    if follow:
+        if strict:
+            raise fail("--strict and --follow do not go together: a follower keeps going past bad lines", 2)
+        missing = [str(p) for p in paths if not p.exists()]
+        if missing:
+            err.print(f"not there yet (followed once they appear): {', '.join(missing)}", style="yellow")
+        with open_db(db) as database:
+            try:
+                report = run_follower(
+                    database,
+                    paths,
+                    interval=interval,
+                    settle=settle,
+                    tags=tags,
+                    allow_ragged=allow_ragged,
+                    as_json=as_json,
+                )
+            except (TraceDBError, ValueError) as e:
+                raise fail(e, 2 if isinstance(e, ValueError) else 1) from None
+        if as_json:
+            emit(report.to_dict(), True)
+        else:
+            out.print(str(report))
+        return
     with open_db(db) as database:
         try:
-            report = database.ingest(paths, strict=strict, allow_ragged=allow_ragged, progress=progress and not as_json)
+            report = database.ingest(
+                paths, strict=strict, allow_ragged=allow_ragged, progress=progress and not as_json, tags=tags
+            )
+        except ValueError as e:  # a bad --tag
+            raise fail(e, 2) from None
         except (TraceDBError, FileNotFoundError) as e:
             raise fail(e) from None
     report_ingest(report, db, as_json)

@@ -12,7 +12,8 @@ skipped but counted.
 from __future__ import annotations
 
 import io
-from collections.abc import Callable, Iterable, Iterator
+import os
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -198,6 +199,30 @@ class LongLine:
         return f"line of {self.size} bytes is over the limit of {limit} bytes (max_line_bytes); not read"
 
 
+class _Lines:
+    """Cuts read bytes into numbered chunks of whole lines, counting the lines handed out."""
+
+    def __init__(self, chunk_bytes: int | None, first_number: int = 1) -> None:
+        self.knobs = runtime.settings()
+        self.size = max(chunk_bytes or self.knobs.chunk_bytes, 1)
+        self.number = first_number
+        """The number the next line gets."""
+
+    def cut(self, data: bytes) -> Iterator[Chunk]:
+        size, start = self.size, 0
+        while start < len(data):
+            end = data.find(b"\n", start + size - 1) + 1 if len(data) - start >= 2 * size else 0
+            piece = data[start : end or len(data)] if start or end else data
+            chunk = _chunk(piece, self.number)
+            self.number += len(chunk.starts)
+            start = end or len(data)
+            yield chunk
+
+    def long_line(self, size: int, prefix: bytes) -> LongLine:
+        self.number += 1
+        return LongLine(self.number - 1, size, prefix[: self.knobs.reject_record_bytes])
+
+
 def read_chunks(path: Path, chunk_bytes: int | None = None) -> Iterator[Chunk | LongLine]:
     """The file's lines in chunks of at least ``chunk_bytes`` (default: the
     ``chunk_bytes`` setting) up to a line break; a ``.json`` file is one record. Each byte
@@ -205,40 +230,74 @@ def read_chunks(path: Path, chunk_bytes: int | None = None) -> Iterator[Chunk | 
     ``max_line_bytes`` setting that spans blocks comes as a :class:`LongLine` instead,
     read past without being held. A file cut short raises :class:`InputError` naming the
     first line lost, after every whole line before it."""
-    knobs = runtime.settings()
-    size = max(chunk_bytes or knobs.chunk_bytes, 1)
-    number = 1
-
-    def cut(data: bytes) -> Iterator[Chunk]:
-        nonlocal number
-        start = 0
-        while start < len(data):
-            end = data.find(b"\n", start + size - 1) + 1 if len(data) - start >= 2 * size else 0
-            piece = data[start : end or len(data)] if start or end else data
-            chunk = _chunk(piece, number)
-            number += len(chunk.starts)
-            start = end or len(data)
-            yield chunk
-
-    def long_line(size: int, prefix: bytes) -> LongLine:
-        nonlocal number
-        number += 1
-        return LongLine(number - 1, size, prefix[: knobs.reject_record_bytes])
-
+    lines = _Lines(chunk_bytes)
+    knobs = lines.knobs
     try:
         with open_input(path) as f:
             if path.suffix == ".json":
                 if path.stat().st_size > knobs.max_line_bytes:
-                    yield long_line(path.stat().st_size, f.read(knobs.reject_record_bytes))
+                    yield lines.long_line(path.stat().st_size, f.read(knobs.reject_record_bytes))
                     return
                 data = f.read()
                 if data:
                     end = np.array([len(data)], np.int64)
                     yield Chunk(data + b"\n", np.zeros(1, np.int64), end, np.ones(1, np.int64))
                 return
-            yield from _blocks(f, max(size, 1 << 16), knobs.max_line_bytes, cut, long_line)
+            yield from _blocks(f, max(lines.size, 1 << 16), knobs.max_line_bytes, lines.cut, lines.long_line)
     except _Cut as e:
-        raise InputError(e.error.file, e.error.reason, number, e.partial[: knobs.reject_record_bytes]) from None
+        raise InputError(e.error.file, e.error.reason, lines.number, e.partial[: knobs.reject_record_bytes]) from None
+
+
+class Appended:
+    """The whole lines appended to a plain ``.jsonl`` file since a position: iterate for
+    the chunks (numbered on from the position's line), then :attr:`offset` and
+    :attr:`line` are the position after the last whole line read. A last line without its
+    line break yet is left for later (a writer may be in the middle of it), and so is a
+    line over ``max_line_bytes`` until its end is there."""
+
+    def __init__(self, path: Path, offset: int, line: int, budget: int, chunk_bytes: int | None = None) -> None:
+        self.path = path
+        self.offset = offset
+        self.line = line
+        self.budget = budget
+        """Read about this many bytes at most (more when one line is longer)."""
+        self.chunk_bytes = chunk_bytes
+        self.more = False
+        """The file held more bytes than the budget let this read take."""
+
+    def __iter__(self) -> Iterator[Chunk | LongLine]:
+        lines = _Lines(self.chunk_bytes, self.line + 1)
+        limit = lines.knobs.max_line_bytes
+        with open(self.path, "rb", buffering=0) as raw:
+            end = os.fstat(raw.fileno()).st_size
+            stop = min(end, self.offset + max(self.budget, limit + 1))
+            self.more = stop < end
+            if stop <= self.offset:
+                return
+            raw.seek(self.offset)
+            f = io.BufferedReader(_Bounded(raw, stop - self.offset), 1 << 20)
+            tail = yield from _blocks(f, max(lines.size, 1 << 16), limit, lines.cut, lines.long_line, hold_tail=True)
+        self.offset = stop - tail
+        self.line = lines.number - 1
+
+
+class _Bounded(io.RawIOBase):
+    """At most ``left`` bytes of a file, from where it is."""
+
+    def __init__(self, raw: io.RawIOBase, left: int) -> None:
+        self._raw = raw
+        self._left = left
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
+        if self._left <= 0:
+            return 0
+        view = memoryview(buffer)[: self._left]
+        n = self._raw.readinto(view) or 0
+        self._left -= n
+        return n
 
 
 class _Cut(Exception):
@@ -255,10 +314,13 @@ def _blocks(
     limit: int,
     cut: Callable[[bytes], Iterator[Chunk]],
     long_line: Callable[[int, bytes], LongLine],
-) -> Iterator[Chunk | LongLine]:
+    hold_tail: bool = False,
+) -> Generator[Chunk | LongLine, None, int]:
     """Read ``f`` in blocks and cut them into chunks of whole lines; the line a block ends
     inside is carried (as parts, not grown by copying) into the next block, and one that
-    grows past ``limit`` is read past to its end and handed out as a :class:`LongLine`."""
+    grows past ``limit`` is read past to its end and handed out as a :class:`LongLine`.
+    The last line, when no line break ends it, is handed out too, unless ``hold_tail``:
+    then it is not, and the return value is its length (0 otherwise)."""
     parts: list[bytes] = []  # the carried line, so far
     carried = 0
     skipped = 0  # > 0: reading past a long line, this many bytes so far
@@ -298,7 +360,10 @@ def _blocks(
         f.read(1)
     except InputError as e:
         raise _Cut(e, b"".join(parts) or prefix) from None
+    if hold_tail:
+        return skipped or carried
     if skipped:
         yield long_line(skipped, prefix)
     elif parts:
         yield from cut(b"".join(parts))
+    return 0

@@ -9,6 +9,7 @@ stored schema (:mod:`tracedb.tables`).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -18,6 +19,7 @@ from tracedb import tables
 from tracedb.graph import branch_paths
 from tracedb.ingest.columns import numpy_lists, segment_key
 from tracedb.ingest.parse import ParsedLine, ParsedNode, ParsedTrace
+from tracedb.ingest.tags import Tag, TagRow, tag_rows
 from tracedb.records import COMPACT_STREAMS, trace_reward
 
 if TYPE_CHECKING:
@@ -34,7 +36,11 @@ def _compact(meta: dict[str, Any]) -> str:
 class Batch:
     """Rows buffered for one flush to DuckDB."""
 
-    def __init__(self) -> None:
+    def __init__(self, seq: int = 1, tags: Sequence[Tag] = ()) -> None:
+        self.next_seq = seq
+        """The sequence number the next fresh trace gets."""
+        self.tags = tags
+        self.tag_rows: list[TagRow] = []
         self.pending: list[tuple[ParsedLine, str, int]] = []
         """Accepted lines (record, file, line number), not yet checked against the database."""
         self.tokens = 0
@@ -47,8 +53,18 @@ class Batch:
         self.branches: list[tuple[str, int, int, bool, list[int], int, int]] = []
         self.segments: dict[bytes, np.ndarray] = {}
 
-    def add(self, line: ParsedLine, source: str, number: int, group_id: str | None, fresh: list[ParsedTrace]) -> None:
-        """The rows of ``line``: its episode (unless already stored: None) and its ``fresh`` traces."""
+    def add(
+        self,
+        line: ParsedLine,
+        source: str,
+        number: int,
+        group_id: str | None,
+        fresh: list[ParsedTrace],
+        episode: dict[str, Any] | None = None,
+    ) -> None:
+        """The rows of ``line``: its episode (unless already stored: None) and its ``fresh``
+        traces, numbered in order; ``episode`` is the line's episode record even when it is
+        stored already (tags read from it)."""
         if line.episode is not None:
             ep = line.episode
             env = ep.get("env")
@@ -100,8 +116,12 @@ class Batch:
                     "record": _compact(meta),
                     "source": source,
                     "line": number,
+                    "seq": self.next_seq,
                 }
             )
+            self.next_seq += 1
+            if self.tags:
+                self.tag_rows.extend(tag_rows(self.tags, t.trace_id, meta, episode))
             if scanned is None:
                 for i, node in enumerate(t.nodes):
                     key = segment_key(node.token_ids)
@@ -206,6 +226,10 @@ class Batch:
             out.append(_insert("episodes", pa.Table.from_pylist(self.episodes, schema=_EPISODE_ROWS)))
         if self.traces:
             out.append(_insert("traces", pa.Table.from_pylist(self.traces, schema=_TRACE_ROWS)))
+        if self.tag_rows:
+            columns = list(zip(*self.tag_rows, strict=True))
+            arrays = [pa.array(c, f.type) for c, f in zip(columns, tables.TRACE_TAGS, strict=True)]
+            out.append(_insert("trace_tags", pa.Table.from_arrays(arrays, schema=tables.TRACE_TAGS)))
         if self.segments:
             out.append(_insert("segments", self.segment_table()))
         if self.parsed_nodes or self.scanned:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,10 +27,11 @@ import simdjson
 from tracedb import jitcache, runtime
 from tracedb.errors import IngestAborted, InputError, Location, RecordError
 from tracedb.handle import Handle
-from tracedb.ingest.files import LongLine, find_files, read_chunks
+from tracedb.ingest.files import Chunk, LongLine, find_files, read_chunks
 from tracedb.ingest.parse import ParsedLine, parse_line
 from tracedb.ingest.rejects import Raw, Reject, Report, record_rejects, storable_text
 from tracedb.ingest.rows import Batch
+from tracedb.ingest.tags import Tag, parse_tags
 from tracedb.ingest.writer import Writer, commit_into_file
 
 log = logging.getLogger("tracedb.ingest")
@@ -56,6 +57,8 @@ class IngestReport(Report):
     """Files that could not be read to their end (corrupt or truncated compression): the
     lines before the damage were ingested; each is also a reject, naming the first line lost."""
     seconds: float = 0.0
+    watermark: int | None = None
+    """The highest sequence number this ingest gave a trace (None: it added none)."""
 
     def __str__(self) -> str:
         text = (
@@ -99,6 +102,7 @@ def _resolve(handle: Handle, reader: Any, batch: Batch, report: IngestReport, se
         seen.episodes & set(episode_ids)
     )
     for line, source, number in batch.pending:
+        episode = line.episode
         fresh = []
         for t in line.traces:
             if t.trace_id in known:
@@ -115,7 +119,7 @@ def _resolve(handle: Handle, reader: Any, batch: Batch, report: IngestReport, se
                 known_episodes.add(line.episode["id"])
                 seen.episodes.add(line.episode["id"])
                 report.episodes += 1
-        batch.add(line, source, number, group_id, fresh)
+        batch.add(line, source, number, group_id, fresh, episode)
         report.traces += len(fresh)
         report.nodes += sum(t.n_nodes for t in fresh)
         report.tokens += sum(t.n_tokens for t in fresh)
@@ -136,12 +140,16 @@ def _flush(handle: Handle, reader: Any, writer: Writer, batch: Batch, report: In
     writer.submit(batch.inserts())
 
 
-class _Ingest:
+class IngestRun:
     """One ingest under way: its transaction's connection, the reader that sees the
     database as it was before, the writer thread, the batch being filled, the report."""
 
-    def __init__(self, handle: Handle, report: IngestReport, *, strict: bool, allow_ragged: bool) -> None:
+    def __init__(
+        self, handle: Handle, report: IngestReport, *, strict: bool, allow_ragged: bool, tags: Sequence[Tag] = ()
+    ) -> None:
         self.handle = handle
+        self.tags = tuple(tags)
+        self.last_seq = 0
         self.report = report
         self.strict = strict
         self.allow_ragged = allow_ragged
@@ -161,6 +169,8 @@ class _Ingest:
         """Inside the transaction: the reader, the writer thread, the progress bar, and
         which parser reads the lines (``scanner`` setting)."""
         self.reader = self.handle.cursor()
+        self.last_seq = self.handle.watermark()
+        self.batch = Batch(self.last_seq + 1, self.tags)
         self.writer = Writer(self.handle.con, self.knobs.write_alignment_rows)
         self.bar = _progress(files) if progress else None
         compiled = jitcache.is_compiled(SCANNER_SOURCE)
@@ -184,11 +194,14 @@ class _Ingest:
         else:
             log.info(text)
 
-    def read(self, path: Path) -> None:
+    def read_file(self, path: Path) -> None:
         """Every line of one file into the batch (flushed at chunk ends once it is full)."""
-        source = str(path)
+        self.read(str(path), read_chunks(path, self.knobs.chunk_bytes))
+
+    def read(self, source: str, chunks: Iterable[Chunk | LongLine]) -> None:
+        """The lines of ``chunks`` (of the file ``source``) into the batch."""
         limit = self.knobs.max_line_bytes
-        for chunk in read_chunks(path, self.knobs.chunk_bytes):
+        for chunk in chunks:
             if isinstance(chunk, LongLine):
                 self.long_line(source, chunk)
                 continue
@@ -258,14 +271,21 @@ class _Ingest:
     def flush(self) -> None:
         assert self.writer is not None
         _flush(self.handle, self.reader, self.writer, self.batch, self.report, self.seen)
-        self.batch = Batch()
+        self.batch = Batch(self.batch.next_seq, self.tags)
 
-    def finish(self) -> None:
-        """Write what is left and the rejects, and COMMIT."""
+    def finish(self, before_commit: Callable[[], None] | None = None) -> None:
+        """Write what is left, the rejects and the new watermark (and what
+        ``before_commit`` writes: a follower's positions), and COMMIT."""
         assert self.writer is not None
         self.flush()
         self.writer.finish()
         record_rejects(self.handle, self.rejects)
+        last = self.batch.next_seq - 1
+        if last > self.last_seq:
+            self.handle.con.execute("INSERT OR REPLACE INTO tracedb_meta VALUES ('last_seq', ?)", [str(last)])
+            self.report.watermark = last
+        if before_commit is not None:
+            before_commit()
         commit_into_file(self.handle)
 
     def abort(self) -> None:
@@ -287,6 +307,19 @@ class _Ingest:
             self.bar.stop()
 
 
+@contextlib.contextmanager
+def transaction_for_ingest(handle: Handle) -> Iterator[None]:
+    """Hold the database's write lock, then BEGIN (the transaction's snapshot must see
+    every ingest committed before it, or two would hand out the same sequence numbers);
+    the body COMMITs or rolls back. Readers waiting for new traces are woken afterwards."""
+    with handle.shared.writing:
+        handle.con.execute("BEGIN TRANSACTION")
+        try:
+            yield
+        finally:
+            handle.changed()
+
+
 def ingest_files(
     handle: Handle,
     paths: str | Path | Iterable[str | Path],
@@ -295,6 +328,7 @@ def ingest_files(
     allow_ragged: bool = False,
     progress: bool = False,
     whole_files: bool = False,
+    tags: Iterable[str | Tag] = (),
 ) -> IngestReport:
     """Ingest files or directories; see :meth:`tracedb.Database.ingest`.
 
@@ -302,28 +336,29 @@ def ingest_files(
     lines read before the damage and is reported (a reject naming the file and the first
     line lost, and ``report.unreadable``); with ``strict`` the ingest aborts instead, and
     with ``whole_files`` (a request body is one unit) it raises :class:`InputError` and
-    writes nothing."""
+    writes nothing. ``tags`` (``"name=value"`` / ``"name=$.json.path"`` or
+    :class:`~tracedb.ingest.tags.Tag`) are stored on every trace added
+    (:mod:`tracedb.ingest.tags`)."""
     started = time.perf_counter()
     files = find_files([paths] if isinstance(paths, (str, Path)) else paths)
     report = IngestReport(files=len(files))
-    run = _Ingest(handle, report, strict=strict, allow_ragged=allow_ragged)
-    handle.con.execute("BEGIN TRANSACTION")
-    try:
-        run.start(files, progress)
-        for path in files:
-            try:
-                run.read(path)
-            except InputError as e:
-                if whole_files:
-                    raise
-                run.unreadable(e)
-        run.finish()
-    except BaseException:
-        run.abort()
-        raise
-    finally:
-        run.close()
-    handle.changed()
+    run = IngestRun(handle, report, strict=strict, allow_ragged=allow_ragged, tags=parse_tags(tags))
+    with transaction_for_ingest(handle):
+        try:
+            run.start(files, progress)
+            for path in files:
+                try:
+                    run.read_file(path)
+                except InputError as e:
+                    if whole_files:
+                        raise
+                    run.unreadable(e)
+            run.finish()
+        except BaseException:
+            run.abort()
+            raise
+        finally:
+            run.close()
     report.seconds = time.perf_counter() - started
     return report
 

@@ -14,9 +14,10 @@ traces, for exports that must stay within bounded memory).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import json
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
@@ -30,41 +31,154 @@ from tracedb.views.spread import branch_table
 if TYPE_CHECKING:
     import polars
 
-__all__ = ["BRANCH_SCHEMA", "Selection", "branches", "iter_branches", "select_traces", "to_polars"]
+__all__ = [
+    "BRANCH_SCHEMA",
+    "Selected",
+    "Selection",
+    "branches",
+    "iter_branches",
+    "resolve",
+    "select_traces",
+    "to_polars",
+    "watermark_of",
+    "with_watermark",
+]
 
 
 @dataclass(frozen=True)
 class Selection:
-    """Which traces a view (or an export) takes; None everywhere is every trace."""
+    """Which traces a view (or an export, or a trainer step) takes; None everywhere is
+    every trace. The filters combine with AND."""
 
     trace_ids: Sequence[str] | None = None
     group: str | Sequence[str] | None = None
     """``episode.group.id`` (one or several)."""
     episode: str | Sequence[str] | None = None
+    after: int | None = None
+    """Only traces whose ingest sequence number is above this: what arrived since a
+    consumer last looked (pass the watermark the previous call returned)."""
+    complete_groups: int | None = None
+    """Only the groups that have at least this many members and completed after ``after``
+    (a group completes when its N-th member arrives; that member's sequence number is the
+    group's), with every member they hold at the watermark: a consumer passing each
+    call's watermark to the next gets each group once, in the call after it completed."""
+    tags: Mapping[str, Any] | None = None
+    """Ingest tags (``trace_tags``): name -> a value (equal; numbers compare as numbers)
+    or a ``(low, high)`` pair (inclusive; None leaves a side open)."""
 
     @property
     def everything(self) -> bool:
-        return self.trace_ids is None and self.group is None and self.episode is None
+        return all(
+            v is None for v in (self.trace_ids, self.group, self.episode, self.after, self.complete_groups, self.tags)
+        )
 
 
-def select_traces(handle: Handle, selection: Selection) -> list[tuple[str, int]]:
+@dataclass
+class Selected:
+    """A selection resolved against the database at one watermark."""
+
+    traces: list[tuple[str, int]]
     """(trace id, stored tokens) of the selected traces, in trace id order."""
-    where, params = [], []
+    watermark: int
+    """The highest sequence number committed when the selection was made: none of the
+    selected traces is above it; pass it as ``after`` next time."""
+
+
+WATERMARK_KEY = b"tracedb.watermark"
+"""The schema metadata key under which a view carries its watermark."""
+
+
+def with_watermark(table: pa.Table, watermark: int) -> pa.Table:
+    """``table`` carrying ``watermark`` in its schema metadata (no data is copied)."""
+    metadata = dict(table.schema.metadata or {})
+    metadata[WATERMARK_KEY] = str(watermark).encode()
+    return table.replace_schema_metadata(metadata)
+
+
+def watermark_of(table: pa.Table | pa.Schema) -> int | None:
+    """The watermark a view (or an exported file's schema) was read at: pass it as
+    ``after=`` to get what arrived since; None for a table that carries none."""
+    schema = table if isinstance(table, pa.Schema) else table.schema
+    value = (schema.metadata or {}).get(WATERMARK_KEY)
+    return None if value is None else int(value)
+
+
+def _values(value: str | Sequence[str]) -> list[str]:
+    return [value] if isinstance(value, str) else list(value)
+
+
+def _tag_filter(name: str, want: Any) -> tuple[str, list[Any]]:
+    """SQL (a subquery of trace ids) for one tag filter, and its parameters."""
+    base = "trace_id IN (SELECT trace_id FROM trace_tags WHERE name = ? AND "
+    if isinstance(want, tuple):
+        if len(want) != 2:
+            raise ValueError(f"tag {name!r}: a range is (low, high), not {want!r}")
+        low, high = want
+        ends = [v for v in want if v is not None]
+        if not ends:
+            return base + "true)", [name]
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in ends):
+            column = "number"
+        elif all(isinstance(v, str) for v in ends):
+            column = "text"
+        else:
+            raise ValueError(f"tag {name!r}: a range's ends are both numbers or both strings, not {want!r}")
+        parts, params = [f"{column} IS NOT NULL"], [name]
+        if low is not None:
+            parts.append(f"{column} >= ?")
+            params.append(low)
+        if high is not None:
+            parts.append(f"{column} <= ?")
+            params.append(high)
+        return base + " AND ".join(parts) + ")", params
+    if isinstance(want, (int, float)) and not isinstance(want, bool):
+        return base + "number = ?)", [name, float(want)]
+    if isinstance(want, str):
+        return base + "text = ?)", [name, want]
+    return base + "value = ?::JSON)", [name, json.dumps(want, separators=(",", ":"))]
+
+
+def resolve(handle: Handle, selection: Selection) -> Selected:
+    """The selected traces at the current watermark (read first: every trace at or
+    below it is committed, since ingests commit in sequence order)."""
+    mark = handle.watermark()
+    where, params = ["seq <= ?"], [mark]
     for column, value in (
         ("trace_id", selection.trace_ids),
         ("group_id", selection.group),
         ("episode_id", selection.episode),
     ):
-        if value is None:
-            continue
-        values = [value] if isinstance(value, str) else list(value)
-        where.append(f"{column} IN (SELECT unnest(?::VARCHAR[]))")
-        params.append(values)
-    query = "SELECT trace_id, n_tokens FROM traces"
-    if where:
-        query += " WHERE " + " AND ".join(where)
-    query += " ORDER BY trace_id"
-    return [(r[0], r[1]) for r in handle.con.execute(query, params).fetchall()]
+        if value is not None:
+            where.append(f"{column} IN (SELECT unnest(?::VARCHAR[]))")
+            params.append(_values(value))
+    after = selection.after
+    if after is not None and (not isinstance(after, int) or isinstance(after, bool) or after < 0):
+        raise ValueError(f"after is a watermark (an int >= 0), not {after!r}")
+    size = selection.complete_groups
+    if size is not None:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"complete_groups is a group size (an int >= 1), not {size!r}")
+        # The groups whose size-th member (by sequence) arrived in (after, mark].
+        where.append(
+            "group_id IN (SELECT group_id FROM (SELECT group_id, seq, row_number() OVER "
+            "(PARTITION BY group_id ORDER BY seq) AS k FROM traces WHERE seq <= ? AND group_id IN "
+            "(SELECT group_id FROM traces WHERE seq > ? AND seq <= ?)) WHERE k = ? AND seq > ?)"
+        )
+        params += [mark, after or 0, mark, size, after or 0]
+    elif after is not None:
+        where.append("seq > ?")
+        params.append(after)
+    for name, want in (selection.tags or {}).items():
+        clause, values = _tag_filter(name, want)
+        where.append(clause)
+        params += values
+    query = "SELECT trace_id, n_tokens FROM traces WHERE " + " AND ".join(where) + " ORDER BY trace_id"
+    return Selected([(r[0], r[1]) for r in handle.con.execute(query, params).fetchall()], mark)
+
+
+def select_traces(handle: Handle, selection: Selection) -> list[tuple[str, int]]:
+    """(trace id, stored tokens) of the selected traces, in trace id order."""
+    return resolve(handle, selection).traces
 
 
 def token_columns(columns: Sequence[str] | None) -> list[str]:
@@ -97,7 +211,10 @@ def _view(
     branch_index: list[int] | None,
     credit: str | None,
     cache: bool,
+    mark: int | None = None,
 ) -> pa.Table:
+    """The view of ``trace_ids`` (None: all), carrying ``mark`` (default: the watermark
+    its read saw) as its watermark."""
     streams = [c for c in COMPACT_STREAMS if c in cols]
     key = (handle.generation, None if trace_ids is None else tuple(trace_ids), credit)
     data = None
@@ -108,7 +225,8 @@ def _view(
         data = load_nodes(handle, trace_ids, streams, credit)
         if cache and data.starts[-1] <= runtime.settings().view_cache_tokens:
             handle.view_cache = (key, data)
-    return branch_table(data, cols, train_once, trainable, branch_index)
+    table = branch_table(data, cols, train_once, trainable, branch_index)
+    return with_watermark(table, data.watermark if mark is None else mark)
 
 
 def branches(
@@ -123,11 +241,16 @@ def branches(
 ) -> pa.Table:
     """One row per branch of the selected traces, ordered by trace id then branch index;
     see :meth:`tracedb.Database.branches`. Decoded node columns are cached on the handle
-    until its next write, so repeated views of the same selection skip the database."""
+    until its next write, so repeated views of the same selection skip the database. The
+    table carries the watermark it was read at (:func:`watermark_of`)."""
     cols = token_columns(columns)
     credit = credit_sets.resolve(handle, credit)
-    selected = None if selection.everything else [tid for tid, _ in select_traces(handle, selection)]
-    return _view(handle, selected, cols, train_once, trainable, branch_indices(branch_index), credit, cache=True)
+    indices = branch_indices(branch_index)
+    if selection.everything:
+        return _view(handle, None, cols, train_once, trainable, indices, credit, cache=True)
+    selected = resolve(handle, selection)
+    ids = [tid for tid, _ in selected.traces]
+    return _view(handle, ids, cols, train_once, trainable, indices, credit, cache=True, mark=selected.watermark)
 
 
 def iter_branches(
@@ -143,24 +266,28 @@ def iter_branches(
 ) -> Iterator[pa.Table]:
     """:func:`branches` in batches of whole traces, about ``batch_tokens`` stored tokens
     each: memory stays bounded by the batch whatever the database size (exports stream
-    from here)."""
+    from here). Every batch carries the watermark the selection was made at, and holds
+    no trace above it."""
     cols = token_columns(columns)
     credit = credit_sets.resolve(handle, credit)
     indices = branch_indices(branch_index)
-    selected = select_traces(handle, selection)
+    resolved = resolve(handle, selection)
+    selected, mark = resolved.traces, resolved.watermark
     if selection.everything and sum(size for _, size in selected) < batch_tokens:  # one batch: the whole-database read
-        yield _view(handle, None, cols, train_once, trainable, indices, credit, cache=False)
-        return
+        table = _view(handle, None, cols, train_once, trainable, indices, credit, cache=False)
+        if watermark_of(table) == mark:  # nothing was committed since the selection
+            yield table
+            return
     chunk: list[str] = []
     acc = 0
     for tid, size in selected:
         chunk.append(tid)
         acc += size
         if acc >= batch_tokens:
-            yield _view(handle, chunk, cols, train_once, trainable, indices, credit, cache=False)
+            yield _view(handle, chunk, cols, train_once, trainable, indices, credit, cache=False, mark=mark)
             chunk, acc = [], 0
     if chunk or not selected:
-        yield _view(handle, chunk, cols, train_once, trainable, indices, credit, cache=False)
+        yield _view(handle, chunk, cols, train_once, trainable, indices, credit, cache=False, mark=mark)
 
 
 def to_polars(table: pa.Table) -> polars.DataFrame:

@@ -3,7 +3,8 @@ view kernels (and the writers and credit algorithms) read.
 
 :func:`load_nodes` reads the nodes, segments and branches of the selected traces once,
 in one read transaction (a whole-database read takes the segments on a second cursor),
-and keeps them as DuckDB returned them: :class:`NodeColumns`. Node rows are in (trace,
+and keeps them as DuckDB returned them: :class:`NodeColumns`, with the watermark (the
+highest sequence number committed) that read saw. Node rows are in (trace,
 node) order, so a trace's node ``i`` is row ``base[trace] + i``.
 """
 
@@ -58,6 +59,7 @@ class NodeColumns:
     streams: dict[str, Stream]
     loss_weights: list[Any]  # per node: None or list of (name, values)
     branches: pa.Table  # trace_id, branch_index, trainable, path (sorted)
+    watermark: int = 0  # the highest sequence number committed when the nodes were read
     _mask: np.ndarray | None = None
 
     @property
@@ -113,6 +115,7 @@ def load_nodes(
         if own:
             con.execute("BEGIN TRANSACTION")
         try:
+            mark = handle.watermark(con)
             if flat:
                 nodes, lists = read_all(con, node_streams)
                 segments = None if apart else read_segments(con, False)
@@ -145,9 +148,11 @@ def load_nodes(
     if apart is not None:
         segments = apart.result()
     try:
-        return _decode(nodes, segments, lists, branches, credit_rows, streams)
+        data = _decode(nodes, segments, lists, branches, credit_rows, streams)
     except _MissingSegment:  # the segments were read before a write that added some
-        return _decode(nodes, read_segments(handle.cursor(), True), lists, branches, credit_rows, streams)
+        data = _decode(nodes, read_segments(handle.cursor(), True), lists, branches, credit_rows, streams)
+    data.watermark = mark
+    return data
 
 
 class _MissingSegment(Exception):
