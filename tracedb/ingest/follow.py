@@ -160,6 +160,7 @@ def _complete(path: Path) -> str | None:
         with open_input(path) as f:
             while f.read(1 << 20):
                 pass
+            f.read(1)  # a damage reads as the end once, and is raised by the read after
     except InputError as e:
         if e.reason.startswith("truncated"):
             return e.reason
@@ -357,7 +358,8 @@ class Follower:
         appended = Appended(path, start.offset, start.line, budget)
         run.read(source, appended)
         self.behind = self.behind or appended.more
-        if appended.offset == start.offset and start is self.positions.get(source):
+        restarted = source in self.positions and start is not self.positions[source]
+        if appended.offset == start.offset and not restarted:
             return None  # no whole line yet (a restart's position is stored all the same)
         head = start.head if start.offset >= HEAD_BYTES and start.head is not None else _head(path, appended.offset)
         return Position(source, st.st_dev, st.st_ino, appended.offset, appended.line, head)
