@@ -7,7 +7,6 @@ Then SIGTERM stops it cleanly (exit 0). Seeded by ``TRACEDB_FAULT_SEED``."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess
