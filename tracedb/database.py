@@ -137,6 +137,7 @@ class Database:
         after: int | None = None,
         complete_groups: int | None = None,
         tags: Mapping[str, Any] | None = None,
+        through: int | None = None,
         limit: int | None = None,
     ) -> pa.Table:
         """The selected traces in arrival order, one row each (``seq``, ids, reward,
@@ -144,7 +145,7 @@ class Database:
         The table carries the watermark to pass as ``after`` next time
         (``tracedb.watermark_of``); with ``limit`` it is the last row's, so paging through
         a live run misses nothing and repeats nothing."""
-        selection = Selection(trace_ids, group, episode, after, complete_groups, tags)
+        selection = Selection(trace_ids, group, episode, after, complete_groups, tags, through)
         return readback.trace_listing(self.handle, selection, limit)
 
     # ----------------------------------------------------------------- records
@@ -173,6 +174,7 @@ class Database:
         after: int | None = None,
         complete_groups: int | None = None,
         tags: Mapping[str, Any] | None = None,
+        through: int | None = None,
         trainable: bool | None = None,
         branch_index: int | Sequence[int] | None = None,
         columns: Sequence[str] | None = None,
@@ -193,13 +195,14 @@ class Database:
         For a live run: ``after=W`` selects the traces committed since the watermark
         ``W``; ``complete_groups=N`` the groups of at least N members that completed since
         (each group once, in the call after its N-th member arrived); ``tags`` filters on
-        ingest tags (``{"step": 12}``, ``{"step": (10, None)}``). The table carries the
-        watermark it was read at, to pass as ``after`` next time:
-        ``tracedb.watermark_of(table)``.
+        ingest tags (``{"step": 12}``, ``{"step": (10, None)}``); ``through=W`` reads as
+        of the watermark ``W`` (two calls with the same ``after`` and ``through`` select
+        the same traces). The table carries the watermark it was read at, to pass as
+        ``after`` next time: ``tracedb.watermark_of(table)``.
         """
         return views.branches(
             self.handle,
-            Selection(trace_ids, group, episode, after, complete_groups, tags),
+            Selection(trace_ids, group, episode, after, complete_groups, tags, through),
             trainable=trainable,
             branch_index=branch_index,
             columns=columns,
@@ -216,6 +219,7 @@ class Database:
         after: int | None = None,
         complete_groups: int | None = None,
         tags: Mapping[str, Any] | None = None,
+        through: int | None = None,
         trainable: bool | None = None,
         branch_index: int | Sequence[int] | None = None,
         columns: Sequence[str] | None = None,
@@ -228,7 +232,7 @@ class Database:
         carries the watermark the selection was made at."""
         return views.iter_branches(
             self.handle,
-            Selection(trace_ids, group, episode, after, complete_groups, tags),
+            Selection(trace_ids, group, episode, after, complete_groups, tags, through),
             trainable=trainable,
             branch_index=branch_index,
             columns=columns,
@@ -248,6 +252,7 @@ class Database:
         after: int | None = None,
         complete_groups: int | None = None,
         tags: Mapping[str, Any] | None = None,
+        through: int | None = None,
         trainable: bool | None = None,
         columns: Sequence[str] | None = None,
         train_once: bool = False,
@@ -262,7 +267,7 @@ class Database:
         return export(
             self.handle,
             path,
-            Selection(trace_ids, group, episode, after, complete_groups, tags),
+            Selection(trace_ids, group, episode, after, complete_groups, tags, through),
             format=format,
             trainable=trainable,
             columns=columns,
@@ -283,6 +288,7 @@ class Database:
         after: int | None = None,
         complete_groups: int | None = None,
         tags: Mapping[str, Any] | None = None,
+        through: int | None = None,
         trainable: bool | None = True,
         branch_index: int | Sequence[int] | None = None,
         credit: str | None = None,
@@ -317,7 +323,7 @@ class Database:
         return batches.micro_batches(
             self.handle,
             seq_len,
-            Selection(trace_ids, group, episode, after, complete_groups, tags),
+            Selection(trace_ids, group, episode, after, complete_groups, tags, through),
             ranks=ranks,
             trainable=trainable,
             branch_index=branch_index,

@@ -70,6 +70,7 @@ def micro_batches(
         "episode": selection.episode,
         "after": selection.after,
         "complete_groups": selection.complete_groups,
+        "through": selection.through,
         "tags": None if selection.tags is None else {k: _plain(v) for k, v in selection.tags.items()},
         "trainable": trainable,
         "branch_index": branch_index,

@@ -65,11 +65,24 @@ class Selection:
     tags: Mapping[str, Any] | None = None
     """Ingest tags (``trace_tags``): name -> a value (equal; numbers compare as numbers)
     or a ``(low, high)`` pair (inclusive; None leaves a side open)."""
+    through: int | None = None
+    """Read as of this watermark (default: the current one): nothing above it is taken,
+    so two calls with the same ``after`` and ``through`` select the same traces, however
+    much arrived in between (a watermark above the current one is the current one)."""
 
     @property
     def everything(self) -> bool:
         return all(
-            v is None for v in (self.trace_ids, self.group, self.episode, self.after, self.complete_groups, self.tags)
+            v is None
+            for v in (
+                self.trace_ids,
+                self.group,
+                self.episode,
+                self.after,
+                self.complete_groups,
+                self.tags,
+                self.through,
+            )
         )
 
 
@@ -142,6 +155,11 @@ def resolve(handle: Handle, selection: Selection) -> Selected:
     """The selected traces at the current watermark (read first: every trace at or
     below it is committed, since ingests commit in sequence order)."""
     mark = handle.watermark()
+    through = selection.through
+    if through is not None:
+        if not isinstance(through, int) or isinstance(through, bool) or through < 0:
+            raise ValueError(f"through is a watermark (an int >= 0), not {through!r}")
+        mark = min(mark, through)
     where, params = ["seq <= ?"], [mark]
     for column, value in (
         ("trace_id", selection.trace_ids),
