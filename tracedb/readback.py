@@ -123,27 +123,40 @@ def trace_listing(handle: Handle, selection: Selection, limit: int | None = None
             table = table.slice(0, limit)
             mark = table.column("seq")[limit - 1].as_py()
         else:
-            table, mark = _whole_groups(table, selection.complete_groups, limit)
+            completed = _completions(handle, table, selection.complete_groups, selected.watermark)
+            table, mark = _whole_groups(table, completed, limit)
     return with_watermark(table, mark)
 
 
-def _whole_groups(table: pa.Table, size: int, limit: int) -> tuple[pa.Table, int]:
-    """The groups of ``table`` (each complete: ``size`` members or more) in the order they
-    completed, as many whole ones as fit in ``limit`` rows (at least one); and the
+def _completions(handle: Handle, table: pa.Table, size: int, mark: int) -> dict[str, int]:
+    """The sequence number at which each group of ``table`` completed: its ``size``-th
+    member's among all the traces committed up to ``mark`` (a filter may have left fewer
+    members in ``table``)."""
+    groups = pa.table({"group_id": pa.array(sorted(set(table.column("group_id").to_pylist())), pa.string())})
+    with handle.registered("_tdb_listed_groups", groups):
+        rows = handle.sql(
+            "SELECT group_id, seq FROM (SELECT group_id, seq, row_number() OVER (PARTITION BY group_id "
+            "ORDER BY seq) AS k FROM traces WHERE seq <= ? AND group_id IN "
+            "(SELECT group_id FROM _tdb_listed_groups)) WHERE k = ?",
+            [mark, size],
+        )
+    return dict(zip(rows.column("group_id").to_pylist(), rows.column("seq").to_pylist(), strict=True))
+
+
+def _whole_groups(table: pa.Table, completed: dict[str, int], limit: int) -> tuple[pa.Table, int]:
+    """The groups of ``table`` in the order they completed (``completed``: group id to
+    sequence number), as many whole ones as fit in ``limit`` rows (at least one); and the
     completion of the last one kept."""
-    seqs = table.column("seq").to_pylist()
-    groups = table.column("group_id").to_pylist()
     members: dict[str, list[int]] = {}
-    for row, group in enumerate(groups):
+    for row, group in enumerate(table.column("group_id").to_pylist()):
         members.setdefault(group, []).append(row)
-    completed = sorted(members, key=lambda g: seqs[members[g][size - 1]])  # rows are in seq order
     keep: list[int] = []
     mark = 0
-    for group in completed:
+    for group in sorted(members, key=lambda g: (completed[g], g)):
         if keep and len(keep) + len(members[group]) > limit:
             break
         keep += members[group]
-        mark = seqs[members[group][size - 1]]
+        mark = completed[group]
     return table.take(sorted(keep)), mark
 
 

@@ -13,7 +13,6 @@ holding a non-finite number (JSON has none). Numbers are stored in
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -55,8 +54,10 @@ class Tag:
             value = json.loads(spec)
         except ValueError:
             value = spec
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"--tag {text!r}: a tag's number must be finite")
+        try:
+            json.dumps(value, allow_nan=False)
+        except ValueError:
+            raise ValueError(f"--tag {text!r}: a tag's numbers must be finite (JSON has no NaN or Infinity)") from None
         return cls(name, constant=value)
 
     def value(self, trace: dict[str, Any], episode: dict[str, Any] | None) -> Any:
@@ -64,10 +65,10 @@ class Tag:
         if self.path is None:
             return self.constant
         found = MISSING
-        if self.scope in ("trace", "both"):
+        if self.scope in ("trace", "both") and self.path[0] != "nodes":  # the trace without its nodes
             found = _lookup(trace, self.path)
-        if found is MISSING and self.scope in ("episode", "both") and episode is not None:
-            found = _lookup(episode, self.path)
+        if found is MISSING and self.scope in ("episode", "both") and episode is not None and self.path[0] != "traces":
+            found = _lookup(episode, self.path)  # the line without its traces
         return found
 
 
