@@ -480,7 +480,7 @@ def test_reverse_scan_segments():
         want = np.empty_like(x)
         for i in reversed(range(len(x))):
             want[i] = x[i] + (c * want[i + 1] if i < ends[i] else 0.0)
-        np.testing.assert_allclose(R._reverse_scan(x, ends, c), want, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(R.reverse_scan(x, ends, c), want, rtol=1e-10, atol=1e-12)
 
 
 # ----------------------------------------------------------------------------- through run()

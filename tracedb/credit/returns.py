@@ -81,15 +81,15 @@ def returns(
     sampled tokens. See the module docstring for turns, rewards, values and termination.
     """
     db = handle_of(db)
-    _check_unit("gamma", gamma)
-    turns = _turns(db, reward, reward_field, value_field, bootstrap_field, terminal_reward, include_failed)
+    check_unit("gamma", gamma)
+    turns = branch_turns(db, reward, reward_field, value_field, bootstrap_field, terminal_reward, include_failed)
     if turns is None:
         return NODE_CREDIT.empty_table()
     r, v, boot, last, end = turns["r"], turns["v"], turns["boot"], turns["last"], turns["end"]
     x = r.copy()
     x[last] += gamma * boot  # G_T folded into the last reward: G_{T-1} = r_{T-1} + gamma G_T
-    g = _reverse_scan(x, end, gamma)
-    return _stamp(turns, g - v if subtract_values else g)
+    g = reverse_scan(x, end, gamma)
+    return node_values(turns, g - v if subtract_values else g)
 
 
 def gae(
@@ -111,9 +111,9 @@ def gae(
     ``(trace_id, node_index, values)`` like :func:`returns`.
     """
     db = handle_of(db)
-    _check_unit("gamma", gamma)
-    _check_unit("lam", lam)
-    turns = _turns(db, reward, reward_field, value_field, bootstrap_field, terminal_reward, include_failed)
+    check_unit("gamma", gamma)
+    check_unit("lam", lam)
+    turns = branch_turns(db, reward, reward_field, value_field, bootstrap_field, terminal_reward, include_failed)
     if turns is None:
         return NODE_CREDIT.empty_table()
     r, v, boot, last, end = turns["r"], turns["v"], turns["boot"], turns["last"], turns["end"]
@@ -121,16 +121,17 @@ def gae(
     v_next[:-1] = v[1:]
     v_next[last] = boot  # V_T: the next turn of the branch does not exist, the bootstrap stands in
     delta = r + gamma * v_next - v
-    return _stamp(turns, _reverse_scan(delta, end, gamma * lam))
+    return node_values(turns, reverse_scan(delta, end, gamma * lam))
 
 
-def _check_unit(name: str, x: float) -> None:
+def check_unit(name: str, x: float) -> None:
+    """Refuse a discount factor ``x`` outside [0, 1] (ValueError naming parameter ``name``)."""
     # Outside [0, 1] the discount no longer shrinks and the scan's factors could overflow.
     if not 0.0 <= float(x) <= 1.0:
         raise ValueError(f"{name} must be within [0, 1], got {x!r}")
 
 
-def _reverse_scan(x: np.ndarray, end: np.ndarray, c: float) -> np.ndarray:
+def reverse_scan(x: np.ndarray, end: np.ndarray, c: float) -> np.ndarray:
     """``y_t = x_t + c y_{t+1}`` within each segment (``end[t]``: index of t's segment end).
 
     Recursive doubling: after the pass with stride ``d``, ``y_t`` sums ``c^k x_{t+k}`` for
@@ -159,7 +160,7 @@ def _field(name: str | None, columns: set[str], key: str, params: dict[str, obje
     return f"coalesce(TRY_CAST(json_extract_string(n.extra, '$.' || to_json(${key}::VARCHAR)) AS DOUBLE), 0.0)"
 
 
-def _turns(
+def branch_turns(
     db: Handle,
     reward: str | None,
     reward_field: str | None,
@@ -168,8 +169,15 @@ def _turns(
     terminal_reward: bool,
     include_failed: bool,
 ) -> dict[str, np.ndarray | pa.Array] | None:
-    """Every turn of every branch of the assigned traces, ordered by branch then path position,
-    as numpy columns (``r`` with the terminal reward added, ``v``, ``boot`` on last turns)."""
+    """Every turn of every branch of the assigned traces, ordered by trace id, branch, then path
+    position (None when there is none): the branch/turn table the turn-level algorithms share.
+
+    Numpy columns, one entry per (branch, turn): ``r`` (the terminal reward added on each
+    branch's last turn), ``v``, ``last`` (the branch's last turn), ``end`` (index of the
+    branch's last turn), ``n_sampled``, ``node_index``, and ``trace_id`` (Arrow); ``boot``:
+    ``V_T`` of each branch, in branch order. ``keep``: one entry index per node, from the
+    branch that owns it (first trainable), in (trace id, node index) order;
+    :func:`node_values` stamps those."""
     # The outcome reward and which traces are assigned come from the same rule as GRPO/RLOO.
     traces = trace_rewards(db, reward=reward, include_failed=include_failed)
     if terminal_reward:
@@ -288,9 +296,10 @@ def _turn_table(db: Handle, r_sql: str, v_sql: str, b_sql: str, params: dict[str
     )
 
 
-def _stamp(turns: dict, advantage: np.ndarray) -> pa.Table:
-    """Keep each node's row from its first trainable branch and broadcast over its tokens,
-    ordered by trace id then node index."""
+def node_values(turns: dict, advantage: np.ndarray) -> pa.Table:
+    """Credit per node from ``advantage`` (one float per entry of :func:`branch_turns`): each
+    node's entry from its first trainable branch, broadcast over its sampled tokens, ordered
+    by trace id then node index."""
     keep = turns["keep"]
     counts = turns["n_sampled"][keep]
     offsets = np.zeros(len(keep) + 1, np.int64)
