@@ -25,6 +25,8 @@ id), starting from the group's virtual root. Means are bincounts over distinct
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import polars as pl
 import pyarrow as pa
@@ -34,27 +36,69 @@ from tracedb.credit.outcome import trace_rewards
 from tracedb.handle import HandleOf, handle_of
 
 
-def tree(
-    db: HandleOf,
-    *,
-    reward: str | None = None,
-    group_by: str = "group_id",
-    include_failed: bool = False,
-) -> pa.Table:
-    """Prefix-tree credit per node: ``trace_id, node_index, values`` (one value per
-    sampled token, all equal to the node's trie-node advantage).
+@dataclass(frozen=True)
+class Trie:
+    """The prefix tries of every group's valid traces, over their message nodes.
 
-    ``reward``, ``group_by`` and ``include_failed`` select rewards, groups and valid
-    traces as in :func:`tracedb.credit.outcome.grpo`; a trace without a group is its own
-    group (and so gets zeros). A group whose rewards are all equal gets zeros.
+    Node rows (every node of a valid trace, by trace id then node index) carry
+    ``trace_id``, ``node_index``, ``n_sampled``, ``trace`` (the trace's code) and ``trie``
+    (its trie node's id). Trie ids ``0 .. n_groups-1`` are the groups' virtual roots, and a
+    trie node's id is larger than its parent's (ids are given level by level). Traces
+    (codes ``0 .. n-1``, by trace id) carry ``group`` (a code) and ``reward``.
     """
+
+    trace_id: pa.Array
+    node_index: pa.Array
+    n_sampled: np.ndarray
+    trace: np.ndarray
+    trie: np.ndarray
+    parent: np.ndarray  # per trie id; a root is its own parent
+    group: np.ndarray  # per trace code
+    reward: np.ndarray  # per trace code
+    n_groups: int
+
+    @property
+    def n_trie(self) -> int:
+        return len(self.parent)
+
+    def root_of(self) -> np.ndarray:
+        """The group code (= root id) of every trie id."""
+        root = np.arange(self.n_trie)
+        root[self.trie] = self.group[self.trace]
+        return root
+
+    def members(self) -> tuple[np.ndarray, np.ndarray]:
+        """Distinct (trie id, trace code) pairs: a trace counts once under each trie node it
+        passes, however many of its nodes (branches) do; the roots hold every valid trace of
+        their group."""
+        n = len(self.reward)
+        pairs = np.unique(self.trie * n + self.trace)
+        roots = np.arange(n, dtype=np.int64)
+        return np.concatenate([self.group, pairs // n]), np.concatenate([roots, pairs % n])
+
+    def flat_groups(self) -> np.ndarray:
+        """Per trace code: whether every valid trace of its group has the same reward."""
+        lo = np.full(self.n_groups, np.inf)
+        hi = np.full(self.n_groups, -np.inf)
+        np.minimum.at(lo, self.group, self.reward)
+        np.maximum.at(hi, self.group, self.reward)
+        return (lo == hi)[self.group]
+
+
+def prefix_trie(
+    db: HandleOf, *, reward: str | None = None, group_by: str = "group_id", include_failed: bool = False
+) -> Trie | None:
+    """The prefix tries of every group (see the module notes); None when no valid trace has
+    a node. ``reward``, ``group_by`` and ``include_failed`` select rewards, groups and valid
+    traces as :func:`tracedb.credit.outcome.grpo` does; a trace without a group is its own
+    group."""
     db = handle_of(db)
     rewards = trace_rewards(db, reward=reward, group_by=group_by, include_failed=include_failed)
     valid = rewards.filter(pl.col("valid")).with_columns(
         pl.coalesce(pl.col("group"), pl.lit("trace:") + pl.col("trace_id")).alias("group")
     )
     if valid.height == 0:
-        return NODE_CREDIT.empty_table()
+        return None
     valid = valid.sort("trace_id")
     trace_codes = valid.with_row_index("trace_code").select("trace_id", "trace_code")
     group_code = valid.get_column("group").rank("dense").cast(pl.Int64).to_numpy() - 1
@@ -74,51 +118,73 @@ def tree(
             "ORDER BY n.row"
         ).to_arrow_table()
     if nodes.num_rows == 0:
-        return NODE_CREDIT.empty_table()
+        return None
 
     trace_code = nodes.column("trace_code").to_numpy().astype(np.int64)
     segment = nodes.column("segment_code").to_numpy().astype(np.int64)
     parent = nodes.column("parent_row").to_numpy().astype(np.int64)
     n_groups = int(group_code.max()) + 1
-
     trie, trie_parent = _intern(parent, segment, group_code[trace_code], n_groups)
+    return Trie(
+        trace_id=nodes.column("trace_id").combine_chunks().cast(pa.string()),
+        node_index=nodes.column("node_index").combine_chunks().cast(pa.int32()),
+        n_sampled=nodes.column("n_sampled").to_numpy().astype(np.int64),
+        trace=trace_code,
+        trie=trie,
+        parent=trie_parent,
+        group=group_code,
+        reward=reward_arr,
+        n_groups=n_groups,
+    )
 
-    # Distinct (trie node, trace) pairs: a trace counts once under each trie node.
-    n_trie = len(trie_parent)
-    n_traces = len(reward_arr)
-    pairs = np.unique(trie * n_traces + trace_code)
-    pair_trie, pair_trace = pairs // n_traces, pairs % n_traces
-    count = np.bincount(pair_trie, minlength=n_trie).astype(np.float64)
-    total = np.bincount(pair_trie, weights=reward_arr[pair_trace], minlength=n_trie)
-    # The virtual roots (ids 0 .. n_groups-1): every valid trace of the group.
-    count[:n_groups] = np.bincount(group_code, minlength=n_groups)
-    total[:n_groups] = np.bincount(group_code, weights=reward_arr, minlength=n_groups)
+
+def node_credit(trie: Trie, value: np.ndarray) -> pa.Table:
+    """``NODE_CREDIT`` from one value per node row: every node with sampled tokens, its value
+    broadcast over them."""
+    keep = trie.n_sampled > 0
+    sizes = trie.n_sampled[keep]
+    offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    if offsets[-1] >= 2**31:
+        raise ValueError("more than 2**31 sampled tokens in one credit table: run on fewer traces")
+    flat = np.repeat(np.asarray(value, np.float64)[keep].astype(np.float32), sizes)
+    values = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(flat, pa.float32()))
+    mask = pa.array(keep)
+    return pa.table(
+        {"trace_id": trie.trace_id.filter(mask), "node_index": trie.node_index.filter(mask), "values": values},
+        schema=NODE_CREDIT,
+    )
+
+
+def tree(
+    db: HandleOf,
+    *,
+    reward: str | None = None,
+    group_by: str = "group_id",
+    include_failed: bool = False,
+) -> pa.Table:
+    """Prefix-tree credit per node: ``trace_id, node_index, values`` (one value per
+    sampled token, all equal to the node's trie-node advantage).
+
+    ``reward``, ``group_by`` and ``include_failed`` select rewards, groups and valid
+    traces as in :func:`tracedb.credit.outcome.grpo`; a trace without a group is its own
+    group (and so gets zeros). A group whose rewards are all equal gets zeros.
+    """
+    trie = prefix_trie(db, reward=reward, group_by=group_by, include_failed=include_failed)
+    if trie is None:
+        return NODE_CREDIT.empty_table()
+    # Means over distinct (trie node, trace) pairs: a trace counts once under each trie node.
+    pair_trie, pair_trace = trie.members()
+    count = np.bincount(pair_trie, minlength=trie.n_trie).astype(np.float64)
+    total = np.bincount(pair_trie, weights=trie.reward[pair_trace], minlength=trie.n_trie)
     value = total / np.maximum(count, 1.0)
 
     # Every node row of a trie node is in one group: its chain starts at that group's root.
-    root_of = np.arange(n_trie)
-    root_of[trie] = group_code[trace_code]
-    v_root = value[root_of]
-    v_parent = value[trie_parent]
+    v_root = value[trie.root_of()]
+    v_parent = value[trie.parent]
     advantage = ((value - v_root) + (value - v_parent)) / np.sqrt(np.maximum(count, 1.0))
-    advantage[:n_groups] = 0.0
-
-    n_sampled = nodes.column("n_sampled").to_numpy().astype(np.int64)
-    keep = n_sampled > 0
-    node_adv = advantage[trie][keep].astype(np.float32)
-    sizes = n_sampled[keep]
-    offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
-    np.cumsum(sizes, out=offsets[1:])
-    values = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(np.repeat(node_adv, sizes)))
-    mask = pa.array(keep)
-    return pa.table(
-        {
-            "trace_id": nodes.column("trace_id").filter(mask).cast(pa.string()),
-            "node_index": nodes.column("node_index").filter(mask).cast(pa.int32()),
-            "values": values,
-        },
-        schema=NODE_CREDIT,
-    )
+    advantage[: trie.n_groups] = 0.0
+    return node_credit(trie, advantage[trie.trie])
 
 
 def _depths(parent: np.ndarray) -> np.ndarray:
