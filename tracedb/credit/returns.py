@@ -150,14 +150,25 @@ def reverse_scan(x: np.ndarray, end: np.ndarray, c: float) -> np.ndarray:
     return y
 
 
-def _field(name: str | None, columns: set[str], key: str, params: dict[str, object]) -> str:
-    """SQL reading node field ``name`` as DOUBLE (0.0 when absent) from ``n`` (a nodes row)."""
+def node_field(name: str | None, columns: set[str], key: str, params: dict[str, object]) -> str:
+    """SQL reading node field ``name`` as DOUBLE (0.0 when absent) from ``n`` (a nodes row):
+    the ``nodes`` column of that name, else that key of ``nodes.extra``; a null or
+    non-numeric value reads 0.0. ``key`` names the bound parameter it adds to ``params``."""
     if name is None:
         return "0.0::DOUBLE"
     if name in columns:
         return f"coalesce(TRY_CAST(n.{quote_identifier(name)} AS DOUBLE), 0.0)"
     params[key] = name
     return f"coalesce(TRY_CAST(json_extract_string(n.extra, '$.' || to_json(${key}::VARCHAR)) AS DOUBLE), 0.0)"
+
+
+def field_exists(db: Handle, name: str) -> bool:
+    """Whether ``name`` is a ``nodes`` column or a key some node's ``extra`` holds (a
+    parameter naming a field no node has is a typo, not a field that reads 0.0)."""
+    if name in set(db.columns("nodes")):
+        return True
+    query = "SELECT EXISTS (SELECT 1 FROM nodes WHERE json_exists(extra, '$.' || to_json(?::VARCHAR)))"
+    return bool(db.scalar(query, [name]))
 
 
 def branch_turns(
@@ -190,9 +201,9 @@ def branch_turns(
         return None
     columns = set(db.columns("nodes"))
     params: dict[str, object] = {"limits": list(LIMITS)}
-    r_sql = _field(reward_field, columns, "reward_field", params)
-    v_sql = _field(value_field, columns, "value_field", params)
-    b_sql = _field(bootstrap_field, columns, "bootstrap_field", params) if bootstrap_field else v_sql
+    r_sql = node_field(reward_field, columns, "reward_field", params)
+    v_sql = node_field(value_field, columns, "value_field", params)
+    b_sql = node_field(bootstrap_field, columns, "bootstrap_field", params) if bootstrap_field else v_sql
     with db.registered(_TRACES, traces.to_arrow()):
         table = _turn_table(db, r_sql, v_sql, b_sql, params)
     if table.num_rows == 0:
