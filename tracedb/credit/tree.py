@@ -31,7 +31,7 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from tracedb.credit.layouts import NODE_CREDIT
+from tracedb.credit.layouts import NODE_CREDIT, broadcast
 from tracedb.credit.outcome import trace_rewards
 from tracedb.handle import HandleOf, handle_of
 
@@ -142,18 +142,8 @@ def node_credit(trie: Trie, value: np.ndarray) -> pa.Table:
     """``NODE_CREDIT`` from one value per node row: every node with sampled tokens, its value
     broadcast over them."""
     keep = trie.n_sampled > 0
-    sizes = trie.n_sampled[keep]
-    offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
-    np.cumsum(sizes, out=offsets[1:])
-    if offsets[-1] >= 2**31:
-        raise ValueError("more than 2**31 sampled tokens in one credit table: run on fewer traces")
-    flat = np.repeat(np.asarray(value, np.float64)[keep].astype(np.float32), sizes)
-    values = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(flat, pa.float32()))
     mask = pa.array(keep)
-    return pa.table(
-        {"trace_id": trie.trace_id.filter(mask), "node_index": trie.node_index.filter(mask), "values": values},
-        schema=NODE_CREDIT,
-    )
+    return broadcast(trie.trace_id.filter(mask), trie.node_index.filter(mask), trie.n_sampled[keep], value[keep])
 
 
 def tree(
