@@ -1,4 +1,5 @@
-"""The web viewer: server-rendered pages, a little JS for the heat strips, no CDN."""
+"""The web viewer: server-rendered pages, a little JS for the heat strips and the run
+page's plots (drawn by the page itself), no CDN."""
 
 from __future__ import annotations
 
@@ -8,13 +9,13 @@ from importlib import resources
 from typing import Annotated, Any, Literal
 from urllib.parse import urlencode
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import HTMLResponse
 from fastapi.templating import Jinja2Templates
 
-from .. import queries
+from .. import queries, runs
 from ..deps import CreditQuery, Reader, credit_of
-from ..errors import dumps, invalid, responses
+from ..errors import JSONBody, dumps, invalid, responses
 from .traces import TraceId
 
 router = APIRouter(tags=["viewer"], default_response_class=HTMLResponse)
@@ -147,7 +148,7 @@ def view(
         data.append(item)
         node["view"] = _message(node.pop("message", None))
         node["branches"] = on_branch.get(node["node_index"], [])
-    payload = dumps({"trace_id": trace_id, "credit": label, "color": color, "nodes": data})
+    payload = {"trace_id": trace_id, "credit": label, "color": color, "nodes": data}
     return templates.TemplateResponse(
         request,
         "view.html",
@@ -159,6 +160,94 @@ def view(
             "branches": branches,
             "nodes": nodes,
             "tokenizer": tokenizer is not None,
-            "payload": payload.decode().replace("</", "<\\/"),
+            "payload": _embed(payload),
+        },
+    )
+
+
+def _embed(content: Any) -> str:
+    """JSON for a ``<script type="application/json">`` block (it cannot close the tag)."""
+    return dumps(content).decode().replace("</", "<\\/")
+
+
+# --------------------------------------------------------------------------- live runs
+
+By = Annotated[
+    str,
+    Query(
+        max_length=200,
+        description="The x axis: seq (ingest sequence), tag:NAME (a numeric ingest tag, e.g. tag:step) "
+        "or auto (tag:step when traces have it, else seq).",
+    ),
+]
+Bins = Annotated[int, Query(ge=1, le=runs.MAX_BINS, description="Bins over the x axis, at most.")]
+
+
+@router.get("/run", responses={**_HTML, **responses(422, html=True)})
+def run_page(
+    request: Request,
+    db: Reader,
+    by: By = "auto",
+    bins: Bins = 100,
+    refresh: Annotated[float, Query(ge=0.25, le=600, description="Seconds between polls.")] = 2.0,
+) -> Any:
+    """The run as it is ingested: reward, its distribution, zero-variance groups, tokens and
+    the sampled share over the ingest sequence or a tag, the rejects; redrawn as traces arrive."""
+    runs.resolve_axis(by, runs.axes(db, db.watermark()))  # a bad axis is a 422 here, not a blank page
+    config = {"by": by, "bins": bins, "max_bins": runs.MAX_BINS, "refresh_s": refresh}
+    return templates.TemplateResponse(request, "run.html", {"config": _embed(config), **config})
+
+
+@router.get("/api/run", response_class=JSONBody, responses=responses(422), tags=["runs"])
+def run_json(
+    db: Reader,
+    by: By = "auto",
+    bins: Bins = 100,
+    after: Annotated[
+        int | None,
+        Query(
+            ge=0,
+            description="The watermark of your last answer: if nothing arrived since, only the "
+            "watermark and the rejects come back (changed false).",
+        ),
+    ] = None,
+    recent: Annotated[
+        int, Query(ge=0, le=10_000_000, description="The reward histogram's window: the latest traces (0: all).")
+    ] = 1000,
+    hist_bins: Annotated[int, Query(ge=1, le=runs.MAX_HIST_BINS, description="Bins of the reward histogram.")] = 20,
+) -> Any:
+    """The run page's data, aggregated in the database as of one watermark: headline numbers,
+    per-bin reward (mean, std, p10, p90), zero-variance groups, tokens, sampled share, the
+    reward histogram, the rejects and the latest groups."""
+    return JSONBody(runs.run_data(db, by=by, bins=bins, after=after, recent=recent, hist_bins=hist_bins))
+
+
+@router.get("/view/group/{group_id}", responses={**_HTML, **responses(404, 422, html=True)})
+def group_page(
+    request: Request,
+    db: Reader,
+    group_id: Annotated[str, Path(max_length=500)],
+    credit: CreditQuery = None,
+    color: Annotated[Literal["advantage", "logprob"], Query(description="Colour the strips by this.")] = "advantage",
+) -> Any:
+    """A group's members side by side: reward, credit status per credit set, a heat strip
+    of each member's branches."""
+    name, label = credit_of(db, credit)
+    group = runs.group_page(db, group_id, name)
+    strips = group.pop("strips")
+    tokenizer = request.app.state.backend.tokenizer
+    if tokenizer is not None:
+        for strip in strips:
+            strip["pieces"] = _pieces(tokenizer, strip["token_ids"])
+    payload = {"group_id": group_id, "credit": label, "color": color, "nodes": strips}
+    return templates.TemplateResponse(
+        request,
+        "group.html",
+        {
+            "group": group,
+            "credit": label,
+            "color": color,
+            "tokenizer": tokenizer is not None,
+            "payload": _embed(payload),
         },
     )

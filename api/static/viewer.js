@@ -1,5 +1,7 @@
 // tracedb trace viewer: builds one heat-strip cell per token and colours it by
 // advantage (diverging, null hatched, unsampled grey) or logprob (sequential).
+// The trace page (#trace-data: one strip per node) and the group page (#group-data:
+// one strip per branch of each member, a window of it from `offset`) share it.
 "use strict";
 
 const WHITE = [255, 255, 255];
@@ -81,7 +83,7 @@ function paint(data, mode) {
       }
       cell.dataset.value = sampled && values ? String(values[i]) : sampled ? "null" : "off";
       const piece = node.pieces ? ` ${JSON.stringify(node.pieces[i])}` : "";
-      cell.title = `token ${i} · id ${node.token_ids[i]}${piece} · ${label}`;
+      cell.title = `token ${i + (node.offset || 0)} · id ${node.token_ids[i]}${piece} · ${label}`;
     }
   }
   const legend = document.getElementById("legend");
@@ -126,7 +128,7 @@ function showBranch(value) {
   }
 }
 
-function main() {
+function traceMain() {
   const data = JSON.parse(document.getElementById("trace-data").textContent);
   const color = document.getElementById("color");
   const credit = document.getElementById("credit");
@@ -142,6 +144,27 @@ function main() {
   color.addEventListener("change", () => { paint(data, color.value); sync(); });
   credit.addEventListener("change", () => switchCredit(data, credit.value, color.value).then(sync));
   branch.addEventListener("change", () => showBranch(branch.value));
+  const wanted = new URL(window.location).searchParams.get("branch");  // links from the group page
+  if (wanted !== null && Array.from(branch.options).some((o) => o.value === wanted)) {
+    branch.value = wanted;
+    showBranch(wanted);
+  }
 }
 
-main();
+function groupMain() {
+  const data = JSON.parse(document.getElementById("group-data").textContent);
+  const color = document.getElementById("color");
+  const credit = document.getElementById("credit");
+  build(data);
+  paint(data, color.value);
+  color.addEventListener("change", () => {
+    paint(data, color.value);
+    const url = new URL(window.location);
+    url.searchParams.set("color", color.value);
+    history.replaceState(null, "", url);
+  });
+  credit.addEventListener("change", () => credit.form.submit());  // another set: other strips, other statuses
+}
+
+if (document.getElementById("trace-data")) traceMain();
+else if (document.getElementById("group-data")) groupMain();

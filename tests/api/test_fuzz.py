@@ -37,6 +37,9 @@ OPERATIONS = [
     ("POST", "/sql"),
     ("GET", "/"),
     ("GET", "/view/{trace_id}"),
+    ("GET", "/run"),
+    ("GET", "/api/run"),
+    ("GET", "/view/group/{group_id}"),
 ]
 NO_INPUT = {("GET", "/health"), ("GET", "/credit-sets")}  # nothing to make invalid
 

@@ -1,0 +1,393 @@
+"""Reads behind the run page and the group page: a live run's aggregates, a group's members.
+
+Everything the run page plots is aggregated in SQL into at most ``MAX_BINS`` bins, so a
+poll costs a few scans of the ``traces`` table (no per-trace rows leave DuckDB) however
+large the run. Every aggregate of one answer is read as of one watermark (``seq <=
+W``): a trace committed while the answer is built waits for the next poll instead of
+showing up in some plots and not others. Values are bound parameters; the only SQL put
+together here is chosen from fixed fragments.
+
+A group is *zero-variance* when it has scored members and all of them hold the same
+reward (a group with one scored member included): a group-relative advantage (reward
+minus the group's mean) is then zero on every member, so the group carries no gradient.
+Members without a reward (None) are left out of that test, as a trainer drops them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from tracedb.database import Database
+
+from . import queries
+from .errors import invalid
+
+MAX_BINS = 500
+"""The most bins a plot gets, whatever the size of the run."""
+MAX_HIST_BINS = 100
+"""The most bins of the reward histogram."""
+AXIS_TAGS = 20
+"""The most tag names offered as x axes."""
+REJECTS_RECENT_S = 300
+"""What counts as a recent reject: rejected in the last five minutes."""
+RECENT_GROUPS = 10
+"""Groups listed on the run page: the latest to have a member arrive."""
+STRIP_TOKENS = (128, 2000)
+"""Bounds on one branch's strip on the group page, in tokens."""
+STRIP_BUDGET = 100_000
+"""Tokens of strips one group page holds at most (beyond ``STRIP_TOKENS[0]`` per strip)."""
+CREDIT_COLUMNS = 12
+"""The most credit sets whose status the group page shows per member."""
+
+
+# --------------------------------------------------------------------------- axes
+
+
+def axes(db: Database, through: int) -> list[str]:
+    """The x axes on offer: ``seq`` and ``tag:NAME`` for each tag some trace holds a number in
+    (the ``AXIS_TAGS`` most common)."""
+    rows = db.sql(
+        "SELECT g.name FROM trace_tags g JOIN traces t USING (trace_id) "
+        "WHERE g.number IS NOT NULL AND t.seq <= ? GROUP BY g.name ORDER BY count(*) DESC, g.name LIMIT ?",
+        [through, AXIS_TAGS],
+    ).to_pylist()
+    return ["seq", *(f"tag:{r['name']}" for r in rows)]
+
+
+def resolve_axis(by: str, offered: list[str]) -> str:
+    """``auto`` is the ``step`` tag when traces hold one, else ``seq``; a named tag must be
+    one some trace holds a number in (else 422 naming ``by``)."""
+    if by == "auto":
+        return "tag:step" if "tag:step" in offered else "seq"
+    if by in offered:
+        return by
+    if by.startswith("tag:"):
+        tags = ", ".join(a[4:] for a in offered[1:]) or "none"
+        raise invalid(f"by: no trace has a numeric tag {by[4:]!r} (numeric tags: {tags})")
+    raise invalid(f"by: expected auto, seq or tag:NAME, got {by!r}")
+
+
+# --------------------------------------------------------------------------- the run page
+
+
+def run_data(
+    db: Database,
+    *,
+    by: str = "auto",
+    bins: int = 100,
+    recent: int = 1000,
+    hist_bins: int = 20,
+    after: int | None = None,
+) -> dict[str, Any]:
+    """The run page's aggregates as of the current watermark ``W``.
+
+    ``after`` is the watermark of the caller's last answer: when nothing arrived since,
+    only the watermark and the rejects come back (``changed`` false; rejects carry no
+    sequence number, so they are always read). Otherwise: the headline numbers
+    (``summary``), per-bin series over the x axis ``by`` (``seq``: bins of equal width
+    over 1..W; ``tag:NAME``: one bin per distinct value when there are at most ``bins``
+    of them, else ``bins`` equal-width ranges; traces without the tag are counted in
+    ``axis.untagged``), the reward histogram of the latest ``recent`` traces (0: all) in
+    ``hist_bins`` equal-width bins, and the latest groups. A group is counted in the bin
+    of its newest member's x.
+    """
+    if not 1 <= bins <= MAX_BINS:
+        raise invalid(f"bins: expected 1 to {MAX_BINS}, got {bins}")
+    if not 1 <= hist_bins <= MAX_HIST_BINS:
+        raise invalid(f"hist_bins: expected 1 to {MAX_HIST_BINS}, got {hist_bins}")
+    if recent < 0:
+        raise invalid(f"recent: expected 0 (all) or a count of traces, got {recent}")
+    through = db.watermark()
+    state = {"watermark": through, "rejects": rejects(db)}
+    if after is not None and after == through:
+        return {**state, "changed": False}
+    offered = axes(db, through)
+    axis = resolve_axis(by, offered)
+    series, layout = _bins(db, axis, bins, through)
+    return {
+        **state,
+        "changed": True,
+        "summary": summary(db, through),
+        "axes": offered,
+        "axis": {"by": axis, "requested": by, "bins": bins, **layout},
+        "bins": series,
+        "histogram": histogram(db, through, recent, hist_bins),
+        "recent_groups": recent_groups(db, through),
+    }
+
+
+def rejects(db: Database) -> dict[str, Any]:
+    """How many lines were rejected, how many in the last ``REJECTS_RECENT_S`` seconds,
+    and the latest one's reason and place."""
+    row = db.sql(
+        "SELECT count(*) AS total, "
+        "  count(*) FILTER (WHERE rejected_at > current_timestamp::TIMESTAMP - to_seconds(?)) AS recent, "
+        "  max(rejected_at) AS last_at, arg_max(reason, rejected_at) AS last_reason, "
+        "  arg_max(source, rejected_at) AS last_source, arg_max(line, rejected_at) AS last_line "
+        "FROM rejects",
+        [REJECTS_RECENT_S],
+    ).to_pylist()[0]
+    row["recent_window_s"] = REJECTS_RECENT_S
+    row["last_at"] = _iso(row["last_at"])
+    return row
+
+
+def summary(db: Database, through: int) -> dict[str, Any]:
+    """The headline numbers of the traces up to ``through``."""
+    row = db.sql(
+        "SELECT count(*) AS traces, count(DISTINCT group_id) AS groups, count(reward) AS scored, "
+        "  count(*) - count(reward) AS unscored, avg(reward) AS reward_mean, stddev_pop(reward) AS reward_std, "
+        "  coalesce(sum(n_tokens), 0)::BIGINT AS tokens, coalesce(sum(n_sampled), 0)::BIGINT AS sampled, "
+        "  max(ingested_at) AS last_arrival, "
+        "  date_diff('millisecond', max(ingested_at), current_timestamp::TIMESTAMP) / 1000.0 AS age_s "
+        "FROM traces WHERE seq <= ?",
+        [through],
+    ).to_pylist()[0]
+    row["last_arrival"] = _iso(row["last_arrival"])
+    groups = db.sql(
+        "SELECT count(*) FILTER (WHERE scored >= 1) AS eligible, "
+        "  count(*) FILTER (WHERE scored >= 1 AND lo = hi) AS zero_variance "
+        "FROM (SELECT group_id, count(reward) AS scored, min(reward) AS lo, max(reward) AS hi "
+        "      FROM traces WHERE seq <= ? AND group_id IS NOT NULL GROUP BY group_id)",
+        [through],
+    ).to_pylist()[0]
+    row["groups_scored"] = groups["eligible"]
+    row["groups_zero_variance"] = groups["zero_variance"]
+    row["zero_variance_share"] = _share(groups["zero_variance"], groups["eligible"])
+    row["sampled_share"] = _share(row["sampled"], row["tokens"])
+    return row
+
+
+# The traces of the run with their x value; one of these, by axis kind.
+_X_SEQ = "SELECT group_id, reward, n_tokens, n_sampled, seq AS x FROM traces WHERE seq <= $through"
+_X_TAG = (
+    "SELECT t.group_id, t.reward, t.n_tokens, t.n_sampled, g.number AS x FROM traces t "
+    "JOIN trace_tags g ON g.trace_id = t.trace_id AND g.name = $tag AND g.number IS NOT NULL "
+    "WHERE t.seq <= $through"
+)
+# A row's bin from its x; one of these, by layout. Also applied to a group's x (its newest member's).
+_KEY_WIDTH = "CAST((x - 1) // $width AS BIGINT)"  # seq: bins of $width sequence numbers
+_KEY_VALUE = "x"  # a tag with few values: one bin each
+_KEY_RANGE = "least(CAST(floor((x - $lo) / $width) AS BIGINT), $last)"  # a tag's range in equal parts
+
+_BINS = """
+WITH t AS ({rows}),
+b AS (
+    SELECT {key} AS bin, count(*) AS traces, count(reward) AS scored, avg(reward) AS mean,
+           stddev_pop(reward) AS std, min(reward) AS min, max(reward) AS max,
+           quantile_cont(reward, 0.1) AS p10, quantile_cont(reward, 0.9) AS p90,
+           sum(n_tokens)::BIGINT AS tokens, sum(n_sampled)::BIGINT AS sampled,
+           min(x) AS x_min, max(x) AS x_max
+    FROM t GROUP BY 1
+),
+g AS (
+    SELECT group_id, max(x) AS x, count(reward) AS scored, min(reward) AS lo, max(reward) AS hi
+    FROM t WHERE group_id IS NOT NULL GROUP BY group_id
+),
+gb AS (
+    SELECT {key} AS bin, count(*) AS groups, count(*) FILTER (WHERE scored >= 1) AS groups_scored,
+           count(*) FILTER (WHERE scored = 1) AS groups_single,
+           count(*) FILTER (WHERE scored >= 1 AND lo = hi) AS zero_variance
+    FROM g GROUP BY 1
+)
+SELECT b.*, coalesce(gb.groups, 0) AS groups, coalesce(gb.groups_scored, 0) AS groups_scored,
+       coalesce(gb.groups_single, 0) AS groups_single, coalesce(gb.zero_variance, 0) AS zero_variance
+FROM b LEFT JOIN gb USING (bin) ORDER BY bin
+"""
+
+
+def _bins(db: Database, axis: str, bins: int, through: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Per-bin rows over ``axis`` and how the axis was cut (``layout``: width, values or range)."""
+    params: dict[str, Any] = {"through": through}
+    if axis == "seq":
+        rows = _X_SEQ
+        width = max(1, math.ceil(through / bins))
+        key, layout = _KEY_WIDTH, {"layout": "width", "width": width, "through": through, "untagged": 0}
+        params["width"] = width
+    else:
+        rows = _X_TAG
+        params["tag"] = axis[4:]
+        stats = db.sql(
+            f"SELECT count(DISTINCT x) AS n, min(x) AS lo, max(x) AS hi, count(*) AS tagged FROM ({rows})", params
+        ).to_pylist()[0]
+        untagged = db.handle.scalar("SELECT count(*) FROM traces WHERE seq <= ?", [through]) - stats["tagged"]
+        if stats["n"] <= bins:
+            key, layout = _KEY_VALUE, {"layout": "values", "untagged": untagged}
+        else:
+            width = (stats["hi"] - stats["lo"]) / bins
+            key, layout = _KEY_RANGE, {"layout": "range", "width": width, "lo": stats["lo"], "untagged": untagged}
+            params.update(lo=stats["lo"], width=width, last=bins - 1)
+    out = db.sql(_BINS.format(rows=rows, key=key), params).to_pylist()
+    for row in out:
+        _edges(row, layout)
+        row["tokens_mean"] = row["tokens"] / row["traces"]
+        row["sampled_share"] = _share(row["sampled"], row["tokens"])
+        row["zero_variance_share"] = _share(row["zero_variance"], row["groups_scored"])
+    return out, layout
+
+
+def _edges(row: dict[str, Any], layout: dict[str, Any]) -> None:
+    """A bin's nominal edges ``lo``..``hi`` and where it is plotted (``x``: its middle)."""
+    key = row.pop("bin")
+    if layout["layout"] == "width":
+        lo, hi = key * layout["width"] + 1, min((key + 1) * layout["width"], layout["through"])
+    elif layout["layout"] == "values":
+        lo = hi = key
+    else:
+        lo = layout["lo"] + key * layout["width"]
+        hi = lo + layout["width"]
+    row.update(lo=lo, hi=hi, x=(lo + hi) / 2)
+
+
+def histogram(db: Database, through: int, recent: int, bins: int) -> dict[str, Any]:
+    """The scored rewards of the latest ``recent`` traces (0: all) in ``bins`` equal-width
+    bins over their range (one bin when they are all equal); the last bin holds its top edge."""
+    window = "SELECT reward FROM traces WHERE seq <= $through ORDER BY seq DESC LIMIT $recent"
+    params = {"through": through, "recent": recent or None}
+    stats = db.sql(
+        f"SELECT count(*) AS traces, count(reward) AS scored, min(reward) AS lo, max(reward) AS hi FROM ({window})",
+        params,
+    ).to_pylist()[0]
+    out = {"recent": recent, **stats, "bins": []}
+    if not stats["scored"]:
+        return out
+    lo, hi = stats["lo"], stats["hi"]
+    n = bins if hi > lo else 1
+    counts = dict(
+        db.con.execute(
+            f"SELECT least(CAST(floor((reward - $lo) / $span * $n) AS BIGINT), $n - 1) AS bin, count(*) "
+            f"FROM ({window}) WHERE reward IS NOT NULL GROUP BY 1",
+            {**params, "lo": lo, "span": (hi - lo) or 1.0, "n": n},
+        ).fetchall()
+    )
+    step = (hi - lo) / n
+    out["bins"] = [
+        {"lo": lo + i * step, "hi": hi if i == n - 1 else lo + (i + 1) * step, "count": counts.get(i, 0)}
+        for i in range(n)
+    ]
+    return out
+
+
+def recent_groups(db: Database, through: int) -> list[dict[str, Any]]:
+    """The ``RECENT_GROUPS`` groups whose newest member arrived last, with their reward spread."""
+    return db.sql(
+        "SELECT group_id, count(*) AS traces, count(reward) AS scored, avg(reward) AS mean, "
+        "  stddev_pop(reward) AS std, min(reward) AS min, max(reward) AS max, "
+        "  count(reward) >= 1 AND min(reward) = max(reward) AS zero_variance, max(seq) AS last_seq "
+        "FROM traces WHERE seq <= ? AND group_id IS NOT NULL GROUP BY group_id ORDER BY last_seq DESC LIMIT ?",
+        [through, RECENT_GROUPS],
+    ).to_pylist()
+
+
+# --------------------------------------------------------------------------- the group page
+
+
+def group_page(db: Database, group_id: str, credit: str | None) -> dict[str, Any]:
+    """A group as ``GET /groups/{id}`` has it, its members by reward (highest first,
+    unscored last), each member's credit status in every credit set (at most
+    ``CREDIT_COLUMNS``, ``credit`` first), and a heat strip per branch of each member.
+
+    Credit status, per member and set: ``unassigned`` (no node holds advantages: None),
+    ``zero`` (assigned, all zero), ``partial`` (some sampled nodes unassigned) or
+    ``assigned``. A strip is the branch's tokens in the ``credit`` set from its first
+    sampled token on, at most ``STRIP_BUDGET`` / strips tokens within ``STRIP_TOKENS``
+    (the page stays light however large the group); ``start``/``end`` say which.
+    """
+    group = queries.group(db, group_id, credit)
+    members = sorted(group["traces"], key=lambda m: (m["reward"] is None, -(m["reward"] or 0.0), m["trace_id"]))
+    sets = _credit_columns(db, credit)
+    statuses = {name: credit_statuses(db, group_id, name) for name in sets}
+    for member in members:
+        member["credit"] = {name: statuses[name].get(member["trace_id"], "unassigned") for name in sets}
+    table = db.branches(group=group_id, columns=["token_ids", "sampled_mask", "logprobs", "advantages"], credit=credit)
+    cap = max(STRIP_TOKENS[0], min(STRIP_TOKENS[1], STRIP_BUDGET // max(1, table.num_rows)))
+    rows: dict[str, list[int]] = {}
+    for i, trace_id in enumerate(table.column("trace_id").to_pylist()):
+        rows.setdefault(trace_id, []).append(i)  # by trace id, then branch index
+    strips: list[dict[str, Any]] = []
+    for member in members:
+        member["strips"] = []
+        for row in rows.get(member["trace_id"], []):
+            strip = _strip(table, row, cap)
+            member["strips"].append({"strip": len(strips), **{k: strip.pop(k) for k in _STRIP_META}})
+            strips.append(strip)
+    return {**group, "traces": members, "credit_sets": sets, "strips": strips, "strip_cap": cap}
+
+
+def _credit_columns(db: Database, credit: str | None) -> list[str]:
+    """The credit sets shown: the one asked for first, then the others by name."""
+    shown = credit or "default"
+    names = [r["name"] for r in queries.credit_sets(db)]
+    return [shown, *(n for n in names if n != shown)][:CREDIT_COLUMNS]
+
+
+def credit_statuses(db: Database, group_id: str, credit: str) -> dict[str, str]:
+    """Each member's credit status in one set (see :func:`group_page`)."""
+    rows = db.sql(
+        "SELECT t.trace_id, count(a.advantages) AS assigned, "
+        "  count(*) FILTER (WHERE a.n_sampled > 0) AS sampled, "
+        "  count(*) FILTER (WHERE a.n_sampled > 0 AND a.advantages IS NOT NULL) AS assigned_sampled, "
+        "  coalesce(sum(list_sum(list_transform(a.advantages, lambda v: abs(v)))), 0) AS mass "
+        "FROM traces t JOIN credit_advantages(?) a USING (trace_id) WHERE t.group_id = ? GROUP BY t.trace_id",
+        [None if credit == "default" else credit, group_id],
+    ).to_pylist()
+    return {r["trace_id"]: _credit_status(r) for r in rows}
+
+
+def _credit_status(row: dict[str, Any]) -> str:
+    if row["assigned"] == 0:
+        return "unassigned"
+    if row["mass"] == 0:
+        return "zero"
+    return "partial" if row["assigned_sampled"] < row["sampled"] else "assigned"
+
+
+_STRIP_META = ("branch_index", "trainable", "start", "end", "n_tokens", "n_sampled", "advantage_mean")
+
+
+def _strip(table: pa.Table, row: int, cap: int) -> dict[str, Any]:
+    """Row ``row`` of a branch view cut to at most ``cap`` tokens from its first sampled one."""
+    ids = table.column("token_ids")[row].values.to_numpy(zero_copy_only=False)
+    mask = table.column("sampled_mask")[row].values.to_numpy(zero_copy_only=False).astype(bool)
+    logprobs = _values(table.column("logprobs")[row])
+    advantages = _values(table.column("advantages")[row])
+    sampled = np.flatnonzero(mask)
+    start = int(sampled[0]) if len(sampled) else 0
+    end = min(len(ids), start + cap)
+    mean = None
+    if advantages is not None and len(sampled):
+        mean = float(np.mean(advantages[mask], dtype=np.float64))
+    cut = slice(start, end)
+    return {
+        "branch_index": table.column("branch_index")[row].as_py(),
+        "trainable": table.column("trainable")[row].as_py(),
+        "start": start,
+        "end": end,
+        "n_tokens": len(ids),
+        "n_sampled": len(sampled),
+        "advantage_mean": mean if mean is None or math.isfinite(mean) else None,
+        "offset": start,
+        "token_ids": ids[cut],
+        "sampled_mask": mask[cut],
+        "logprobs": None if logprobs is None else logprobs[cut],
+        "advantages": None if advantages is None else advantages[cut],
+    }
+
+
+def _values(cell: pa.Scalar) -> np.ndarray | None:
+    return cell.values.to_numpy(zero_copy_only=False) if cell.is_valid else None
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _share(part: int | None, whole: int | None) -> float | None:
+    return part / whole if whole else None
+
+
+def _iso(value: Any) -> str | None:
+    return None if value is None else value.isoformat()

@@ -1,0 +1,431 @@
+"""The run page and the group page, in process: ``/api/run``'s numbers against a plain
+Python computation from what the run was written with (tests/support/run_db.py: a
+zero-variance group, None rewards, tags as bins, a group across two steps), the pages'
+elements, the 4xx answers naming the parameter, and a run that goes on while read.
+The browser test (test_viewer_browser.py) checks what the pages draw."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+import tracedb
+from tracedb.api import create_app
+
+from support import REPO
+from support.run_db import Expected, build, write_late
+
+STATIC = REPO / "api" / "static"
+TEMPLATES = REPO / "api" / "templates"
+Run = tuple[Path, Expected, dict[str, int]]
+"""The database, what it was written with, each trace's seq."""
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """The run, with a rejected line and two credit sets: ``zeros`` (all zero on one member
+    of group-0) and ``some`` (one sampled node of another member); the seq of each trace."""
+    tmp = tmp_path_factory.mktemp("run")
+    path, expected = build(tmp)
+    with tracedb.connect(path) as db:
+        (tmp / "bad.jsonl").write_text('{"not": "an episode"}\n')
+        db.ingest(tmp / "bad.jsonl")
+        seqs = {r["trace_id"]: r["seq"] for r in db.traces().to_pylist()}
+        members = sorted(t for t, g in expected.group.items() if g == "group-0")
+        db.create_credit_set("zeros")
+        db.create_credit_set("some")
+        nodes = db.sql(
+            "SELECT trace_id, node_index, n_sampled FROM nodes WHERE trace_id IN (?, ?) AND n_sampled > 0 "
+            "ORDER BY trace_id, node_index",
+            members[:2],
+        ).to_pylist()
+        zeros = [
+            {"trace_id": n["trace_id"], "node_index": n["node_index"], "values": [0.0] * n["n_sampled"]}
+            for n in nodes
+            if n["trace_id"] == members[0]
+        ]
+        db.write_nodes(zeros, credit="zeros")
+        one = next(n for n in nodes if n["trace_id"] == members[1])
+        db.write_nodes(
+            [{"trace_id": one["trace_id"], "node_index": one["node_index"], "values": [0.5] * one["n_sampled"]}],
+            credit="some",
+        )
+    return path, expected, seqs
+
+
+@pytest.fixture(scope="module")
+def client(run: Run) -> Iterator[TestClient]:
+    with TestClient(create_app(run[0]), base_url="http://127.0.0.1") as c:
+        yield c
+
+
+def get_run(client: TestClient, **params: Any) -> dict[str, Any]:
+    response = client.get("/api/run", params=params)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+# --------------------------------------------------------------------------- the reference
+
+
+def reward_stats(rewards: list[float | None]) -> dict[str, Any]:
+    scored = np.array([r for r in rewards if r is not None], np.float64)
+    if not len(scored):
+        return {"scored": 0, "mean": None, "std": None, "min": None, "max": None, "p10": None, "p90": None}
+    return {
+        "scored": len(scored),
+        "mean": scored.mean(),
+        "std": scored.std(),
+        "min": scored.min(),
+        "max": scored.max(),
+        "p10": np.quantile(scored, 0.1),
+        "p90": np.quantile(scored, 0.9),
+    }
+
+
+def reference_bins(expected: Expected, x: dict[str, float], key: Any) -> dict[Any, dict[str, Any]]:
+    """Per bin key: the traces with an x, their reward stats and sizes, and their groups
+    (each in the bin of its newest member's x), by plain loops."""
+    out: dict[Any, dict[str, Any]] = {}
+    for tid, value in x.items():
+        b = out.setdefault(key(value), {"ids": [], "groups": set()})
+        b["ids"].append(tid)
+    members: dict[str, list[str]] = {}
+    for tid in x:
+        members.setdefault(expected.group[tid], []).append(tid)
+    for group, ids in members.items():
+        out.setdefault(key(max(x[t] for t in ids)), {"ids": [], "groups": set()})["groups"].add(group)
+    for b in out.values():
+        b.update(reward_stats([expected.reward[t] for t in b["ids"]]))
+        b["traces"] = len(b["ids"])
+        b["tokens"] = sum(expected.tokens[t] for t in b["ids"])
+        b["sampled"] = sum(expected.sampled[t] for t in b["ids"])
+        scored_groups = zero = single = 0
+        for g in b["groups"]:
+            rewards = [expected.reward[t] for t in members[g] if expected.reward[t] is not None]
+            if rewards:
+                scored_groups += 1
+                single += len(rewards) == 1
+                zero += len(set(rewards)) == 1
+        b.update(groups=len(b["groups"]), groups_scored=scored_groups, groups_single=single, zero_variance=zero)
+    return out
+
+
+def assert_bins(got: list[dict[str, Any]], want: dict[Any, dict[str, Any]], keys: list[Any]) -> None:
+    assert len(got) == len(keys)
+    for row, key in zip(got, keys, strict=True):
+        ref = want[key]
+        for name in ("traces", "scored", "tokens", "sampled", "groups", "groups_scored", "groups_single"):
+            assert row[name] == ref[name], (key, name, row[name], ref[name])
+        assert row["zero_variance"] == ref["zero_variance"], key
+        for name in ("mean", "std", "min", "max", "p10", "p90"):
+            assert (row[name] is None) == (ref[name] is None), (key, name)
+            if ref[name] is not None:
+                assert row[name] == pytest.approx(ref[name], abs=1e-12), (key, name)
+        assert row["tokens_mean"] == pytest.approx(ref["tokens"] / ref["traces"])
+        assert row["sampled_share"] == pytest.approx(ref["sampled"] / ref["tokens"])
+        share = ref["zero_variance"] / ref["groups_scored"] if ref["groups_scored"] else None
+        assert row["zero_variance_share"] == (None if share is None else pytest.approx(share))
+
+
+# --------------------------------------------------------------------------- /api/run
+
+
+def test_summary_matches_the_written_run(client: TestClient, run: Run) -> None:
+    _, expected, seqs = run
+    data = get_run(client)
+    assert data["changed"] is True and data["watermark"] == max(seqs.values()) == len(expected.reward)
+    s = data["summary"]
+    rewards = [r for r in expected.reward.values() if r is not None]
+    assert s["traces"] == len(expected.reward) and s["groups"] == 6
+    assert s["scored"] == len(rewards) and s["unscored"] == 5
+    assert s["reward_mean"] == pytest.approx(sum(rewards) / len(rewards))
+    assert s["reward_std"] == pytest.approx(float(np.std(rewards)))
+    assert s["tokens"] == sum(expected.tokens.values()) and s["sampled"] == sum(expected.sampled.values())
+    # zero variance: group-1 (all 1), group-2 (scored members all 0.5), group-5 (all 0); group-3 has no score
+    assert s["groups_scored"] == 5 and s["groups_zero_variance"] == 3
+    assert s["zero_variance_share"] == pytest.approx(3 / 5)
+    assert s["age_s"] >= 0 and s["last_arrival"]
+    assert data["rejects"]["total"] == 1 and data["rejects"]["recent"] == 1
+    assert data["rejects"]["last_source"].endswith("bad.jsonl") and data["rejects"]["last_reason"]
+
+
+@pytest.mark.parametrize("bins", [1, 3, 7, 100])
+def test_seq_bins(client: TestClient, run: Run, bins: int) -> None:
+    _, expected, seqs = run
+    data = get_run(client, by="seq", bins=bins)
+    width = math.ceil(len(seqs) / bins)
+    want = reference_bins(expected, {t: float(s) for t, s in seqs.items()}, lambda v: int(v - 1) // width)
+    keys = sorted(want)
+    assert len(keys) <= bins
+    assert data["axis"] == {
+        "by": "seq",
+        "requested": "seq",
+        "bins": bins,
+        "layout": "width",
+        "width": width,
+        "through": len(seqs),
+        "untagged": 0,
+    }
+    assert_bins(data["bins"], want, keys)
+    for row, key in zip(data["bins"], keys):
+        assert row["lo"] == key * width + 1 and row["hi"] == min((key + 1) * width, len(seqs))
+        ids = want[key]["ids"]
+        assert row["x_min"] == min(seqs[t] for t in ids) and row["x_max"] == max(seqs[t] for t in ids)
+
+
+def test_tag_bins_one_per_value(client: TestClient, run: Run) -> None:
+    _, expected, _ = run
+    data = get_run(client)  # auto: the step tag
+    assert data["axis"]["by"] == "tag:step" and data["axis"]["layout"] == "values"
+    assert data["axis"]["untagged"] == 4 and data["axes"] == ["seq", "tag:step"]
+    want = reference_bins(expected, expected.step, lambda v: v)
+    assert_bins(data["bins"], want, [0.0, 1.0, 2.0, 3.0])
+    assert [b["x"] for b in data["bins"]] == [0.0, 1.0, 2.0, 3.0]
+    # group-4 arrived at steps 2 and 3: counted once, at 3; its step-2 traces still count at 2
+    assert [b["groups"] for b in data["bins"]] == [2, 2, 0, 1]
+    assert [b["traces"] for b in data["bins"]] == [8, 8, 2, 2]
+
+
+def test_tag_bins_in_ranges(client: TestClient, run: Run) -> None:
+    _, expected, _ = run
+    data = get_run(client, by="tag:step", bins=2)  # 4 values in 2 ranges of 1.5
+    assert data["axis"]["layout"] == "range" and data["axis"]["width"] == 1.5 and data["axis"]["lo"] == 0.0
+    want = reference_bins(expected, expected.step, lambda v: min(int(v // 1.5), 1))
+    assert_bins(data["bins"], want, [0, 1])
+    assert [(b["lo"], b["hi"]) for b in data["bins"]] == [(0.0, 1.5), (1.5, 3.0)]
+
+
+@pytest.mark.parametrize(("recent", "hist_bins"), [(0, 4), (0, 1), (6, 3), (4, 5)])
+def test_histogram(client: TestClient, run: Run, recent: int, hist_bins: int) -> None:
+    _, expected, seqs = run
+    latest = sorted(seqs, key=seqs.get, reverse=True)[: recent or None]
+    rewards = [expected.reward[t] for t in latest if expected.reward[t] is not None]
+    h = get_run(client, recent=recent, hist_bins=hist_bins)["histogram"]
+    assert h["traces"] == len(latest) and h["scored"] == len(rewards)
+    lo, hi = min(rewards), max(rewards)
+    n = hist_bins if hi > lo else 1
+    counts = [0] * n
+    for r in rewards:
+        counts[min(int((r - lo) / (hi - lo) * n), n - 1) if hi > lo else 0] += 1
+    assert [b["count"] for b in h["bins"]] == counts and sum(counts) == len(rewards)
+    assert h["bins"][0]["lo"] == lo and h["bins"][-1]["hi"] == hi
+    for a, b in zip(h["bins"], h["bins"][1:]):
+        assert a["hi"] == pytest.approx(b["lo"])
+
+
+def test_histogram_of_unscored_traces_is_empty(client: TestClient, run: Run) -> None:
+    _, expected, seqs = run
+    with client.app.state.backend.reader() as db:
+        h = runs_module().histogram(db, min(seqs[t] for t, g in expected.group.items() if g == "group-3") - 1, 0, 5)
+    assert h["bins"] and h["scored"] > 0  # before group-3: scored traces
+    with tracedb.connect(":memory:") as empty:
+        h = runs_module().histogram(empty, 0, 0, 5)
+        assert h == {"recent": 0, "traces": 0, "scored": 0, "lo": None, "hi": None, "bins": []}
+        assert runs_module().run_data(empty)["bins"] == []
+
+
+def runs_module() -> Any:
+    from tracedb.api import runs
+
+    return runs
+
+
+def test_recent_groups(client: TestClient, run: Run) -> None:
+    _, expected, seqs = run
+    groups = get_run(client)["recent_groups"]
+    last = {}
+    for tid, g in expected.group.items():
+        last[g] = max(last.get(g, 0), seqs[tid])
+    assert [g["group_id"] for g in groups] == sorted(last, key=last.get, reverse=True)
+    for g in groups:
+        rewards = [expected.reward[t] for t, gg in expected.group.items() if gg == g["group_id"]]
+        ref = reward_stats(rewards)
+        assert g["traces"] == 4 and g["scored"] == ref["scored"] and g["last_seq"] == last[g["group_id"]]
+        assert g["zero_variance"] == (ref["scored"] > 0 and ref["min"] == ref["max"])
+        assert g["mean"] == (None if ref["mean"] is None else pytest.approx(ref["mean"]))
+
+
+def test_after_the_watermark_answers_only_what_is_cheap(client: TestClient) -> None:
+    w = get_run(client)["watermark"]
+    same = get_run(client, after=w)
+    assert same["changed"] is False and same["watermark"] == w and "bins" not in same and same["rejects"]["total"] == 1
+    assert get_run(client, after=w - 1)["changed"] is True
+
+
+def test_the_run_goes_on(tmp_path: Path) -> None:
+    path, expected = build(tmp_path)
+    with TestClient(create_app(path, token="t"), base_url="http://127.0.0.1") as c:
+        first = get_run(c, by="tag:step")
+        assert get_run(c, by="tag:step", after=first["watermark"])["changed"] is False
+        late, tags = write_late(tmp_path, expected)
+        with c.app.state.backend.writer() as db:
+            db.ingest(late, tags=tags)
+        then = get_run(c, by="tag:step", after=first["watermark"])
+    assert then["changed"] is True and then["watermark"] == first["watermark"] + 4
+    assert then["summary"]["traces"] == first["summary"]["traces"] + 4
+    assert [b["x"] for b in then["bins"]] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert_bins(then["bins"], reference_bins(expected, expected.step, lambda v: v), [0.0, 1.0, 2.0, 3.0, 4.0])
+
+
+@pytest.mark.parametrize(
+    ("query", "name"),
+    [
+        ("bins=0", "bins"),
+        ("bins=501", "bins"),
+        ("bins=x", "bins"),
+        ("by=nonsense", "by"),
+        ("by=tag:nope", "by"),
+        ("by=tag:", "by"),
+        ("after=-1", "after"),
+        ("after=x", "after"),
+        ("recent=-1", "recent"),
+        ("hist_bins=0", "hist_bins"),
+        ("hist_bins=101", "hist_bins"),
+    ],
+)
+def test_bad_parameters_are_422_naming_them(client: TestClient, query: str, name: str) -> None:
+    response = client.get(f"/api/run?{query}")
+    assert response.status_code == 422, response.text
+    assert re.search(rf"\b{name}\b", response.json()["detail"]), response.json()
+
+
+def test_library_refuses_out_of_range_directly() -> None:
+    runs = runs_module()
+    with tracedb.connect(":memory:") as db:
+        for kwargs, name in [({"bins": 0}, "bins"), ({"hist_bins": 1000}, "hist_bins"), ({"recent": -2}, "recent")]:
+            with pytest.raises(Exception, match=name):
+                runs.run_data(db, **kwargs)
+
+
+# --------------------------------------------------------------------------- the pages
+
+
+def test_run_page_renders(client: TestClient) -> None:
+    response = client.get("/run?by=seq&bins=40&refresh=0.5")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/html")
+    html = response.text
+    for element in ("plot-reward", "plot-hist", "plot-zero", "plot-tokens", "plot-sampled", "headline", "groups"):
+        assert f'id="{element}"' in html, element
+    config = json.loads(re.search(r'<script type="application/json" id="run-config">(.*?)</script>', html).group(1))
+    assert config == {"by": "seq", "bins": 40, "max_bins": 500, "refresh_s": 0.5}
+    assert '<script src="/static/run.js"></script>' in html and 'href="/run"' in client.get("/").text
+
+
+@pytest.mark.parametrize(
+    ("query", "status"),
+    [("by=nope", 422), ("by=tag:nope", 422), ("bins=0", 422), ("refresh=0", 422), ("refresh=x", 422)],
+)
+def test_run_page_bad_parameters(client: TestClient, query: str, status: int) -> None:
+    response = client.get(f"/run?{query}")
+    assert response.status_code == status and query.split("=")[0] in response.json()["detail"]
+
+
+def group_payload(html: str) -> dict[str, Any]:
+    return json.loads(re.search(r'<script type="application/json" id="group-data">(.*?)</script>', html, re.S).group(1))
+
+
+def test_group_page_members_statuses_and_strips(client: TestClient, run: Run) -> None:
+    _, expected, _ = run
+    members = sorted(t for t, g in expected.group.items() if g == "group-0")
+    html = client.get("/view/group/group-0").text
+    rows = re.findall(r'<tr data-trace="([0-9a-f]+)">', html)
+    # side by side by reward, highest first, trace id breaking ties
+    assert rows == sorted(members, key=lambda t: (-expected.reward[t], t))
+    for tid in members:
+        assert f'href="/view/{tid}?credit=default"' in html
+    table = {}
+    for tid, body in re.findall(r'<tr data-trace="([0-9a-f]+)">(.*?)</tr>', html, re.S):
+        table[tid] = {s: v for v, s in re.findall(r'class="credit-status status-(\w+)" data-set="(\w+)"', body)}
+    for tid in members:
+        assert table[tid]["default"] == "assigned"  # rewards differ: nonzero advantages everywhere
+        assert table[tid]["zeros"] == ("zero" if tid == members[0] else "unassigned")
+        assert table[tid]["some"] == ("partial" if tid == members[1] else "unassigned")
+    data = group_payload(html)
+    assert data["group_id"] == "group-0" and data["credit"] == "default" and data["color"] == "advantage"
+    with client.app.state.backend.reader() as db:
+        view = db.branches(group="group-0", columns=["token_ids", "sampled_mask", "advantages", "logprobs"])
+    assert len(data["nodes"]) == view.num_rows == html.count('class="strip"')
+    assert sum(s["advantages"] is not None for s in data["nodes"]) >= len(members)
+    by_branch = {(r["trace_id"], r["branch_index"]): r for r in view.to_pylist()}
+    order = [(tid, b) for tid in rows for (t, b) in sorted(by_branch) if t == tid]
+    for i, (strip, key) in enumerate(zip(data["nodes"], order, strict=True)):
+        assert f'<div class="strip" data-node="{i}">' in html
+        ref = by_branch[key]
+        start = ref["sampled_mask"].index(True) if any(ref["sampled_mask"]) else 0
+        end = min(len(ref["token_ids"]), start + 2000)
+        assert strip["offset"] == start
+        assert strip["token_ids"] == ref["token_ids"][start:end]
+        assert strip["sampled_mask"] == ref["sampled_mask"][start:end]
+        for stream in ("advantages", "logprobs"):
+            want = ref[stream]  # None on a branch without sampled nodes
+            assert strip[stream] == (None if want is None else pytest.approx(want[start:end])), stream
+        assert all(
+            a == pytest.approx(expected.advantage[key[0]])
+            for a, m in zip(strip["advantages"] or [], strip["sampled_mask"])
+            if m
+        )
+
+
+def test_group_page_zero_variance_and_unassigned(client: TestClient, run: Run) -> None:
+    _, expected, _ = run
+    html = client.get("/view/group/group-2").text
+    assert "zero variance: no group-relative gradient" in html
+    unscored = next(t for t, g in expected.group.items() if g == "group-2" and expected.reward[t] is None)
+    rows = re.findall(r'<tr data-trace="([0-9a-f]+)">(.*?)</tr>', html, re.S)
+    assert rows[-1][0] == unscored  # unscored last
+    for tid, body in rows:
+        status = re.search(r'status-(\w+)" data-set="default"', body).group(1)
+        assert status == ("unassigned" if tid == unscored else "zero")  # every scored member's advantage is 0
+    data = group_payload(html)
+    assert data["nodes"][-1]["advantages"] is None  # the unscored member's strips hold no credit
+    assert "rewards differ" in client.get("/view/group/group-4").text
+
+
+def test_group_page_in_another_credit_set(client: TestClient, run: Run) -> None:
+    html = client.get("/view/group/group-0?credit=some&color=logprob").text
+    data = group_payload(html)
+    assert data["credit"] == "some" and data["color"] == "logprob"
+    assert re.findall(r'<th class="credit-col"[^>]*>(\w+)</th>', html) == ["some", "default", "zeros"]
+    assert sum(s["advantages"] is not None for s in data["nodes"]) >= 1
+    assert sum(s["advantages"] is None for s in data["nodes"]) >= 3
+
+
+@pytest.mark.parametrize(
+    ("url", "status"),
+    [("/view/group/nope", 404), ("/view/group/group-0?credit=nope", 404), ("/view/group/group-0?color=red", 422)],
+)
+def test_group_page_errors(client: TestClient, url: str, status: int) -> None:
+    response = client.get(url)
+    assert response.status_code == status and response.json()["detail"]
+
+
+def test_strip_budget_bounds_the_page(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    runs = runs_module()
+    monkeypatch.setattr(runs, "STRIP_BUDGET", 1)
+    data = group_payload(client.get("/view/group/group-0").text)
+    assert all(len(s["token_ids"]) <= runs.STRIP_TOKENS[0] for s in data["nodes"])
+    assert any(len(s["token_ids"]) == runs.STRIP_TOKENS[0] for s in data["nodes"])
+
+
+def test_pages_hold_no_inline_code_or_external_resources(client: TestClient) -> None:
+    for url in ("/run", "/view/group/group-0"):
+        html = client.get(url).text
+        assert "content-security-policy" in {k.lower() for k in client.get(url).headers}
+        assert not re.search(r"\sstyle\s*=|<style\b|\son[a-z]+\s*=", html, re.I), url
+        for attrs in re.findall(r"<script\b([^>]*)>", html):
+            assert 'src="/static/' in attrs or 'type="application/json"' in attrs, attrs
+    for path in [TEMPLATES / "run.html", TEMPLATES / "group.html", STATIC / "run.js"]:
+        text = path.read_text()
+        assert not re.search(r"(src|href)=[\"']?(https?:)?//", text) and "cdn" not in text.lower(), path
+        for blocked in ("eval(", "new Function", ".innerHTML", 'setAttribute("style"', ".style."):
+            assert blocked not in text, (path, blocked)
+    assert client.get("/static/run.js").status_code == 200
