@@ -4,7 +4,10 @@ CI installs chromium (.ci/run), so these tests fail, never skip, when it is miss
 Checked: pages load without console errors; each node's heat strip has one cell per
 token; cells take the right colours for known advantages (diverging scale, null
 hatched, unsampled grey) and logprobs; the credit-set and colour switches repaint; with
-a tokenizer the cells show decoded text. A screenshot lands in test-artifacts/.
+a tokenizer the cells show decoded text. The run page draws what /api/run answers and
+redraws when a new ingest moves the watermark (only then); the group page paints each
+member's branch strips, switches colour and credit set, and links to a branch's view.
+Screenshots land in test-artifacts/.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import uvicorn
 from playwright.sync_api import Browser, Page, sync_playwright
@@ -27,6 +31,8 @@ import tracedb
 from tracedb.api import create_app
 
 from support import FIXTURES, REPO
+from support.run_db import build as build_run
+from support.run_db import write_late
 from support.tokenizers import make_tokenizer
 
 ROOT = REPO
@@ -219,4 +225,158 @@ def test_decoded_tokens(page: Page, decoded_base: str, data: dict[str, Any]) -> 
         assert [c["text"] for c in cells(page, i)] == [f"w{t}" for t in rec["token_ids"]]
     ARTIFACTS.mkdir(exist_ok=True)
     page.locator(f"#node-{data['node']}").screenshot(path=str(ARTIFACTS / "viewer-decoded.png"))
+    assert page.problems == []
+
+
+# --------------------------------------------------------------------------- the run page and the group page
+
+
+@pytest.fixture(scope="module")
+def run_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The small run of tests/support/run_db.py behind a server that can write (the test
+    moves the run on through its writer, as a follower inside the server does)."""
+    tmp = tmp_path_factory.mktemp("run-browser")
+    path, expected = build_run(tmp)
+    top = max((t for t, g in expected.group.items() if g == "group-0"), key=lambda t: (expected.reward[t], t))
+    with tracedb.connect(path) as db:  # credit set "zeros": zero on every sampled node of one member
+        nodes = db.sql(
+            "SELECT node_index, n_sampled FROM nodes WHERE trace_id = ? AND n_sampled > 0", [top]
+        ).to_pylist()
+        db.create_credit_set("zeros")
+        zeros = [{"trace_id": top, "node_index": n["node_index"], "values": [0.0] * n["n_sampled"]} for n in nodes]
+        db.write_nodes(zeros, credit="zeros")
+    app = create_app(path, token="browser-test")
+    for url in serve(app):
+        yield {"base": url, "app": app, "expected": expected, "tmp": tmp, "zeroed": top}
+
+
+def drawn(page: Page, svg: str, selector: str, attrs: tuple[str, ...]) -> list[dict[str, Any]]:
+    return page.eval_on_selector_all(
+        f"#{svg} {selector}",
+        f"els => els.map(e => Object.fromEntries({list(attrs)!r}.map(a => [a, e.getAttribute(a)])))",
+    )
+
+
+def assert_drawn(page: Page, answer: dict[str, Any]) -> None:
+    """What the plots show is what /api/run answered."""
+    bins = answer["bins"]
+    points = drawn(page, "plot-reward", "circle.pt", ("data-x", "data-y", "cx", "cy"))
+    scored = [b for b in bins if b["mean"] is not None]
+    assert [float(p["data-y"]) for p in points] == pytest.approx([b["mean"] for b in scored])
+    assert [float(p["data-x"]) for p in points] == [b["x"] for b in scored]
+    xs = [float(p["cx"]) for p in points]
+    assert xs == sorted(xs) and all(56 <= x <= 546 for x in xs)  # inside the plot area, left to right
+    assert page.locator("#plot-reward polygon.band").count() == 1
+    line = page.locator("#plot-reward path.line").get_attribute("d")  # a bin without a reward breaks it
+    assert line.count("M") + line.count("L") == len(scored)
+    starts = [b["mean"] is not None and (i == 0 or bins[i - 1]["mean"] is None) for i, b in enumerate(bins)]
+    assert line.count("M") == sum(starts)
+    bars = drawn(page, "plot-hist", "rect.bar", ("data-count", "height"))
+    assert [int(b["data-count"]) for b in bars] == [b["count"] for b in answer["histogram"]["bins"]]
+    tallest = max(range(len(bars)), key=lambda i: int(bars[i]["data-count"]))
+    assert float(bars[tallest]["height"]) == max(float(b["height"]) for b in bars) > 0
+    zero = drawn(page, "plot-zero", "circle.pt", ("data-y",))
+    shares = [b["zero_variance_share"] for b in bins if b["zero_variance_share"] is not None]
+    assert [float(p["data-y"]) for p in zero] == pytest.approx(shares)
+    for svg, key in (("plot-tokens", "tokens_mean"), ("plot-sampled", "sampled_share"), ("plot-traces", "traces")):
+        values = [float(p["data-y"]) for p in drawn(page, svg, "circle.pt", ("data-y",))]
+        assert values == pytest.approx([b[key] for b in bins]), svg
+    stat = lambda key: page.locator(f'[data-stat="{key}"]').inner_text()  # noqa: E731
+    assert stat("traces") == str(answer["summary"]["traces"]) and stat("watermark") == str(answer["watermark"])
+    assert stat("groups") == str(answer["summary"]["groups"])
+    rows = page.locator("#groups tbody tr")
+    assert rows.count() == len(answer["recent_groups"])
+    assert rows.first.locator("a").get_attribute("href") == f"/view/group/{answer['recent_groups'][0]['group_id']}"
+
+
+def test_run_page_draws_and_follows_the_run(page: Page, run_server: dict[str, Any]) -> None:
+    base, app = run_server["base"], run_server["app"]
+    page.goto(f"{base}/run?by=tag:step&refresh=0.25")
+    page.wait_for_selector('body[data-draws="1"]')
+    answer = httpx.get(f"{base}/api/run", params={"by": "tag:step"}).json()
+    assert_drawn(page, answer)
+    assert page.locator("#by").input_value() == "tag:step"
+    # polls go on; nothing arrived, so nothing is redrawn
+    page.wait_for_function("() => Number(document.body.dataset.polls) >= 4", timeout=10_000)
+    assert page.locator("body").get_attribute("data-draws") == "1"
+
+    late, tags = write_late(run_server["tmp"], run_server["expected"])
+    with app.state.backend.writer() as db:
+        db.ingest(late, tags=tags)
+    page.wait_for_selector(f'body[data-watermark="{answer["watermark"] + 4}"]', timeout=10_000)
+    assert page.locator("body").get_attribute("data-draws") == "2"
+    after = httpx.get(f"{base}/api/run", params={"by": "tag:step"}).json()
+    assert len(after["bins"]) == len(answer["bins"]) + 1
+    assert_drawn(page, after)
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "run.png"), full_page=True)
+
+    page.select_option("#by", "seq")  # another axis: redrawn at once, in the URL
+    page.wait_for_selector('body[data-draws="3"]')
+    assert "by=seq" in page.url
+    assert_drawn(page, httpx.get(f"{base}/api/run", params={"by": "seq"}).json())
+    assert page.problems == []
+
+
+def test_group_page_strips(page: Page, run_server: dict[str, Any]) -> None:
+    base, expected = run_server["base"], run_server["expected"]
+    page.goto(f"{base}/view/group/group-0")
+    page.wait_for_selector('body[data-painted="advantage:default"]')
+    data = page.evaluate("JSON.parse(document.getElementById('group-data').textContent)")
+    members = page.locator("#members tbody tr").evaluate_all("rows => rows.map(r => r.dataset.trace)")
+    assert page.locator("article.member").count() == len(members) == 4
+    owner = [m for m in members for _ in range(page.locator(f'article.member[data-trace="{m}"] .strip').count())]
+    assert len(owner) == len(data["nodes"])
+    scale = max(abs(expected.advantage[m]) for m in members)
+    for i, (strip, trace_id) in enumerate(zip(data["nodes"], owner)):
+        got = cells(page, i)
+        assert len(got) == len(strip["token_ids"]), i
+        for cell, sampled in zip(got, strip["sampled_mask"]):
+            if not sampled:
+                assert "off" in cell["cls"].split()
+            elif strip["advantages"] is None:
+                assert "null" in cell["cls"].split()
+            else:
+                assert cell["bg"] == advantage_color(expected.advantage[trace_id], scale), (i, cell)
+    assert {advantage_color(0.5, scale), advantage_color(-0.5, scale)} == {"rgb(178, 24, 43)", "rgb(33, 102, 172)"}
+
+    page.select_option("#color", "logprob")
+    page.wait_for_selector('body[data-painted="logprob:default"]')
+    lp_scale = max(-v for s in data["nodes"] if s["logprobs"] for v, m in zip(s["logprobs"], s["sampled_mask"]) if m)
+    strip = next(s for s in data["nodes"] if any(s["sampled_mask"]))
+    index = data["nodes"].index(strip)
+    sampled = [c for c, m in zip(cells(page, index), strip["sampled_mask"]) if m]
+    lps = [v for v, m in zip(strip["logprobs"], strip["sampled_mask"]) if m]
+    for cell, lp in zip(sampled, lps):
+        assert cell["bg"] == mix(LOGPROB, -lp / lp_scale)
+    assert "color=logprob" in page.url
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "group.png"), full_page=False)
+
+    page.select_option("#credit", "zeros")  # another set: the page reloads with its strips and statuses
+    page.wait_for_selector('body[data-painted="logprob:zeros"]')
+    page.select_option("#color", "advantage")
+    page.wait_for_selector('body[data-painted="advantage:zeros"]')
+    assert "credit=zeros" in page.url
+    zeroed = run_server["zeroed"]
+    assert page.locator(f'#members tr[data-trace="{zeroed}"] td[data-set="zeros"]').inner_text() == "zero"
+    data = page.evaluate("JSON.parse(document.getElementById('group-data').textContent)")
+    owner = page.locator("article.member").evaluate_all(
+        "arts => arts.flatMap(a => Array.from(a.querySelectorAll('.strip')).map(() => a.dataset.trace))"
+    )
+    for i, trace_id in enumerate(owner):
+        for cell, sampled in zip(cells(page, i), data["nodes"][i]["sampled_mask"]):
+            if sampled:  # zero credit is white, not the null hatch; the other members hold none
+                assert cell["bg"] == "rgb(255, 255, 255)" if trace_id == zeroed else "null" in cell["cls"].split()
+
+    link = page.locator(f'article.member[data-trace="{zeroed}"] .branch-strip a').last
+    index = int(link.inner_text().split()[-1])
+    link.click()  # the branch's trace view, that branch shown
+    page.wait_for_selector('body[data-painted="advantage:zeros"]')
+    assert page.locator("#branch").input_value() == str(index)
+    with run_server["app"].state.backend.reader() as db:
+        path = db.sql("SELECT path FROM branches WHERE trace_id = ? AND branch_index = ?", [zeroed, index]).to_pylist()[
+            0
+        ]["path"]
+    assert page.locator("article.node:visible").count() == len(path)
     assert page.problems == []
