@@ -158,12 +158,13 @@ def test_a_failing_insert_reports_its_own_error(tmp_path, monkeypatch):
     import duckdb
 
     real = tracedb.ingest.rows.Batch.inserts
+    ROWS = tracedb.ingest.rows.ROWS
 
     def with_a_bad_row(batch):
         bad = pa.table({"trace_id": pa.array([None], pa.string())})
         return [
             *real(batch),
-            ("_tdb_bad", "INSERT INTO traces (trace_id, record) SELECT trace_id, '{}' FROM _tdb_bad", bad),
+            ("bad", f"INSERT INTO traces (trace_id, record) SELECT trace_id, '{{}}' FROM {ROWS}", bad),
         ]
 
     monkeypatch.setattr(tracedb.ingest.rows.Batch, "inserts", with_a_bad_row)
@@ -268,10 +269,10 @@ def test_inserts_fill_whole_row_groups(tmp_path, monkeypatch, knobs):
         report = db.ingest(FIXTURES / "groups.traces.jsonl")
         assert report.ok
         stats = db.stats()
-    assert sum(n for n, _ in inserted["_tdb_nodes"]) == stats["nodes"] == report.nodes
-    assert sum(n for n, _ in inserted["_tdb_traces"]) == stats["traces"]
-    assert sum(n for n, _ in inserted["_tdb_branches"]) == stats["branches"]
-    assert len(inserted["_tdb_nodes"]) > 3
+    assert sum(n for n, _ in inserted["nodes"]) == stats["nodes"] == report.nodes
+    assert sum(n for n, _ in inserted["traces"]) == stats["traces"]
+    assert sum(n for n, _ in inserted["branches"]) == stats["branches"]
+    assert len(inserted["nodes"]) > 3
     for name, rows in inserted.items():
         assert all(n % 4 == 0 for n, _ in rows[:-1]), (name, rows)
         assert all(chunks == 1 for _, chunks in rows), (name, rows)

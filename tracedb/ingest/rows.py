@@ -26,7 +26,11 @@ if TYPE_CHECKING:
     from tracedb.ingest.scanned import ScannedNodes
 
 Insert = tuple[str, str, pa.Table]
-"""One INSERT of a batch: the name its rows are registered under, the statement, the rows."""
+"""One INSERT of a batch: a name for its rows (the table written), the statement, the rows.
+The statement reads the rows as :data:`ROWS`."""
+
+ROWS = "_tdb_rows"
+"""The name an :data:`Insert`'s statement reads its rows under."""
 
 
 def _compact(meta: dict[str, Any]) -> str:
@@ -244,6 +248,5 @@ _TRACE_ROWS = tables.inserted(tables.TRACES)
 
 
 def _insert(table: str, rows: pa.Table) -> Insert:
-    name = f"_tdb_{table}"
     columns = ", ".join(rows.column_names)
-    return name, f"INSERT INTO {table} ({columns}) SELECT {columns} FROM {name}", rows
+    return table, f"INSERT INTO {table} ({columns}) SELECT {columns} FROM {ROWS}", rows
