@@ -319,7 +319,7 @@ def group_page(db: Database, group_id: str, credit: str | None) -> dict[str, Any
 
 
 def _credit_columns(db: Database, credit: str | None) -> list[str]:
-    """The credit sets shown: the one asked for first, then the others by name."""
+    """The credit sets shown: the one asked for first, then the others in the registry's order."""
     shown = credit or "default"
     names = [r["name"] for r in queries.credit_sets(db)]
     return [shown, *(n for n in names if n != shown)][:CREDIT_COLUMNS]
@@ -380,6 +380,62 @@ def _strip(table: pa.Table, row: int, cap: int) -> dict[str, Any]:
 
 def _values(cell: pa.Scalar) -> np.ndarray | None:
     return cell.values.to_numpy(zero_copy_only=False) if cell.is_valid else None
+
+
+# --------------------------------------------------------------------------- two credit sets
+
+
+def credit_diff(db: Database, trace_id: str, a: str | None, b: str | None) -> dict[str, Any]:
+    """One trace's sampled nodes in credit sets ``a`` and ``b`` (None: the default set):
+    per node, three strips (``a``, ``b`` and ``a - b``) and a summary row: whether each
+    set assigns the node, the mean over its sampled tokens in each, and the largest and
+    mean difference. A difference needs both values: a node only one set assigns has
+    none (None, not zero). Streams come from the same ``node_tokens()`` view as the trace
+    page, so the strips line up token for token.
+    """
+    queries.trace_meta(db, trace_id)  # 404 for an unknown trace
+    nodes = db.sql(
+        "SELECT node_index, role, n_tokens, n_sampled FROM nodes WHERE trace_id = ? ORDER BY node_index", [trace_id]
+    ).to_pylist()
+    left, right = queries.node_tokens(db, trace_id, a), queries.node_tokens(db, trace_id, b)
+    rows, strips = [], []
+    for node, x, y in zip(nodes, left, right, strict=True):
+        if node["n_sampled"] == 0:
+            continue  # no credit lives there
+        mask = np.asarray(x["sampled_mask"], bool)
+        va, vb = x["advantages"], y["advantages"]
+        diff = None if va is None or vb is None else va.astype(np.float64) - vb.astype(np.float64)
+        row = {
+            **node,
+            "assigned_a": va is not None,
+            "assigned_b": vb is not None,
+            "mean_a": _mean(va, mask),
+            "mean_b": _mean(vb, mask),
+            "mean_diff": _mean(diff, mask),
+            "max_abs_diff": None if diff is None else float(np.abs(diff[mask]).max()),
+            "strips": [],
+        }
+        for side, values in (("a", va), ("b", vb), ("diff", diff)):
+            row["strips"].append({"side": side, "strip": len(strips)})
+            strips.append(
+                {
+                    "token_ids": x["token_ids"],
+                    "sampled_mask": mask,
+                    "logprobs": x["logprobs"],
+                    "advantages": values,
+                    "node_index": node["node_index"],
+                    "side": side,
+                }
+            )
+        rows.append(row)
+    return {"trace_id": trace_id, "nodes": rows, "strips": strips}
+
+
+def _mean(values: np.ndarray | None, mask: np.ndarray) -> float | None:
+    if values is None or not mask.any():
+        return None
+    mean = float(np.mean(values[mask], dtype=np.float64))
+    return mean if math.isfinite(mean) else None
 
 
 # --------------------------------------------------------------------------- helpers

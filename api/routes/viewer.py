@@ -13,6 +13,8 @@ from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import HTMLResponse
 from fastapi.templating import Jinja2Templates
 
+from tracedb.database import Database
+
 from .. import queries, runs
 from ..deps import CreditQuery, Reader, credit_of
 from ..errors import JSONBody, dumps, invalid, responses
@@ -128,10 +130,21 @@ def view(
     trace_id: TraceId,
     credit: CreditQuery = None,
     color: Annotated[Literal["advantage", "logprob"], Query(description="Colour the strips by this.")] = "advantage",
+    compare: Annotated[
+        str | None,
+        Query(
+            max_length=200,
+            description="Another credit set: the page shows the trace's sampled nodes in both sets side by "
+            "side, with their difference (credit minus compare).",
+        ),
+    ] = None,
 ) -> Any:
-    """One trace: its message graph as branches, each node's tokens as a heat strip."""
+    """One trace: its message graph as branches, each node's tokens as a heat strip; with
+    ``compare``, its credit in two sets and their difference."""
     meta = queries.trace_meta(db, trace_id)
     name, label = credit_of(db, credit)
+    if compare is not None:
+        return _compare_page(request, db, meta, (name, label), credit_of(db, compare), color)
     nodes = queries.trace_nodes(db, trace_id, name, tokens=True, messages=True)
     branches = queries.branch_list(db, trace_id, name)
     on_branch: dict[int, list[int]] = {}
@@ -159,6 +172,38 @@ def view(
             "credit_sets": [s["name"] for s in queries.credit_sets(db)],
             "branches": branches,
             "nodes": nodes,
+            "tokenizer": tokenizer is not None,
+            "payload": _embed(payload),
+        },
+    )
+
+
+def _compare_page(
+    request: Request,
+    db: Database,
+    meta: dict[str, Any],
+    a: tuple[str | None, str],
+    b: tuple[str | None, str],
+    color: str,
+) -> Any:
+    """The trace's credit in sets ``a`` and ``b`` ((library name, display name) each)."""
+    diff = runs.credit_diff(db, meta["trace_id"], a[0], b[0])
+    tokenizer = request.app.state.backend.tokenizer
+    if tokenizer is not None:
+        for strip in diff["strips"]:
+            strip["pieces"] = _pieces(tokenizer, strip["token_ids"])
+    label = f"{a[1]}-{b[1]}"
+    payload = {"trace_id": meta["trace_id"], "credit": label, "color": color, "nodes": diff["strips"]}
+    return templates.TemplateResponse(
+        request,
+        "compare.html",
+        {
+            "meta": meta,
+            "a": a[1],
+            "b": b[1],
+            "color": color,
+            "credit_sets": [s["name"] for s in queries.credit_sets(db)],
+            "nodes": diff["nodes"],
             "tokenizer": tokenizer is not None,
             "payload": _embed(payload),
         },

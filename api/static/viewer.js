@@ -138,6 +138,14 @@ function traceMain() {
     url.searchParams.set("color", color.value);
     url.searchParams.set("credit", credit.value);
     history.replaceState(null, "", url);
+    const link = document.getElementById("compare-link");
+    if (link) {  // compare the set shown with another one
+      const target = new URL(link.href);
+      const other = Array.from(credit.options).map((o) => o.value).find((v) => v !== credit.value);
+      target.searchParams.set("credit", credit.value);
+      target.searchParams.set("compare", other);
+      link.href = target.pathname + target.search;
+    }
   };
   build(data);
   paint(data, color.value);
@@ -151,10 +159,11 @@ function traceMain() {
   }
 }
 
-function groupMain() {
-  const data = JSON.parse(document.getElementById("group-data").textContent);
+// Pages of strips without per-trace switching: the group page and the credit comparison.
+// Colour repaints in place; a select marked data-submit (a credit set) reloads the page.
+function stripsMain(id) {
+  const data = JSON.parse(document.getElementById(id).textContent);
   const color = document.getElementById("color");
-  const credit = document.getElementById("credit");
   build(data);
   paint(data, color.value);
   color.addEventListener("change", () => {
@@ -163,8 +172,11 @@ function groupMain() {
     url.searchParams.set("color", color.value);
     history.replaceState(null, "", url);
   });
-  credit.addEventListener("change", () => credit.form.submit());  // another set: other strips, other statuses
+  for (const select of document.querySelectorAll("select[data-submit]")) {
+    select.addEventListener("change", () => select.form.submit());  // another set: other strips, other statuses
+  }
 }
 
 if (document.getElementById("trace-data")) traceMain();
-else if (document.getElementById("group-data")) groupMain();
+else if (document.getElementById("group-data")) stripsMain("group-data");
+else if (document.getElementById("compare-data")) stripsMain("compare-data");

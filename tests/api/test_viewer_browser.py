@@ -380,3 +380,31 @@ def test_group_page_strips(page: Page, run_server: dict[str, Any]) -> None:
         ]["path"]
     assert page.locator("article.node:visible").count() == len(path)
     assert page.problems == []
+
+
+def test_compare_page_strips(page: Page, run_server: dict[str, Any]) -> None:
+    base, zeroed = run_server["base"], run_server["zeroed"]
+    page.goto(f"{base}/view/{zeroed}")
+    page.wait_for_selector('body[data-painted="advantage:default"]')
+    page.select_option("#credit", "zeros")
+    page.wait_for_selector('body[data-painted="advantage:zeros"]')
+    page.click("#compare-link")  # follows the set shown: zeros against the other one
+    page.wait_for_selector('body[data-painted="advantage:zeros-default"]')
+    assert "credit=zeros" in page.url and "compare=default" in page.url
+    page.select_option("#credit", "default")  # swap the sides: the form reloads the page
+    page.wait_for_selector('body[data-painted="advantage:default-default"]')
+    page.select_option("#compare", "zeros")
+    page.wait_for_selector('body[data-painted="advantage:default-zeros"]')
+    data = page.evaluate("JSON.parse(document.getElementById('compare-data').textContent)")
+    value = run_server["expected"].advantage[zeroed]  # default: this on every sampled token; zeros: 0
+    colour = advantage_color(value, abs(value))
+    assert colour == "rgb(178, 24, 43)" and len(data["nodes"]) % 3 == 0 and data["nodes"]
+    for i, strip in enumerate(data["nodes"]):
+        want = {"a": colour, "b": "rgb(255, 255, 255)", "diff": colour}[strip["side"]]  # a - 0 = a
+        got = cells(page, i)
+        assert len(got) == len(strip["token_ids"])
+        for cell, sampled in zip(got, strip["sampled_mask"]):
+            assert cell["bg"] == want if sampled else "off" in cell["cls"].split(), (i, strip["side"], cell)
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "compare.png"), full_page=False)
+    assert page.problems == []

@@ -429,3 +429,73 @@ def test_pages_hold_no_inline_code_or_external_resources(client: TestClient) -> 
         for blocked in ("eval(", "new Function", ".innerHTML", 'setAttribute("style"', ".style."):
             assert blocked not in text, (path, blocked)
     assert client.get("/static/run.js").status_code == 200
+
+
+# --------------------------------------------------------------------------- two credit sets of one trace
+
+
+def compare_payload(html: str) -> dict[str, Any]:
+    return json.loads(
+        re.search(r'<script type="application/json" id="compare-data">(.*?)</script>', html, re.S).group(1)
+    )
+
+
+def compact(db: tracedb.Database, trace_id: str, credit: str | None) -> dict[int, list[float] | None]:
+    """Each sampled node's compact advantages in one set, read back as a record."""
+    record = db.trace(trace_id, credit=credit)
+    return {i: n.get("advantages") for i, n in enumerate(record["nodes"]) if sum(n["mask"])}
+
+
+@pytest.mark.parametrize(("member", "a", "b"), [(0, "default", "zeros"), (1, "some", "default"), (2, "some", "zeros")])
+def test_compare_two_credit_sets(client: TestClient, run: Run, member: int, a: str, b: str) -> None:
+    _, expected, _ = run
+    tid = sorted(t for t, g in expected.group.items() if g == "group-0")[member]
+    html = client.get(f"/view/{tid}?credit={a}&compare={b}").text
+    data = compare_payload(html)
+    assert data["credit"] == f"{a}-{b}" and data["trace_id"] == tid
+    with client.app.state.backend.reader() as db:
+        want_a, want_b = compact(db, tid, None if a == "default" else a), compact(db, tid, b)
+    rows = re.findall(r'<tr data-node-index="(\d+)">(.*?)</tr>', html, re.S)
+    assert [int(i) for i, _ in rows] == sorted(want_a)
+    assert len(data["nodes"]) == 3 * len(want_a) == html.count('class="strip"')
+    diffs = 0
+    for k, node in enumerate(sorted(want_a)):
+        strip_a, strip_b, strip_d = data["nodes"][3 * k : 3 * k + 3]
+        assert [s["side"] for s in (strip_a, strip_b, strip_d)] == ["a", "b", "diff"]
+        assert all(s["node_index"] == node for s in (strip_a, strip_b, strip_d))
+        mask = strip_a["sampled_mask"]
+
+        def sampled(values: list[float] | None, mask: list[bool] = mask) -> list[float] | None:
+            return None if values is None else [v for v, m in zip(values, mask) if m]
+
+        va, vb = want_a[node], want_b[node]
+        assert sampled(strip_a["advantages"]) == (None if va is None else pytest.approx(va))
+        assert sampled(strip_b["advantages"]) == (None if vb is None else pytest.approx(vb))
+        body = dict(rows)[str(node)]
+        if va is None or vb is None:
+            assert strip_d["advantages"] is None and '<td class="num max-diff">—</td>' in body
+            continue
+        diffs += 1
+        want = [x - y for x, y in zip(va, vb)]
+        assert sampled(strip_d["advantages"]) == pytest.approx(want, abs=1e-6)
+        largest = float(re.search(r'<td class="num max-diff">([-0-9.e]+)</td>', body).group(1))
+        assert largest == pytest.approx(max(abs(d) for d in want), rel=1e-3)
+    assert diffs == {0: len(want_a), 1: 1, 2: 0}[member]  # zeros: everywhere; some: one node; some vs zeros: none
+
+
+def test_compare_errors_and_links(client: TestClient, run: Run) -> None:
+    _, expected, _ = run
+    tid = next(iter(expected.group))
+    assert client.get(f"/view/{tid}?compare=nope").status_code == 404
+    assert "nope" in client.get(f"/view/{tid}?compare=nope").json()["detail"]
+    assert client.get(f"/view/{tid}?credit=nope&compare=default").status_code == 404
+    assert client.get(f"/view/{tid}?compare={'x' * 201}").status_code == 422
+    assert client.get("/view/nope?compare=default").status_code == 404
+    view = client.get(f"/view/{tid}").text
+    # the first other set, in the registry's order (default, zeros, some)
+    assert re.search(rf'id="compare-link" href="/view/{tid}\?credit=default&amp;compare=zeros"', view)
+    group = client.get(f"/view/group/{expected.group[tid]}").text
+    assert f'href="/view/{tid}?credit=default&amp;compare=zeros"' in group
+    html = client.get(f"/view/{tid}?compare=zeros").text
+    assert not re.search(r"\sstyle\s*=|<style\b|\son[a-z]+\s*=", html, re.I)
+    assert '<select id="compare" name="compare" data-submit>' in html
