@@ -82,6 +82,10 @@ def _pool_bytes_from_env() -> int:
     return int(os.environ.get("TRACEDB_BUFFER_POOL_MB", "1024")) << 20
 
 
+def _memory_limit_from_env() -> str | None:
+    return os.environ.get("TRACEDB_MEMORY_LIMIT") or None
+
+
 @dataclass(frozen=True)
 class Settings:
     """The knobs of one process. Read with :func:`settings`; change with :func:`configure`."""
@@ -127,6 +131,11 @@ class Settings:
     default 1024 MiB; 0 turns the pool off)."""
     buffer_min_bytes: int = 1 << 20
     """View columns under this size come from Arrow's allocator instead of the pool."""
+    memory_limit: str | None = dataclasses.field(default_factory=_memory_limit_from_env)
+    """DuckDB's memory limit for the process's instance (``"512MB"``, ``"2GiB"``; None:
+    DuckDB's own, 80% of RAM; ``TRACEDB_MEMORY_LIMIT``; ``--memory-limit``). It bounds
+    DuckDB's buffer pool, which otherwise keeps every block an ingest wrote cached (about
+    200 MB per GB ingested, up to the limit); what does not fit is evicted or spilled."""
 
 
 @dataclass
@@ -172,6 +181,9 @@ class _Instance:
         self.root = duckdb.connect(":memory:")
         spill = os.path.join(tempfile.gettempdir(), f"tracedb-duckdb-{os.getpid()}")
         self.root.execute(f"SET temp_directory = {quote_literal(spill)}")
+        self.default_memory_limit = self.root.execute("SELECT current_setting('memory_limit')").fetchall()[0][0]
+        self.memory_limit: str | None = None
+        apply_memory_limit(self, _state.settings.memory_limit)
         self.lock = threading.Lock()
         self.attached: dict[str, _Attachment] = {}
         self.names = itertools.count()
@@ -236,11 +248,33 @@ def configure(**changes: Any) -> Iterator[Settings]:
             f"unknown setting(s) {sorted(unknown)}; settings are {[f.name for f in dataclasses.fields(Settings)]}"
         )
     before = _state.settings
-    _state.settings = dataclasses.replace(before, **changes)
+    after = dataclasses.replace(before, **changes)
+    inst = _state.instance
+    if inst is not None and after.memory_limit != before.memory_limit:
+        apply_memory_limit(inst, after.memory_limit)
+    _state.settings = after
     try:
         yield _state.settings
     finally:
         _state.settings = before
+        if inst is not None and after.memory_limit != before.memory_limit:
+            apply_memory_limit(inst, before.memory_limit)
+
+
+def apply_memory_limit(inst: _Instance, limit: str | None) -> None:
+    """Set the instance's DuckDB memory limit (None: DuckDB's default); a value DuckDB
+    cannot read is a ValueError that says what a limit looks like."""
+    value = inst.default_memory_limit if limit is None else limit
+    try:
+        inst.root.execute(f"SET memory_limit = {quote_literal(str(value))}")
+    except duckdb.Error as e:
+        raise ValueError(f"memory limit {limit!r}: expected a size such as 512MB or 2GiB ({e})") from None
+    inst.memory_limit = limit
+
+
+def memory_limit() -> str:
+    """The memory limit DuckDB applies now, as it reports it."""
+    return _instance().root.execute("SELECT current_setting('memory_limit')").fetchall()[0][0]
 
 
 def reset() -> None:
@@ -259,6 +293,8 @@ def reset() -> None:
             _drain(inst)
             if not inst.attached and not inst.pending:
                 state.instance = None
+            elif inst.memory_limit != state.settings.memory_limit:
+                apply_memory_limit(inst, state.settings.memory_limit)
 
 
 # --------------------------------------------------------------------------- buffer pool and threads

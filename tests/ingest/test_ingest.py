@@ -484,3 +484,54 @@ def test_float_streams_round_trip_at_float32(fresh_db, tmp_path):
 
     assert np.array_equal(np.asarray(got, np.float32), np.asarray(node["advantages"], np.float32))
     assert got[0] == 0.1  # shortest decimal of the float32, not 0.10000000149011612
+
+
+@pytest.mark.parametrize("rows_per_key", [0, 10**12], ids=["index", "scan"])
+def test_dedup_lookups_through_the_index_or_a_scan_store_the_same(tmp_path, monkeypatch, rows_per_key):
+    """Ingest finds stored traces, episodes and segments either by the key's index (a large
+    table) or by scanning the key column (a small one): the same rows either way."""
+    import tracedb.ingest.run as run
+
+    monkeypatch.setattr(run, "INDEX_ROWS_PER_KEY", rows_per_key)
+    files = sorted(FIXTURES.glob("*.traces.jsonl"))
+    with tracedb.connect(tmp_path / "a.duckdb") as db:
+        first = db.ingest(files[:2])
+        again = db.ingest(files)  # half of it stored already: skipped, segments shared
+        assert again.skipped == first.traces
+        counts = db.sql(
+            "SELECT (SELECT count(*) FROM traces) AS t, (SELECT count(*) FROM segments) AS s, "
+            "(SELECT count(DISTINCT segment_id) FROM nodes) AS used"
+        ).to_pylist()[0]
+        assert counts["s"] == counts["used"]  # every stored segment once, each one used
+    with tracedb.connect(tmp_path / "b.duckdb") as ref:
+        ref.ingest(files)
+        assert ref.sql("SELECT count(*) AS t FROM traces").column("t")[0].as_py() == counts["t"]
+        assert ref.sql("SELECT count(*) AS s FROM segments").column("s")[0].as_py() == counts["s"]
+
+
+def test_existing_reads_the_tables_size_and_finds_keys_both_ways(fresh_db, monkeypatch):
+    import tracedb.ingest.run as run
+    from tracedb.handle import handle_of
+
+    fresh_db.ingest(FIXTURES / "linear.traces.jsonl")
+    handle = handle_of(fresh_db)
+    stored = [r["segment_id"] for r in fresh_db.sql("SELECT segment_id FROM segments").to_pylist()]
+    probe = [*stored, b"\x00" * 32]
+    calls: list[str] = []
+
+    class Spy:
+        def __init__(self, con):
+            self.con = con
+
+        def execute(self, query, params=None):
+            calls.append(query)
+            return self.con.execute(query, params)
+
+    reader = Spy(handle.cursor())
+    assert run.existing(reader, "segments", "segment_id", probe, "BLOB") == set(stored)
+    assert "unnest" in calls[-1]  # a small table is scanned
+    monkeypatch.setattr(run, "INDEX_ROWS_PER_KEY", 0)
+    assert run.existing(reader, "segments", "segment_id", probe, "BLOB") == set(stored)
+    assert "unnest" not in calls[-1] and "?" in calls[-1]  # through the index
+    sizes = [q for q in calls if "estimated_size" in q]
+    assert sizes and reader.con.execute(sizes[0], ["segments"]).fetchall()[0][0] == len(stored)

@@ -353,3 +353,43 @@ def test_a_forked_child_exiting_leaves_the_parents_file_alone(tmp_path: Path) ->
     assert done.stdout.strip() == "unchanged"
     with tracedb.connect(tmp_path / "own.duckdb", read_only=True) as own:  # the child's own file was closed properly
         assert own.stats()["traces"] == 1
+
+
+def test_the_memory_limit_setting_bounds_duckdb_and_is_put_back(tmp_path: Path, knobs) -> None:
+    from tracedb import runtime
+
+    with tracedb.connect(tmp_path / "a.duckdb") as db:
+        default = runtime.memory_limit()
+        with runtime.configure(memory_limit="300MB"):
+            assert db.sql("SELECT current_setting('memory_limit') AS m").column("m")[0].as_py() == "286.1 MiB"
+            db.ingest(FIXTURES / "linear.traces.jsonl")  # works under it
+        assert runtime.memory_limit() == default
+        with pytest.raises(ValueError, match="memory limit 'lots'.*512MB"):
+            knobs(memory_limit="lots")
+        assert runtime.memory_limit() == default
+
+
+def test_the_memory_limit_comes_from_the_environment_for_a_fresh_process(tmp_path: Path) -> None:
+    code = "import tracedb; from tracedb import runtime; tracedb.connect(':memory:'); print(runtime.memory_limit())"
+    env = {**os.environ, "TRACEDB_MEMORY_LIMIT": "256MB"}
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "244.1 MiB"
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tracedb",
+            "ingest",
+            str(FIXTURES / "linear.traces.jsonl"),
+            "--db",
+            str(tmp_path / "x.duckdb"),
+        ],
+        env={**os.environ, "TRACEDB_MEMORY_LIMIT": "lots"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr and "memory limit 'lots'" in bad.stderr + bad.stdout

@@ -31,7 +31,7 @@ def open_db(db: Path, read_only: bool = False) -> tracedb.Database:
         raise fail(f"no database at {db}", 2)
     try:
         return tracedb.connect(db, read_only=read_only)
-    except TraceDBError as e:
+    except (TraceDBError, ValueError) as e:  # ValueError: a setting from the environment
         raise fail(e, 2) from None
 
 
