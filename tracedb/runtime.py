@@ -82,8 +82,12 @@ def _pool_bytes_from_env() -> int:
     return int(os.environ.get("TRACEDB_BUFFER_POOL_MB", "1024")) << 20
 
 
+DEFAULT_MEMORY_LIMIT = "1GiB"
+
+
 def _memory_limit_from_env() -> str | None:
-    return os.environ.get("TRACEDB_MEMORY_LIMIT") or None
+    value = os.environ.get("TRACEDB_MEMORY_LIMIT") or DEFAULT_MEMORY_LIMIT
+    return None if value.lower() == "none" else value
 
 
 @dataclass(frozen=True)
@@ -132,10 +136,12 @@ class Settings:
     buffer_min_bytes: int = 1 << 20
     """View columns under this size come from Arrow's allocator instead of the pool."""
     memory_limit: str | None = dataclasses.field(default_factory=_memory_limit_from_env)
-    """DuckDB's memory limit for the process's instance (``"512MB"``, ``"2GiB"``; None:
-    DuckDB's own, 80% of RAM; ``TRACEDB_MEMORY_LIMIT``; ``--memory-limit``). It bounds
-    DuckDB's buffer pool, which otherwise keeps every block an ingest wrote cached (about
-    200 MB per GB ingested, up to the limit); what does not fit is evicted or spilled."""
+    """DuckDB's memory limit for the process's instance: ``"1GiB"`` by default, or
+    ``TRACEDB_MEMORY_LIMIT`` / ``--memory-limit`` (``"512MB"``, ``"4GiB"``; ``none`` is
+    DuckDB's own, 80% of RAM). It bounds DuckDB's buffer pool, which keeps the blocks an
+    ingest writes cached (about 200 MB per GB ingested) until the limit; past it blocks are
+    evicted and large queries spill to the temp directory, so a long-running follower's
+    memory levels off instead of growing with the run."""
 
 
 @dataclass

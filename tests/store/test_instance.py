@@ -377,6 +377,19 @@ def test_the_memory_limit_comes_from_the_environment_for_a_fresh_process(tmp_pat
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "244.1 MiB"
+    plain = {k: v for k, v in os.environ.items() if k != "TRACEDB_MEMORY_LIMIT"}
+    out = subprocess.run([sys.executable, "-c", code], env=plain, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "1.0 GiB", out.stderr  # the default bound
+    both = (
+        "import duckdb, tracedb; from tracedb import runtime; tracedb.connect(':memory:'); "
+        "own = duckdb.connect().sql(\"SELECT current_setting('memory_limit')\").fetchall()[0][0]; "
+        "print(runtime.memory_limit(), '|', own)"
+    )
+    env = {**plain, "TRACEDB_MEMORY_LIMIT": "none"}
+    out = subprocess.run([sys.executable, "-c", both], env=env, capture_output=True, text=True, timeout=60)
+    ours, duckdbs = out.stdout.strip().split(" | ")
+    assert ours.split()[1] == duckdbs.split()[1], out.stderr  # "none": DuckDB's own default (a share of
+    assert abs(float(ours.split()[0]) - float(duckdbs.split()[0])) < 0.5  # the memory free now)
     bad = subprocess.run(
         [
             sys.executable,
