@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -14,7 +14,7 @@ import tracedb
 
 from . import errors, security
 from .backend import Backend
-from .routes import branches, groups, health, sql, traces, viewer, writes
+from .routes import branches, groups, health, live, sql, traces, viewer, writes
 
 MAX_BODY_BYTES = 256 * 1024 * 1024
 
@@ -45,6 +45,13 @@ def create_app(
     view_cache_tokens: int = 8_000_000,
     allowed_hosts: Iterable[str] | None = None,
     read_only: bool | None = None,
+    branch_token_limit: int = 4_000_000,
+    max_wait_s: float = 60.0,
+    follow: Sequence[str | Path] | None = None,
+    follow_interval: float = 0.25,
+    follow_settle: float = 2.0,
+    follow_tags: Iterable[str] = (),
+    follow_allow_ragged: bool = False,
 ) -> FastAPI:
     """The REST service and web viewer over the tracedb database at ``db_path``.
 
@@ -58,7 +65,17 @@ def create_app(
     traces are kept up to ``view_cache_tokens`` tokens (0: no cache) until the next
     write. Only requests whose Host is one of ``allowed_hosts`` are served (default: the
     loopback names; ``"*"`` any). ``read_only`` opens the file read-only (default: when
-    there is no ``token``, so other processes can read the file beside the server).
+    there is no ``token`` and nothing to follow, so other processes can read the file
+    beside the server). ``GET /branches`` answers at most ``branch_token_limit`` view
+    tokens (whole traces, saying so when it stops there); a long-poll waits at most
+    ``max_wait_s`` seconds.
+
+    ``follow`` (files and directories of a run being written) makes the server the
+    file's owner: it opens it read-write (writes over REST still need the ``token``) and
+    ingests the paths as ``tracedb ingest --follow`` does (``follow_interval``,
+    ``follow_settle``, ``follow_tags``, ``follow_allow_ragged``) in a background thread
+    on a cursor of its own; ``/health`` shows how it is doing, and a failure there is
+    reported, never fatal to the server.
     Each server thread reads on its own cursor. The database is opened now and
     stays open for the app's life (test clients may run the lifespan once per request);
     ``app.state.backend.close()`` closes it, as ``tracedb serve`` does when uvicorn
@@ -76,7 +93,14 @@ def create_app(
         sql_max_bytes=sql_max_bytes,
         tokenizer=load_tokenizer(tokenizer),
         view_cache_tokens=view_cache_tokens,
-        read_only=token is None if read_only is None else read_only,
+        read_only=(token is None and not follow) if read_only is None else read_only,
+        branch_token_limit=branch_token_limit,
+        max_wait_s=max_wait_s,
+        follow=follow,
+        follow_interval=follow_interval,
+        follow_settle=follow_settle,
+        follow_tags=follow_tags,
+        follow_allow_ragged=follow_allow_ragged,
     )
 
     app = FastAPI(
@@ -94,7 +118,7 @@ def create_app(
     app.add_middleware(errors.BodyLimit, max_bytes=max_body_bytes)
     app.add_middleware(security.HostCheck, allowed=list(allowed_hosts or security.LOOPBACK_HOSTS))
     app.add_middleware(security.SecurityHeaders)
-    for module in (health, traces, branches, groups, writes, sql, viewer):
+    for module in (health, traces, branches, live, groups, writes, sql, viewer):
         app.include_router(module.router)
     app.mount("/static", StaticFiles(directory=resources.files("tracedb.api").joinpath("static")), name="static")
     return app

@@ -14,14 +14,43 @@ from pydantic import BaseModel, Field
 Floats = list[float]
 
 
+class FollowerStatus(BaseModel):
+    """The run a server follows (``tracedb serve --follow``): what its follower did so far."""
+
+    state: Literal["following", "failing", "stopped"] = Field(
+        description="failing: the last poll raised (last_error); it is tried again, the server goes on."
+    )
+    paths: list[str]
+    files: int = Field(description="Files followed so far.")
+    polls: int
+    commits: int
+    lines: int
+    traces: int = Field(description="Traces added.")
+    skipped: int = Field(description="Traces read that were already stored.")
+    rejected: int = Field(description="Lines rejected (kept in `rejects` with their reason).")
+    bytes: int
+    watermark: int = Field(description="The watermark after the follower's last commit.")
+    behind: bool = Field(description="The last poll stopped at its byte budget with more to read.")
+    waiting: dict[str, str] = Field(description="Compressed files not taken yet, and why.")
+    restarts: list[str] = Field(description="Files read again from their start (shrunk, replaced), the last 20.")
+    errors: int = Field(description="Polls that failed.")
+    last_error: str | None
+    last_error_at: str | None
+    last_commit_at: str | None
+    interval_s: float
+    settle_s: float
+
+
 class Health(BaseModel):
     status: Literal["ok"] = "ok"
     tracedb_version: str
     schema_version: int
     database: str
     traces: int
+    watermark: int = Field(description="The highest ingest sequence number committed (pass it as ?after=).")
     writes_enabled: bool = Field(description="A bearer token is configured (--token / TRACEDB_TOKEN).")
     sql_enabled: bool = Field(description="The server was started with --allow-sql.")
+    follower: FollowerStatus | None = Field(None, description="Only on a server started with --follow.")
 
 
 class TraceRow(BaseModel):
@@ -42,6 +71,34 @@ class TraceRow(BaseModel):
 class TracePage(BaseModel):
     traces: list[TraceRow]
     next_cursor: str | None = Field(description="Pass as ?cursor= for the next page; null on the last page.")
+
+
+class LiveTraceRow(BaseModel):
+    """One trace of a live listing (``?after=`` and friends), in arrival order."""
+
+    seq: int = Field(description="The trace's ingest sequence number.")
+    trace_id: str
+    episode_id: str | None
+    group_id: str | None
+    reward: float | None
+    ok: bool | None
+    is_completed: bool | None
+    is_timeout: bool | None
+    stop_condition: str | None
+    n_nodes: int
+    n_branches: int
+    n_tokens: int
+    n_sampled: int
+    source: str | None = Field(description="The file the trace was read from.")
+    line: int | None
+    ingested_at: str | None
+    tags: dict[str, Any] = Field(description="The trace's ingest tags.")
+
+
+class LiveTracePage(BaseModel):
+    watermark: int = Field(description="Pass as ?after= next time: nothing is missed, nothing repeated.")
+    more: bool = Field(description="The limit stopped the listing short: ask again at once with after=watermark.")
+    traces: list[LiveTraceRow]
 
 
 class SemanticLink(BaseModel):
@@ -120,6 +177,9 @@ class BranchSummary(BaseModel):
 class BranchList(BaseModel):
     trace_id: str
     credit: str
+    watermark: int | None = Field(
+        None, description="With after/complete_groups/through/tag: the watermark the selection was read at."
+    )
     branches: list[BranchSummary]
 
 
@@ -138,6 +198,39 @@ class BranchView(BaseModel):
     trainer_logprobs: Floats | None = None
     entropies: Floats | None = None
     loss_weights: dict[str, Floats] | None = None
+
+
+class BranchSelection(BaseModel):
+    """``GET /branches`` as JSON: the branch views of a selection, bounded by the server's
+    token limit (whole traces; ``truncated`` says when it stopped there)."""
+
+    watermark: int = Field(description="Pass as ?after= for the rest and what arrived since.")
+    traces: int
+    tokens: int = Field(description="View tokens answered (the branches' lengths summed).")
+    token_limit: int
+    truncated: bool
+    truncated_why: str | None
+    branches: list[BranchView]
+
+
+class Stats(BaseModel):
+    """``db.stats()``: counts and sizes."""
+
+    path: str
+    schema_version: int
+    episodes: int
+    traces: int
+    nodes: int
+    branches: int
+    segments: int
+    rejects: int
+    tokens: int
+    sampled_tokens: int
+    branch_tokens: int = Field(description="Tokens over every branch view (shared prefixes counted per branch).")
+    stored_tokens: int = Field(description="Tokens stored (each distinct segment once).")
+    dedup_ratio: float | None
+    bytes: int | None = Field(description="The database file and its WAL (null in memory).")
+    watermark: int
 
 
 class GroupTrace(TraceRow):

@@ -10,6 +10,9 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -18,9 +21,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from tracedb import credit_sets as registry
+from tracedb import watermark_of
+from tracedb.batches import Plan
+from tracedb.batches.plan import SAMPLES_SCHEMA
 from tracedb.database import Database
 from tracedb.errors import NotFound
+from tracedb.readback import TRACE_LISTING
 from tracedb.tables import KEY_COLUMNS, NULLABLE_TOKEN_COLUMNS
+from tracedb.views import with_watermark
 
 from .errors import invalid, not_found
 
@@ -276,3 +284,216 @@ def node_exists(db: Database, trace_id: str, index: int) -> None:
     meta = trace_meta(db, trace_id)
     if index >= meta["n_nodes"]:
         raise not_found(f"trace {trace_id!r} has {meta['n_nodes']} nodes (0-{meta['n_nodes'] - 1}); no node {index}")
+
+
+# --------------------------------------------------------------------------- live runs
+
+_TAG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*\Z")
+
+
+def _tag_value(text: str) -> Any:
+    """A tag value as a query string carries it: JSON when it reads as JSON (``12``,
+    ``true``, ``"12"``), else the text itself."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def tag_filters(values: Sequence[str] | None) -> dict[str, Any] | None:
+    """``?tag=`` values as the library's ``tags``: ``name=VALUE`` (equal; numbers compare
+    as numbers) or ``name=LOW..HIGH`` (inclusive, either end may be left empty); 422
+    naming the parameter for anything else."""
+    if not values:
+        return None
+    out: dict[str, Any] = {}
+    for text in values:
+        name, sep, spec = text.partition("=")
+        name = name.strip()
+        if not sep or not _TAG_NAME.match(name):
+            raise invalid(f"tag: expected name=value or name=low..high, got {text!r}")
+        if name in out:
+            raise invalid(f"tag: {name!r} is given twice (one filter per tag; a range is name=low..high)")
+        value = _tag_value(spec)
+        if isinstance(value, str) and ".." in spec:
+            low, high = (None if not end.strip() else _tag_value(end.strip()) for end in spec.split("..", 1))
+            ends = [v for v in (low, high) if v is not None]
+            numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in ends)
+            if not (numbers or all(isinstance(v, str) for v in ends)):
+                raise invalid(f"tag: a range's ends are both numbers or both strings, not {text!r}")
+            value = (low, high)
+        elif isinstance(value, float) and not np.isfinite(value):
+            raise invalid(f"tag: {text!r} is not a finite number")
+        out[name] = value
+    return out
+
+
+@dataclass(frozen=True)
+class Live:
+    """What a live consumer narrows a selection with: ``after``, ``complete_groups``,
+    ``through`` and ingest ``tags`` (see :class:`tracedb.views.Selection`)."""
+
+    after: int | None = None
+    complete_groups: int | None = None
+    through: int | None = None
+    tags: dict[str, Any] | None = None
+
+    @property
+    def given(self) -> bool:
+        return any(v is not None for v in (self.after, self.complete_groups, self.through, self.tags))
+
+    def pinned(self, db: Database) -> Live:
+        """The same selection read as of one watermark (``through``: the one asked for,
+        or the current one): every call built from it selects the same traces."""
+        mark = db.watermark()
+        return replace(self, through=mark if self.through is None else min(self.through, mark))
+
+    def kwargs(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _library(call: Any) -> Any:
+    """``call()``, the library's refusal of an argument (ValueError, TypeError) as a 422."""
+    try:
+        return call()
+    except (ValueError, TypeError) as e:
+        raise invalid(str(e)) from None
+
+
+def live_traces(
+    db: Database,
+    live: Live,
+    *,
+    group: str | None = None,
+    episode: str | None = None,
+    limit: int | None = None,
+) -> dict[str, Any]:
+    """The selected traces in arrival order (sequence number), with the watermark to pass
+    as ``after`` next time, ``more`` when ``limit`` stopped the listing short of it, and
+    ``read_at``: the watermark the selection was read at."""
+    pinned = live.pinned(db)
+    table = _library(lambda: db.traces(group=group, episode=episode, limit=limit, **pinned.kwargs()))
+    mark = watermark_of(table)
+    assert mark is not None and pinned.through is not None
+    rows = table.to_pylist()
+    for row in rows:
+        row["ingested_at"] = None if row["ingested_at"] is None else row["ingested_at"].isoformat()
+        row["tags"] = orjson.loads(row["tags"]) if row["tags"] else {}
+    return {"watermark": mark, "more": mark < pinned.through, "read_at": pinned.through, "traces": rows}
+
+
+LIVE_COLUMNS = (*TRACE_LISTING, "tags")
+"""The fields of a trace in a live listing."""
+
+
+def in_selection(db: Database, trace_id: str, live: Live) -> int | None:
+    """The watermark the selection was read at when ``trace_id`` is in it, else None (404
+    for a trace not in the database at all)."""
+    trace_meta(db, trace_id)
+    table = _library(lambda: db.traces(trace_ids=[trace_id], **live.pinned(db).kwargs()))
+    return watermark_of(table) if table.num_rows else None
+
+
+def view_tokens(
+    db: Database, trace_ids: list[str], trainable: bool | None, branch_index: list[int] | None
+) -> dict[str, int]:
+    """Tokens of each trace's branch view (the branches kept by the filters)."""
+    where, params = ["trace_id IN (SELECT trace_id FROM _tdb_sized)"], []
+    if trainable is not None:
+        where.append("trainable = ?")
+        params.append(trainable)
+    if branch_index is not None:
+        where.append("branch_index IN (SELECT unnest(?::INTEGER[]))")
+        params.append(branch_index)
+    ids = pa.table({"trace_id": pa.array(trace_ids, pa.string())})
+    with db.handle.registered("_tdb_sized", ids):
+        rows = db.handle.con.execute(
+            f"SELECT trace_id, sum(n_tokens) FROM branches WHERE {' AND '.join(where)} GROUP BY trace_id", params
+        ).fetchall()
+    sizes = dict.fromkeys(trace_ids, 0)
+    sizes.update({r[0]: int(r[1]) for r in rows})
+    return sizes
+
+
+def select_branches(
+    db: Database,
+    live: Live,
+    *,
+    trace_ids: list[str] | None,
+    group: list[str] | None,
+    episode: list[str] | None,
+    trainable: bool | None,
+    branch_index: list[int] | None,
+    columns: list[str] | None,
+    train_once: bool,
+    credit: str | None,
+    token_limit: int,
+) -> tuple[pa.Table, dict[str, Any]]:
+    """The branch views of a selection, whole traces in arrival order up to
+    ``token_limit`` view tokens (with ``complete_groups``, whole groups in the order they
+    completed); the table carries the watermark to pass as ``after`` to get the rest and
+    what came since. 422 when the first trace (or group) alone is over the limit."""
+    pinned = live.pinned(db)
+    select = {"trace_ids": trace_ids, "group": group, "episode": episode, **pinned.kwargs()}
+    listing = _library(lambda: db.traces(**select))
+    ids = listing.column("trace_id").to_pylist()
+    sizes = view_tokens(db, ids, trainable, branch_index)
+    total = sum(sizes.values())
+    mark = watermark_of(listing)
+    truncated = total > token_limit
+    if truncated:
+        cumulative = np.cumsum([sizes[t] for t in ids])
+        fit = int(np.searchsorted(cumulative, token_limit, side="right"))
+        while True:  # whole traces (or groups) in arrival order; each pass drops at least one
+            page = db.traces(limit=max(fit, 1), **select)
+            kept = page.column("trace_id").to_pylist()
+            total = sum(sizes[t] for t in kept)
+            if total <= token_limit:
+                break
+            if len(kept) <= 1 or fit <= 1:
+                what = f"group {page.column('group_id')[0].as_py()!r}" if live.complete_groups else f"trace {kept[0]!r}"
+                raise invalid(
+                    f"the selection's first {what} has {total} view tokens, over this server's branch token limit "
+                    f"({token_limit}): narrow it (trace_id, branch_index, trainable) or raise --branch-token-limit"
+                )
+            fit = len(kept) - 1
+        ids, mark = kept, watermark_of(page)
+    table = _library(
+        lambda: db.branches(
+            trace_ids=ids,
+            trainable=trainable,
+            branch_index=branch_index,
+            columns=columns,
+            train_once=train_once,
+            credit=credit,
+        )
+    )
+    info = {
+        "watermark": mark,
+        "traces": len(ids),
+        "tokens": total,
+        "token_limit": token_limit,
+        "truncated": truncated,
+        "truncated_why": (
+            f"the next trace would pass this server's branch token limit ({token_limit} view tokens); "
+            f"pass after={mark} for the rest"
+            if truncated
+            else None
+        ),
+    }
+    return with_watermark(table, mark), info
+
+
+def rank_table(plan: Plan, rank: int, part: str) -> pa.Table:
+    """One rank's micro-batches as ``tracedb pack`` lays them out: ``tokens``, one record
+    batch per micro-batch (``rank_R.arrow``); ``samples``, the samples of every
+    micro-batch with a ``micro_batch`` column (``rank_R.samples.arrow``)."""
+    batches = plan[rank]
+    if part == "tokens":
+        return pa.Table.from_batches([mb.tokens for mb in batches]) if batches else pa.schema([]).empty_table()
+    schema = SAMPLES_SCHEMA.append(pa.field("micro_batch", pa.int32(), nullable=False))
+    parts = [
+        mb.samples.append_column("micro_batch", pa.array([i] * mb.samples.num_rows, pa.int32()))
+        for i, mb in enumerate(batches)
+    ]
+    return pa.concat_tables(parts) if parts else schema.empty_table()  # as write_step writes it

@@ -1,4 +1,4 @@
-"""Liveness and what the server allows."""
+"""Liveness, what the server allows, and the follower of a live run."""
 
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ router = APIRouter(tags=["health"], default_response_class=JSONBody)
 
 @router.get("/health", response_model=Health)
 def health(request: Request, db: Reader) -> Any:
-    """The server is up and reads its database."""
+    """The server is up and reads its database; on a server that follows a run, how its
+    follower is doing (a failing follower is reported here, the server goes on)."""
     state = request.app.state
+    follower = state.backend.follower
     return JSONBody(
         {
             "status": "ok",
@@ -26,7 +28,9 @@ def health(request: Request, db: Reader) -> Any:
             "schema_version": db.schema_version,
             "database": db.path,
             "traces": db.handle.scalar("SELECT count(*) FROM traces"),
+            "watermark": db.watermark(),
             "writes_enabled": state.token is not None and not state.backend.read_only,
             "sql_enabled": state.backend.allow_sql,
+            "follower": None if follower is None else follower.status(),
         }
     )

@@ -1,24 +1,31 @@
-"""Traces: the paginated listing, one trace's metadata and nodes, its record as ingested."""
+"""Traces: the paginated listing (or, for a live run, what arrived since a watermark,
+long-polled), one trace's metadata and nodes, its record as ingested."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Path, Query
+from starlette.concurrency import run_in_threadpool
 
 from .. import queries
-from ..deps import CreditQuery, Reader, credit_of
-from ..errors import JSONBody, responses
-from ..models import TraceDetail, TracePage
+from ..deps import Backend_, CreditQuery, Reader, credit_of
+from ..errors import JSONBody, invalid, responses
+from ..models import LiveTracePage, TraceDetail, TracePage
+from .live import LiveSelection
 
 router = APIRouter(tags=["traces"], default_response_class=JSONBody)
 
 TraceId = Annotated[str, Path(description="The trace's id (verifiers Trace.id).", max_length=500)]
+WATERMARK_HEADER = "X-Tracedb-Watermark"
 
 
-@router.get("/traces", response_model=TracePage, responses=responses(422))
-def list_traces(
+@router.get("/traces", response_model=TracePage | LiveTracePage, responses=responses(422))
+async def list_traces(
     db: Reader,
+    backend: Backend_,
+    live: LiveSelection,
     group: Annotated[str | None, Query(description="Only this group (episode.group.id).", max_length=500)] = None,
     episode: Annotated[str | None, Query(description="Only this episode.", max_length=500)] = None,
     ok: Annotated[bool | None, Query(description="Only traces whose ok flag is this.")] = None,
@@ -31,21 +38,64 @@ def list_traces(
     cursor: Annotated[
         str | None, Query(description="next_cursor of the previous page.", max_length=2000, pattern=r"^[A-Za-z0-9_-]+$")
     ] = None,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+    limit: Annotated[
+        int | None, Query(ge=1, le=1000, description="Traces per answer (default 50; a live listing 1000).")
+    ] = None,
+    wait: Annotated[
+        float | None,
+        Query(
+            ge=0,
+            le=60,
+            allow_inf_nan=False,
+            description="Live: when nothing past `after` matches yet, wait up to this many seconds for it.",
+        ),
+    ] = None,
 ) -> Any:
-    """Traces with their episode, group, reward, sizes and stop condition, a page at a time."""
-    return queries.list_traces(
-        db,
-        group=group,
-        episode=episode,
-        ok=ok,
-        min_reward=min_reward,
-        max_reward=max_reward,
-        stop_condition=stop_condition,
-        sort=sort,
-        cursor=cursor,
-        limit=limit,
-    )
+    """Traces with their episode, group, reward, sizes and stop condition, a page at a time.
+
+    For a live run (any of ``after``, ``complete_groups``, ``through``, ``tag``, ``wait``):
+    the traces in arrival order with the ``watermark`` to pass as ``after`` next time (also
+    in the X-Tracedb-Watermark header); ``wait=S`` answers as soon as a matching trace is
+    committed, or after S seconds with none."""
+    if not live.given and wait is None:
+        page = await run_in_threadpool(
+            queries.list_traces,
+            db,
+            group=group,
+            episode=episode,
+            ok=ok,
+            min_reward=min_reward,
+            max_reward=max_reward,
+            stop_condition=stop_condition,
+            sort=sort,
+            cursor=cursor,
+            limit=50 if limit is None else limit,
+        )
+        return JSONBody(page)
+    for name, value in (
+        ("ok", ok),
+        ("min_reward", min_reward),
+        ("max_reward", max_reward),
+        ("stop_condition", stop_condition),
+        ("cursor", cursor),
+        ("sort", None if sort == "trace_id" else sort),
+    ):
+        if value is not None:
+            raise invalid(
+                f"{name}: not with after, complete_groups, through, tag or wait (a live listing is in arrival order)"
+            )
+    limit = 1000 if limit is None else limit
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + min(wait or 0.0, backend.max_wait_s)
+    while True:
+        page = await run_in_threadpool(queries.live_traces, db, live, group=group, episode=episode, limit=limit)
+        read_at = page.pop("read_at")
+        left = deadline - loop.time()
+        if page["traces"] or left <= 0 or (live.through is not None and read_at >= live.through):
+            break
+        if await backend.arrivals.wait(read_at, left) <= read_at:
+            break  # nothing was committed in time
+    return JSONBody(page, headers={WATERMARK_HEADER: str(page["watermark"])})
 
 
 @router.get("/traces/{trace_id}", response_model=TraceDetail, responses=responses(404, 422))
