@@ -41,7 +41,7 @@ LAYERS: list[list[str]] = [
     ["tracedb.cec"],
     ["tracedb.database"],
     ["tracedb"],
-    ["tracedb.cli", "tracedb.cec.cli", "tracedb.api", "tracedb.__main__"],
+    ["tracedb.cli", "tracedb.cec.cli", "tracedb.api", "tracedb.client", "tracedb.__main__"],
 ]
 """Bottom first. A module belongs to the longest group name that prefixes its own
 (``tracedb`` alone is the package's ``__init__``, the names a user types)."""

@@ -12,6 +12,7 @@ import typer
 
 from tracedb import credit as credit_lib
 from tracedb.cec.cli import app as cec_app
+from tracedb.cli import remote
 from tracedb.cli.common import DbOption, JsonOption, emit, err, fail, open_db, out, report_ingest
 from tracedb.cli.follow import follow as run_follower
 from tracedb.errors import TraceDBError
@@ -100,11 +101,25 @@ def sql(
     write: Annotated[
         bool, typer.Option("--write", help="Open the file for writing (for statements that change it).")
     ] = False,
+    url: remote.UrlOption = None,
 ) -> None:
     """Run SQL against the database; tracedb's macros (branch_tokens(), node_credit(), ...) are there.
 
-    The file is opened read-only (other readers may have it open too) unless --write."""
+    The file is opened read-only (other readers may have it open too) unless --write. With
+    --url, one SELECT goes through the server (started with --allow-sql), within its row
+    and byte limits."""
     text = sys.stdin.read() if query == "-" else query
+    if url:
+        if write:
+            raise fail("--write opens the file; a server (--url) answers reads only", 2)
+        rows = remote.sql_rows(url, text, None if as_json else limit + 1)
+        if as_json:
+            emit(rows, True)
+            return
+        emit(rows[:limit], False)
+        if len(rows) > limit:
+            err.print(f"more than {limit} rows, {limit} shown (--limit)")
+        return
     with open_db(db, read_only=not write) as database:
         try:
             table = database.sql(text)
@@ -130,18 +145,23 @@ def branches(
     ] = None,
     credit: CreditOption = None,
     as_json: JsonOption = False,
+    url: remote.UrlOption = None,
 ) -> None:
-    """Show one trace's branches: size, sampled tokens, credit; --json --tokens for the arrays."""
-    with open_db(db, read_only=True) as database:
-        try:
-            table = database.branches(
-                trace_ids=[trace_id], train_once=train_once, credit=credit, branch_index=branch or None
-            )
-            known = table.num_rows or database.branches(trace_ids=[trace_id], columns=[]).num_rows
-        except TraceDBError as e:
-            raise fail(e) from None
+    """Show one trace's branches: size, sampled tokens, credit; --json --tokens for the arrays.
+    With --url, through the server (within its branch token limit)."""
+    if url:
+        table, known = remote.trace_branches(url, trace_id, train_once=train_once, credit=credit, branch=branch)
+    else:
+        with open_db(db, read_only=True) as database:
+            try:
+                table = database.branches(
+                    trace_ids=[trace_id], train_once=train_once, credit=credit, branch_index=branch or None
+                )
+                known = table.num_rows or database.branches(trace_ids=[trace_id], columns=[]).num_rows
+            except TraceDBError as e:
+                raise fail(e) from None
     if not known:
-        raise fail(f"trace {trace_id!r} is not in {db}")
+        raise fail(f"trace {trace_id!r} is not in {url or db}")
     if table.num_rows == 0:
         raise fail(f"trace {trace_id!r} has no branch {', '.join(map(str, branch or []))}")
     rows = []
@@ -269,8 +289,12 @@ def pack(
 
 
 @app.command()
-def stats(db: DbOption = Path("tracedb.duckdb"), as_json: JsonOption = False) -> None:
-    """Episodes, traces, nodes, branches, tokens, bytes and the dedup ratio."""
+def stats(db: DbOption = Path("tracedb.duckdb"), as_json: JsonOption = False, url: remote.UrlOption = None) -> None:
+    """Episodes, traces, nodes, branches, tokens, bytes, the dedup ratio and the watermark
+    (with --url, of the database the server serves)."""
+    if url:
+        emit(remote.stats(url), as_json, title=url)
+        return
     with open_db(db, read_only=True) as database:
         emit(database.stats(), as_json, title=str(db))
 
@@ -376,17 +400,41 @@ def serve(
             "--allowed-host", help="Another Host name to answer to (repeatable; '*' any); loopback and --host always."
         ),
     ] = None,
+    follow: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--follow",
+            help="Follow this run file or directory while it is written, as ingest --follow does (repeatable).",
+        ),
+    ] = None,
+    interval: Annotated[float, typer.Option(help="--follow: commit what was read at least this often (s).")] = 0.25,
+    settle: Annotated[
+        float, typer.Option(help="--follow: take a .jsonl.zst once it has not changed for this long (s).")
+    ] = 2.0,
+    tag: Annotated[
+        list[str] | None,
+        typer.Option("--tag", help="--follow: a tag on each trace added: name=value or name=$.json.path (repeatable)."),
+    ] = None,
+    allow_ragged: Annotated[
+        bool, typer.Option(help="--follow: accept compact streams longer/shorter than the sampled count.")
+    ] = False,
+    branch_token_limit: Annotated[
+        int, typer.Option(help="View tokens GET /branches answers at most (whole traces; said when reached).")
+    ] = 4_000_000,
 ) -> None:
     """Serve the REST API (branch lookup as JSON or Arrow, listings, writes) and the web trace viewer.
 
-    Without a token the file is opened read-only, so other processes can read it meanwhile."""
+    Without a token the file is opened read-only, so other processes can read it meanwhile.
+    With --follow the server owns the file: it ingests the run as it is written (shown in
+    /health), and readers in other processes go through it (GET /traces?after=&wait=,
+    /branches, /micro-batches; the CLI's --url)."""
     import uvicorn
 
     from tracedb.api import create_app
     from tracedb.api.security import LOOPBACK_HOSTS
 
-    if token is None and not db.exists():
-        raise fail(f"no database at {db} (a read-only server needs one; with --token it is created)", 2)
+    if token is None and not follow and not db.exists():
+        raise fail(f"no database at {db} (a read-only server needs one; with --token or --follow it is created)", 2)
     if host not in ("127.0.0.1", "localhost", "::1") and token is None:
         err.print(
             f"[yellow]warning: serving on {host}, beyond this machine, with no token: anyone who reaches it "
@@ -404,10 +452,20 @@ def serve(
             sql_max_bytes=int(sql_max_mb * 1024 * 1024),
             sql_timeout_s=sql_timeout,
             allowed_hosts=[*LOOPBACK_HOSTS, host, *(allowed_host or [])],
+            branch_token_limit=branch_token_limit,
+            follow=follow or None,
+            follow_interval=interval,
+            follow_settle=settle,
+            follow_tags=tag or [],
+            follow_allow_ragged=allow_ragged,
         )
     except (TraceDBError, FileNotFoundError, ValueError) as e:
         raise fail(e, 2) from None
-    mode = "writes on" if token else "read-only"
+    mode = "writes on" if token else "read-only" if not follow else "following, REST writes off"
+    if follow:
+        missing = [str(p) for p in follow if not p.exists()]
+        note = f"; not there yet (followed once they appear): {', '.join(missing)}" if missing else ""
+        err.print(f"following {', '.join(map(str, follow))}{note}", style="dim")
     err.print(f"tracedb serving {db} on http://{host}:{port} ({mode})")
     try:
         uvicorn.run(application, host=host, port=port, log_level="info")
