@@ -123,6 +123,10 @@ class Settings:
     checkpoint_at_commit: str = "1MB"
     """DuckDB's checkpoint threshold while an ingest commits (so it writes into the file,
     not the WAL first)."""
+    checkpoint_min_tokens: int = 1_000_000
+    """An ingest adding fewer tokens commits into the WAL, without the lowered threshold
+    (a checkpoint rewrites the key indexes whole; a follower's small commits leave it to
+    DuckDB's own threshold)."""
     stream_rows: int = 1 << 16
     """Rows per batch of a view's flat reads."""
     segment_lookup: int = 1000

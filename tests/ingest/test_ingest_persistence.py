@@ -103,11 +103,12 @@ def test_refused_open_does_not_keep_the_file_open(tmp_path):
     assert isinstance(held, SchemaVersionError)
 
 
-def test_a_large_ingest_lands_in_the_file_at_commit(tmp_path):
+def test_a_large_ingest_lands_in_the_file_at_commit(tmp_path, knobs):
     """The commit of a large ingest checkpoints straight into the file (no WAL left
     behind), and the instance's checkpoint threshold is put back afterwards."""
     from tracedb.sample import write_sample
 
+    knobs(checkpoint_min_tokens=200_000)  # "large" from 200k tokens: this one has 240k
     jsonl = write_sample(tmp_path / "traces.jsonl", groups=2, tokens_per_trace=15_000, advantages=True)
     path = tmp_path / "runs.duckdb"
     with tracedb.connect(path) as db:
@@ -118,6 +119,25 @@ def test_a_large_ingest_lands_in_the_file_at_commit(tmp_path):
         assert not wal.exists() or wal.stat().st_size < 64 * 1024  # not the ~2 MB of data
         assert db.con.execute("SELECT current_setting('checkpoint_threshold')").fetchall()[0][0] == before
         expected = db.branches()
+    with tracedb.connect(path, read_only=True) as db:
+        assert db.branches().equals(expected)
+
+
+def test_a_small_ingest_commits_into_the_wal(tmp_path, knobs):
+    """A small commit (a follower's poll) is not checkpointed at once: a checkpoint
+    rewrites the key indexes whole. Its data is in the WAL, and there after a reopen."""
+    from tracedb.sample import write_sample
+
+    knobs(checkpoint_min_tokens=10_000_000)
+    jsonl = write_sample(tmp_path / "traces.jsonl", groups=2, tokens_per_trace=15_000, advantages=True)
+    path = tmp_path / "runs.duckdb"
+    db = tracedb.connect(path)
+    before = db.con.execute("SELECT current_setting('checkpoint_threshold')").fetchall()[0][0]
+    assert db.ingest(jsonl).traces == 16
+    assert Path(str(path) + ".wal").stat().st_size > 256 * 1024  # the data, not yet in the file
+    assert db.con.execute("SELECT current_setting('checkpoint_threshold')").fetchall()[0][0] == before
+    expected = db.branches()
+    db.close()
     with tracedb.connect(path, read_only=True) as db:
         assert db.branches().equals(expected)
 
@@ -182,7 +202,7 @@ def test_a_failed_commit_reports_its_own_error(tmp_path, monkeypatch):
     the commit's error behind "no transaction is active"."""
     import duckdb
 
-    def failing_commit(db):
+    def failing_commit(db, large=True):
         db.con.execute("ROLLBACK")  # what a failed COMMIT leaves behind
         raise duckdb.ConstraintException("commit failed (simulated)")
 

@@ -305,7 +305,7 @@ class IngestRun:
             self.report.watermark = last
         if before_commit is not None:
             before_commit()
-        commit_into_file(self.handle)
+        commit_into_file(self.handle, large=self.report.tokens >= self.knobs.checkpoint_min_tokens)
 
     def abort(self) -> None:
         """Stop the writer (through a second Ctrl-C) and roll back."""
