@@ -32,6 +32,7 @@ from support.credit_groups import (
     make_episodes,
     n_sampled,
     reward_of,
+    shared_sampled_nodes,
     stored,
 )
 
@@ -118,14 +119,9 @@ def test_random_groups_cover_the_cases(tmp_path: Path) -> None:
                     kids[(t["id"], key[:-1])].add(key)
             within += sum(1 for ks in kids.values() if len(ks) >= 2)
             across += sum(1 for k, ids in by_key.items() if len(ids) >= 2 and k)
-    shared = 0
     with ingest(tmp_path, make_episodes(1003)) as db:
-        shared = db.sql(
-            "SELECT count(*) n FROM (SELECT b.trace_id, p FROM branches b, unnest(b.path) u(p) "
-            "JOIN nodes n ON n.trace_id = b.trace_id AND n.node_index = p WHERE n.n_sampled > 0 "
-            "GROUP BY ALL HAVING count(*) > 1)"
-        ).column("n")[0]
-    assert across >= 20 and within >= 10 and above_first >= 20 and shared.as_py() >= 3
+        shared = shared_sampled_nodes(db)
+    assert across >= 20 and within >= 10 and above_first >= 20 and shared >= 3
 
 
 def _chain_episode(tid: str, chain: tuple[list[int], ...], reward: float, group: str = "g") -> dict[str, Any]:

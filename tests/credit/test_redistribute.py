@@ -29,6 +29,7 @@ from support.credit_groups import (
     make_episodes,
     n_sampled,
     reference_grpo,
+    shared_sampled_nodes,
     stored,
 )
 
@@ -112,12 +113,8 @@ def test_the_random_groups_cover_the_cases(tmp_path: Path) -> None:
             mixed += 0 in w and sum(w) > 0
             odd += sum(1 for n in trace["nodes"] if n_sampled(n) and not isinstance(n.get("w", 0), int | float))
     with ingest(tmp_path, make_episodes(2003, weights=0.6)) as db:
-        shared = db.sql(
-            "SELECT count(*) n FROM (SELECT b.trace_id, p FROM branches b, unnest(b.path) u(p) "
-            "JOIN nodes n ON n.trace_id = b.trace_id AND n.node_index = p WHERE n.n_sampled > 0 "
-            "GROUP BY ALL HAVING count(*) > 1)"
-        ).column("n")[0]
-    assert abstain >= 5 and mixed >= 10 and odd >= 5 and shared.as_py() >= 3
+        shared = shared_sampled_nodes(db)
+    assert abstain >= 5 and mixed >= 10 and odd >= 5 and shared >= 3
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -260,3 +260,16 @@ def assert_same(got: dict, want: dict, rtol: float = 1e-5, atol: float = 1e-5) -
     for key, values in want.items():
         assert len(got[key]) == len(values), key
         np.testing.assert_allclose(got[key], values, rtol=rtol, atol=atol, err_msg=str(key))
+
+
+def shared_sampled_nodes(db: tracedb.Database) -> int:
+    """How many nodes with sampled tokens lie on two or more branches of their trace."""
+    return (
+        db.sql(
+            "SELECT count(*) n FROM (SELECT b.trace_id, p FROM branches b, unnest(b.path) u(p) "
+            "JOIN nodes n ON n.trace_id = b.trace_id AND n.node_index = p WHERE n.n_sampled > 0 "
+            "GROUP BY ALL HAVING count(*) > 1)"
+        )
+        .column("n")[0]
+        .as_py()
+    )
