@@ -22,18 +22,22 @@ CREATE OR REPLACE MACRO tdb_widen(vals, n_tokens, n_sampled, mask_prefix, mask_s
     END;
 
 -- Each node's compact advantages in one credit set: 'default' (or NULL) is the credit
--- ingested with the records; a named set reads the credit table, where a node without
--- a row is unassigned (NULL) and a constant is stored once and broadcast here.
+-- ingested with the records; a named set reads the credit table (stored per node) or the
+-- trace_credit table (stored per trace: the trace's value on each node with sampled
+-- tokens). A node without a row is unassigned (NULL); a constant is stored once and
+-- broadcast here.
 CREATE OR REPLACE MACRO credit_advantages(credit_set) AS TABLE
     SELECT n.trace_id, n.node_index, n.n_sampled,
            CASE WHEN credit_set IS NULL OR credit_set = 'default' THEN n.advantages
                 ELSE coalesce(c.advantages,
-                              CASE WHEN c.value IS NOT NULL
-                                   THEN list_resize([]::FLOAT[], n.n_sampled, c.value) END)
+                              CASE WHEN coalesce(c.value, t.value) IS NOT NULL
+                                   THEN list_resize([]::FLOAT[], n.n_sampled, coalesce(c.value, t.value)) END)
            END AS advantages
     FROM nodes n
     LEFT JOIN credit c
-           ON c.credit_set = credit_set AND c.trace_id = n.trace_id AND c.node_index = n.node_index;
+           ON c.credit_set = credit_set AND c.trace_id = n.trace_id AND c.node_index = n.node_index
+    LEFT JOIN trace_credit t
+           ON t.credit_set = credit_set AND t.trace_id = n.trace_id AND n.n_sampled > 0;
 
 -- One row per node with its tokens and every stream in full (per-token) layout.
 CREATE OR REPLACE MACRO node_tokens(credit := NULL) AS TABLE

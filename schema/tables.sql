@@ -1,4 +1,4 @@
--- tracedb storage, schema version 3 (tracedb/migrations.py upgrades older files).
+-- tracedb storage, schema version 4 (tracedb/migrations.py upgrades older files).
 -- One row per episode, trace, node, branch; token ids live once per distinct content
 -- in `segments`. Columns that hold a record's fields keep them exactly: `record` holds
 -- the JSON of everything that has no column of its own.
@@ -124,15 +124,18 @@ CREATE TABLE IF NOT EXISTS rejects (
 
 -- Named credit sets: many assignments side by side on the same frozen rollouts. The
 -- set called 'default' is the credit ingested with the records (nodes.advantages).
+-- A set is stored one way only: per trace ('trace', rows in trace_credit) or per node
+-- ('node', rows in credit); the writers refuse the other shape.
 CREATE TABLE IF NOT EXISTS credit_sets (
     name        VARCHAR PRIMARY KEY,
     algorithm   VARCHAR NOT NULL,
     params      JSON,
     description VARCHAR,
-    created_at  TIMESTAMP DEFAULT current_timestamp
+    created_at  TIMESTAMP DEFAULT current_timestamp,
+    layout      VARCHAR NOT NULL DEFAULT 'node'  -- 'trace' or 'node'
 );
 
--- One row per assigned node of a named set; no row = never assigned (None, not zero).
+-- One row per assigned node of a per-node set; no row = never assigned (None, not zero).
 -- A constant over the node's sampled tokens is stored once in `value`; otherwise the
 -- compact list is in `advantages`. (credit_set, trace_id, node_index) is unique: the
 -- write path (tracedb/writeback.py) deletes before it inserts distinct rows, so the
@@ -143,4 +146,13 @@ CREATE TABLE IF NOT EXISTS credit (
     node_index INTEGER NOT NULL,
     value      FLOAT,
     advantages FLOAT[]
+);
+
+-- One row per assigned trace of a per-trace set (grpo, rloo): its value on every sampled
+-- token of the trace. Nodes without sampled tokens stay unassigned, and a trace without a
+-- row is unassigned (None, not zero). (credit_set, trace_id) is unique, as in credit.
+CREATE TABLE IF NOT EXISTS trace_credit (
+    credit_set VARCHAR NOT NULL,
+    trace_id   VARCHAR NOT NULL,
+    value      FLOAT NOT NULL
 );

@@ -2,10 +2,12 @@
 
 Credit sets sit side by side on the same frozen rollouts. ``default`` is the credit
 ingested with the records (``nodes.advantages``); every other set is a row of
-``credit_sets`` (algorithm, parameters, creation time) with its values in ``credit``.
-Every path that names a set (the writers, the credit algorithms, counterfactual edit
-credit, views, the CLI and the REST routes) goes through :func:`resolve`, so "does this
-set exist" has one answer.
+``credit_sets`` (algorithm, parameters, creation time, layout) with its values stored in
+one of two ways, fixed when it is created: per trace (``layout = 'trace'``, one row per
+trace in ``trace_credit``: credit constant over a trace, as grpo and rloo give) or per
+node (``'node'``, one row per node in ``credit``). Every path that names a set (the
+writers, the credit algorithms, counterfactual edit credit, views, the CLI and the REST
+routes) goes through :func:`resolve`, so "does this set exist" has one answer.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ from tracedb.handle import Handle
 
 DEFAULT_SET = "default"
 """The credit set ingested with the records (``nodes.advantages``)."""
+LAYOUTS = ("node", "trace")
+"""How a named set is stored: ``node`` (table ``credit``), ``trace`` (table ``trace_credit``)."""
+TABLES = {"node": "credit", "trace": "trace_credit"}
+"""The table each layout's rows are in."""
 
 
 def exists(handle: Handle, name: str) -> bool:
@@ -44,14 +50,26 @@ def resolve(handle: Handle, name: str | None) -> str | None:
     return name
 
 
+def layout(handle: Handle, name: str) -> str:
+    """How named set ``name`` is stored: ``"trace"`` or ``"node"`` (:class:`NotFound` when
+    there is no such set)."""
+    found = handle.scalar("SELECT layout FROM credit_sets WHERE name = ?", [name])
+    if found is None:
+        raise NotFound(f"credit set {name!r} does not exist; known sets: {names(handle)}")
+    return found
+
+
 def listing(handle: Handle) -> pa.Table:
-    """The sets: name, algorithm, params, description, created_at, assigned nodes."""
+    """The sets: name, algorithm, params, description, created_at, assigned nodes, layout
+    (``default`` is ``node``: the ingested credit is on the nodes)."""
     return handle.sql(
         "SELECT 'default' AS name, 'ingested' AS algorithm, NULL::JSON AS params, "
         "'credit ingested with the records' AS description, NULL::TIMESTAMP AS created_at, "
-        "(SELECT count(*) FROM nodes WHERE advantages IS NOT NULL) AS assigned_nodes "
+        "(SELECT count(*) FROM nodes WHERE advantages IS NOT NULL) AS assigned_nodes, 'node' AS layout "
         "UNION ALL SELECT s.name, s.algorithm, s.params, s.description, s.created_at, "
-        "(SELECT count(*) FROM credit c WHERE c.credit_set = s.name) FROM credit_sets s "
+        "CASE s.layout WHEN 'trace' THEN (SELECT count(*) FROM trace_credit c JOIN nodes n USING (trace_id) "
+        "                                 WHERE c.credit_set = s.name AND n.n_sampled > 0) "
+        "ELSE (SELECT count(*) FROM credit c WHERE c.credit_set = s.name) END, s.layout FROM credit_sets s "
         "ORDER BY created_at NULLS FIRST, name"
     )
 
@@ -64,20 +82,29 @@ def create(
     params: Mapping[str, Any] | None = None,
     description: str | None = None,
     replace: bool = False,
+    layout: str = "node",
 ) -> None:
-    """Register a named set (its algorithm, parameters and creation time), empty.
+    """Register a named set (its algorithm, parameters, creation time and ``layout``), empty.
 
-    ``replace=True`` drops an existing set of that name and its credit first."""
+    ``layout="node"`` (the default) stores values per node and takes every writer;
+    ``"trace"`` stores one value per trace and takes only per-trace scalars
+    (``write_traces`` with ``value``, a ``(trace_id, value)`` stamp). ``replace=True``
+    drops an existing set of that name and its credit first."""
     if not name or name == DEFAULT_SET:
         raise WriteError(f"{name!r} cannot name a credit set (the default set is the ingested credit)")
+    if layout not in LAYOUTS:
+        raise WriteError(f"credit set {name!r}: layout must be one of {list(LAYOUTS)}, not {layout!r}")
     with handle.transaction():
-        if exists(handle, name) and not replace:
+        if replace:
+            # One statement finds the old set and removes it; a second drops its credit.
+            old = handle.row("DELETE FROM credit_sets WHERE name = ? RETURNING layout", [name])
+            if old is not None:
+                handle.con.execute(f"DELETE FROM {TABLES[old[0]]} WHERE credit_set = ?", [name])
+        elif handle.row("SELECT 1 FROM credit_sets WHERE name = ?", [name]) is not None:
             raise WriteError(f"credit set {name!r} exists; pass replace=True to recompute it")
-        handle.con.execute("DELETE FROM credit WHERE credit_set = ?", [name])
-        handle.con.execute("DELETE FROM credit_sets WHERE name = ?", [name])
         handle.con.execute(
-            "INSERT INTO credit_sets (name, algorithm, params, description) VALUES (?, ?, ?, ?)",
-            [name, algorithm, json.dumps(dict(params or {}), sort_keys=True, default=str), description],
+            "INSERT INTO credit_sets (name, algorithm, params, description, layout) VALUES (?, ?, ?, ?, ?)",
+            [name, algorithm, json.dumps(dict(params or {}), sort_keys=True, default=str), description, layout],
         )
 
 
@@ -86,5 +113,5 @@ def drop(handle: Handle, name: str) -> None:
     with handle.transaction():
         if resolve(handle, name) is None:
             raise WriteError("the default set is the ingested credit; clear it with db.clear() instead")
-        handle.con.execute("DELETE FROM credit WHERE credit_set = ?", [name])
-        handle.con.execute("DELETE FROM credit_sets WHERE name = ?", [name])
+        old = handle.row("DELETE FROM credit_sets WHERE name = ? RETURNING layout", [name])
+        handle.con.execute(f"DELETE FROM {TABLES[old[0]]} WHERE credit_set = ?", [name])

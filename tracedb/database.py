@@ -376,10 +376,19 @@ class Database:
         params: Mapping[str, Any] | None = None,
         description: str | None = None,
         replace: bool = False,
+        layout: str = "node",
     ) -> None:
-        """Register a named credit set; its advantages are then written with ``credit=name``."""
+        """Register a named credit set; its advantages are then written with ``credit=name``.
+        ``layout="trace"`` stores one value per trace (it then takes ``write_traces`` with
+        ``value`` only); ``"node"`` stores values per node and takes every writer."""
         credit_sets.create(
-            self.handle, name, algorithm=algorithm, params=params, description=description, replace=replace
+            self.handle,
+            name,
+            algorithm=algorithm,
+            params=params,
+            description=description,
+            replace=replace,
+            layout=layout,
         )
 
     def drop_credit_set(self, name: str) -> None:
@@ -391,7 +400,8 @@ class Database:
         return credit_sets.exists(self.handle, name)
 
     def credit_sets(self) -> pa.Table:
-        """The credit sets: name, algorithm, params, description, created_at, assigned nodes."""
+        """The credit sets: name, algorithm, params, description, created_at, assigned nodes,
+        layout (``trace`` or ``node``)."""
         return credit_sets.listing(self.handle)
 
 

@@ -185,7 +185,17 @@ class Handle:
 
     def _refuse_unversioned_rows(self) -> None:
         """Refuse a file without a version row that holds data (its version cannot be told)."""
-        known = ("episodes", "traces", "nodes", "segments", "branches", "rejects", "credit_sets", "credit")
+        known = (
+            "episodes",
+            "traces",
+            "nodes",
+            "segments",
+            "branches",
+            "rejects",
+            "credit_sets",
+            "credit",
+            "trace_credit",
+        )
         present = [t for t in known if t in self.table_names()]
         rows = sum(self.scalar(f"SELECT count(*) FROM {quote_identifier(t)}") for t in present)
         if rows:

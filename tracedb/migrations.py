@@ -16,7 +16,7 @@ from pathlib import Path
 
 import duckdb
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """The stored layout this tracedb reads and writes."""
 
 
@@ -51,7 +51,47 @@ def _v2_to_v3(con: duckdb.DuckDBPyConnection) -> None:
     )
 
 
-MIGRATIONS: dict[int, Callable[[duckdb.DuckDBPyConnection], None]] = {1: _v1_to_v2, 2: _v2_to_v3}
+TRACE_ALGORITHMS = ("grpo", "rloo")
+"""The algorithms whose credit was constant per trace when schema 4 came (their layout in
+``tracedb.credit`` was ``"trace"``): the sets :func:`_v3_to_v4` may store per trace."""
+
+
+def _v3_to_v4(con: duckdb.DuckDBPyConnection) -> None:
+    """Credit constant per trace is stored once per trace: ``credit_sets.layout`` and the
+    ``trace_credit`` table. A set a trace-level algorithm (:data:`TRACE_ALGORITHMS`)
+    stamped moves there when its rows say it is one: in every trace it assigns, exactly
+    the nodes with sampled tokens carry one value each (``value``, no list), the same
+    value. Every other set stays per node as it was (a set written by hand, or a grpo set
+    edited per node after its stamp): the readers see the same credit either way."""
+    con.execute("ALTER TABLE credit_sets ADD COLUMN layout VARCHAR DEFAULT 'node'")
+    con.execute("ALTER TABLE credit_sets ALTER COLUMN layout SET NOT NULL")
+    con.execute(
+        "CREATE TABLE trace_credit (credit_set VARCHAR NOT NULL, trace_id VARCHAR NOT NULL, value FLOAT NOT NULL)"
+    )
+    con.execute(
+        "CREATE TEMP TABLE _tdb_per_trace AS "
+        "WITH rows AS (SELECT c.credit_set, c.trace_id, c.value, c.advantages, n.n_sampled "
+        "  FROM credit c JOIN credit_sets s ON s.name = c.credit_set "
+        "  LEFT JOIN nodes n USING (trace_id, node_index) WHERE s.algorithm IN (SELECT unnest(?::VARCHAR[]))), "
+        "per_trace AS (SELECT credit_set, trace_id, count(*) AS n_rows, coalesce(min(value) = max(value) "
+        "  AND bool_and(value IS NOT NULL AND advantages IS NULL AND coalesce(n_sampled, 0) > 0), false) AS one "
+        "  FROM rows GROUP BY ALL), "
+        "sampled AS (SELECT trace_id, count(*) AS n FROM nodes WHERE n_sampled > 0 GROUP BY ALL) "
+        "SELECT name AS credit_set FROM credit_sets WHERE algorithm IN (SELECT unnest(?::VARCHAR[])) "
+        "AND name NOT IN (SELECT credit_set FROM per_trace p LEFT JOIN sampled s USING (trace_id) "
+        "                 WHERE NOT p.one OR p.n_rows <> coalesce(s.n, 0))",
+        [list(TRACE_ALGORITHMS), list(TRACE_ALGORITHMS)],
+    )
+    con.execute(
+        "INSERT INTO trace_credit SELECT credit_set, trace_id, min(value) FROM credit "
+        "WHERE credit_set IN (SELECT credit_set FROM _tdb_per_trace) GROUP BY ALL ORDER BY ALL"
+    )
+    con.execute("DELETE FROM credit WHERE credit_set IN (SELECT credit_set FROM _tdb_per_trace)")
+    con.execute("UPDATE credit_sets SET layout = 'trace' WHERE name IN (SELECT credit_set FROM _tdb_per_trace)")
+    con.execute("DROP TABLE _tdb_per_trace")
+
+
+MIGRATIONS: dict[int, Callable[[duckdb.DuckDBPyConnection], None]] = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4}
 """``MIGRATIONS[n]`` upgrades a file of version ``n`` to ``n + 1``."""
 
 

@@ -176,6 +176,7 @@ CREDIT_SETS = pa.schema(
         _col("params", pa.string()),
         _col("description", pa.string()),
         _col("created_at", pa.timestamp("us"), default=NOW),
+        _col("layout", pa.string(), required=True, default="'node'"),
     ]
 )
 
@@ -186,6 +187,14 @@ CREDIT = pa.schema(
         _col("node_index", pa.int32(), required=True),
         _col("value", pa.float32()),
         _col("advantages", FLOATS),
+    ]
+)
+
+TRACE_CREDIT = pa.schema(
+    [
+        _col("credit_set", pa.string(), required=True),
+        _col("trace_id", pa.string(), required=True),
+        _col("value", pa.float32(), required=True),
     ]
 )
 
@@ -279,6 +288,7 @@ STORED: dict[str, pa.Schema] = {
     "rejects": REJECTS,
     "credit_sets": CREDIT_SETS,
     "credit": CREDIT,
+    "trace_credit": TRACE_CREDIT,
 }
 """The tables of ``schema/tables.sql``, by name."""
 CEC_STORED: dict[str, pa.Schema] = {

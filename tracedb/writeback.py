@@ -6,6 +6,11 @@ before anything is written. Every row is checked first (the node exists, the len
 agree, the values are finite, a shared node gets one value); then all rows are written
 in one transaction. A write either applies entirely or not at all.
 
+A named set stored per trace (``layout='trace'``, :mod:`tracedb.credit_sets`) holds one
+value per trace, which every sampled node of the trace reads: it takes per-trace scalars
+only (``write_traces`` with ``value``, a ``(trace_id, value)`` stamp) and refuses per-node,
+per-branch and per-token writes; a per-node set refuses a per-trace stamp.
+
 ``None`` clears a stream back to unassigned; zeros are zeros.
 """
 
@@ -93,7 +98,7 @@ def write_nodes(
         if stream == "loss_weights":
             raise WriteError("loss_weights are per token: give values, not a value")
         with db.transaction():
-            return _apply_scalars(db, table, stream, credit_sets.resolve(db, credit))
+            return _apply_scalars(db, table, stream, _node_set(db, credit, "per-node values"))
     _require(table, ("trace_id", "node_index", "values"), "per-node")
     stage = pa.table(
         {
@@ -103,7 +108,24 @@ def write_nodes(
         }
     )
     with db.transaction():
-        return _apply(db, stage, stream, credit_sets.resolve(db, credit), name)
+        return _apply(db, stage, stream, _node_set(db, credit, "per-node values"), name)
+
+
+def _node_set(db: Handle, credit: str | None, what: str) -> str | None:
+    """The set per-node rows go to: None for the default set, else the named set, which
+    must exist and be stored per node."""
+    if credit in (None, DEFAULT_SET):
+        return None
+    if credit_sets.layout(db, credit) == "trace":
+        raise _per_trace_only(credit, what)
+    return credit
+
+
+def _per_trace_only(credit: str, what: str) -> WriteError:
+    return WriteError(
+        f"credit set {credit!r} is stored per trace (layout 'trace'): it takes one value per trace "
+        f"(write_traces with value); {what} need a set stored per node; nothing written"
+    )
 
 
 def _apply(db: Handle, stage: pa.Table, stream: str, credit: str | None, name: str | None) -> int:
@@ -273,10 +295,12 @@ def constant_rows(table: pa.Table) -> pa.Table | None:
 
 def stamp_fresh(db: Handle, credit: str, table: pa.Table, layout: str) -> int:
     """Write an algorithm's output into credit set ``credit``, created empty in the open
-    transaction: ``(trace_id, value)`` broadcast per trace, or ``(trace_id, node_index,
-    value)`` per node. The keys come from the database, one row each, so the checks of
-    the general writers (existence, one value per node, an old value to replace) reduce to
-    finiteness and key uniqueness, done in numpy. Returns nodes written."""
+    transaction: ``(trace_id, value)`` into a set stored per trace (``layout="trace"``), or
+    ``(trace_id, node_index, value)`` into one stored per node. The keys come from the
+    database, one row each, so the checks of the general writers (existence, one value per
+    node, an old value to replace) reduce to finiteness and key uniqueness, done in numpy,
+    and to the set's layout and the keys' existence, which the one ``INSERT`` checks as it
+    goes (a row it leaves out refuses the write). Returns the nodes the set assigns."""
     keys = ["trace_id"] if layout == "trace" else ["trace_id", "node_index"]
     value = table.column("value").cast(pa.float64())
     finite = np.isfinite(pc.fill_null(value, 0.0).to_numpy())
@@ -291,23 +315,50 @@ def stamp_fresh(db: Handle, credit: str, table: pa.Table, layout: str) -> int:
     if len(np.unique(key)) != len(key):
         raise WriteError(f"credit set {credit!r}: an algorithm gave one {' and '.join(keys)} two rows")
     stage = pa.table({**{k: table.column(k) for k in keys}, "value": value})
-    db.con.register("_tdb_fresh", stage)
-    try:
-        using = ", ".join(keys)
-        stray = db.row(f"SELECT {using} FROM _tdb_fresh ANTI JOIN {layout}s USING ({using}) LIMIT 1")
-        if stray is not None:
-            raise WriteError(
-                f"{' '.join(f'{k} {v}' for k, v in zip(keys, stray))} is not in the database; nothing written"
-            )
+    expected = stage.num_rows - value.null_count
+    with db.transaction(), db.registered("_tdb_fresh", stage):
         if layout == "trace":
-            return _insert_broadcast(db, credit, "_tdb_fresh")
-        query = (
-            "INSERT INTO credit (credit_set, trace_id, node_index, value) "
-            "SELECT ?, trace_id, node_index, value::FLOAT FROM _tdb_fresh WHERE value IS NOT NULL"
+            written, nodes = db.row(_INSERT_TRACES, [credit])
+        else:
+            written = nodes = db.row(_INSERT_NODES, [credit])[0]
+        if written != expected:
+            _refuse_stamp(db, credit, keys, layout)
+        return int(nodes)
+
+
+_LAYOUT_IS = "(SELECT layout FROM credit_sets WHERE name = $1) = "
+_INSERT_TRACES = (
+    "WITH ins AS (INSERT INTO trace_credit (credit_set, trace_id, value) "
+    "  SELECT $1, s.trace_id, s.value::FLOAT FROM _tdb_fresh s SEMI JOIN traces USING (trace_id) "
+    f"  WHERE s.value IS NOT NULL AND {_LAYOUT_IS}'trace' RETURNING trace_id) "
+    "SELECT (SELECT count(*) FROM ins), "
+    "  (SELECT count(*) FROM nodes WHERE n_sampled > 0 AND trace_id IN (SELECT trace_id FROM ins))"
+)
+"""Per-trace rows into a per-trace set: the rows inserted and the sampled nodes they reach."""
+_INSERT_NODES = (
+    "INSERT INTO credit (credit_set, trace_id, node_index, value) "
+    "SELECT $1, s.trace_id, s.node_index, s.value::FLOAT FROM _tdb_fresh s JOIN traces t USING (trace_id) "
+    f"WHERE s.value IS NOT NULL AND s.node_index >= 0 AND s.node_index < t.n_nodes AND {_LAYOUT_IS}'node'"
+)
+"""Per-node rows into a per-node set (a trace's nodes are 0 .. n_nodes - 1: ingest writes
+every node, nothing deletes one): the rows inserted."""
+
+
+def _refuse_stamp(db: Handle, credit: str, keys: list[str], layout: str) -> None:
+    """Why a stamp's ``INSERT`` left rows out: a key not in the database, or a set stored
+    the other way."""
+    using = ", ".join(keys)
+    stray = db.row(f"SELECT {using} FROM _tdb_fresh ANTI JOIN {layout}s USING ({using}) LIMIT 1")
+    if stray is not None:
+        raise WriteError(f"{' '.join(f'{k} {v}' for k, v in zip(keys, stray))} is not in the database; nothing written")
+    stored = credit_sets.layout(db, credit)
+    if stored != layout:
+        shape = "one value per trace" if layout == "trace" else "values per node"
+        raise WriteError(
+            f"credit set {credit!r} is stored per {stored} (layout {stored!r}): a stamp of {shape} needs a set "
+            f"stored per {layout} (layout={layout!r}); nothing written"
         )
-        return int(db.con.execute(query, [credit]).fetchall()[0][0])
-    finally:
-        db.con.unregister("_tdb_fresh")
+    raise WriteError(f"credit set {credit!r}: the stamp's rows could not all be written; nothing written")
 
 
 def stamp(
@@ -322,19 +373,20 @@ def stamp(
 ) -> int:
     """Create credit set ``name`` and write a credit algorithm's output into it, in one
     transaction: the one path every computed set is stamped through (``tracedb.credit.run``,
-    counterfactual edit credit). Returns the nodes written.
+    counterfactual edit credit). Returns the nodes the set assigns.
 
-    ``table`` is ``(trace_id, value)`` (a constant per trace, broadcast over its sampled
-    nodes), ``(trace_id, node_index, value)`` (a constant per node) or ``(trace_id,
+    ``table`` is ``(trace_id, value)`` (a constant per trace: the set is stored per trace,
+    one row each), ``(trace_id, node_index, value)`` (a constant per node) or ``(trace_id,
     node_index, values)`` (compact lists; lists that repeat one number are stored as that
-    number, the rest through the checked writer)."""
+    number, the rest through the checked writer); these two make a set stored per node."""
+    columns = set(table.column_names)
+    layout = "node" if "node_index" in columns else "trace"
     with db.transaction():
-        credit_sets.create(db, name, algorithm=algorithm, params=params, description=description, replace=replace)
-        columns = set(table.column_names)
-        if "node_index" not in columns:
-            return stamp_fresh(db, name, table, "trace")
-        if "values" not in columns:
-            return stamp_fresh(db, name, table, "node")
+        credit_sets.create(
+            db, name, algorithm=algorithm, params=params, description=description, replace=replace, layout=layout
+        )
+        if layout == "trace" or "values" not in columns:
+            return stamp_fresh(db, name, table, layout)
         scalars = constant_rows(table) if table.num_rows else None
         return stamp_fresh(db, name, scalars, "node") if scalars is not None else write_nodes(db, table, credit=name)
 
@@ -345,7 +397,10 @@ def stamp(
 def write_traces(db: Handle, data: Any, *, stream: str = "advantages", credit: str | None = None) -> int:
     """Per trace: ``value`` (a scalar broadcast over every sampled token) or ``values``
     (one list over all the trace's sampled tokens, in node order). Null clears the trace.
-    Nodes without sampled tokens are left as they are. Returns nodes written."""
+    Nodes without sampled tokens are left as they are. Returns nodes written.
+
+    A named set stored per trace keeps each ``value`` once (and refuses ``values``); one
+    stored per node gets the value on each sampled node."""
     _check_stream(stream, credit, None)
     if stream == "loss_weights":
         raise WriteError("loss_weights are per token; write them per node or per branch")
@@ -365,6 +420,10 @@ def write_traces(db: Handle, data: Any, *, stream: str = "advantages", credit: s
     )
     with db.transaction():
         credit_name = credit_sets.resolve(db, credit)
+        layout = "node" if credit_name is None else credit_sets.layout(db, credit_name)
+        scalars = pc.all(pc.is_null(stage.column("values"))).as_py()
+        if layout == "trace" and not scalars:
+            raise _per_trace_only(credit_name, "per-token values over a trace")
         db.con.register("_tdb_traces_in", stage)
         try:
             bad = db.row(
@@ -386,9 +445,15 @@ def write_traces(db: Handle, data: Any, *, stream: str = "advantages", credit: s
                     f"trace {trace_id}: {stream} needs {expected} values (sampled tokens of the trace), "
                     f"got {got}; nothing written"
                 )
-            if credit_name is not None and pc.all(pc.is_null(stage.column("values"))).as_py():
-                # Scalars into a named set are valid by construction: store one value per node.
-                return _broadcast(db, credit_name)
+            if credit_name is not None and scalars:
+                # Scalars into a named set are valid by construction once each trace has one.
+                dup = db.row(
+                    "SELECT trace_id FROM _tdb_traces_in GROUP BY ALL "
+                    "HAVING count(DISTINCT coalesce(value::VARCHAR, 'NULL')) > 1 LIMIT 1"
+                )
+                if dup is not None:
+                    raise WriteError(f"trace {dup[0]}: two different {stream} values for one trace; nothing written")
+                return _trace_values(db, credit_name) if layout == "trace" else _broadcast(db, credit_name)
             # Broadcast or slice onto each node's sampled tokens, in node order.
             nodes = db.sql(
                 "SELECT n.trace_id, n.node_index, "
@@ -408,21 +473,38 @@ def write_traces(db: Handle, data: Any, *, stream: str = "advantages", credit: s
 
 
 def _broadcast(db: Handle, credit: str) -> int:
-    """Per-trace scalars (registered as _tdb_traces_in) onto a named set, one row per node."""
+    """Per-trace scalars (registered as _tdb_traces_in) onto a set stored per node, one row
+    per sampled node."""
     db.con.execute(
         "DELETE FROM credit WHERE credit_set = ? AND trace_id IN (SELECT trace_id FROM _tdb_traces_in)", [credit]
     )
-    return _insert_broadcast(db, credit, "_tdb_traces_in")
-
-
-def _insert_broadcast(db: Handle, credit: str, source: str) -> int:
-    """Insert per-trace ``value``s of registered table ``source`` as one row per sampled node."""
     return int(
         db.scalar(
             "WITH ins AS (INSERT INTO credit (credit_set, trace_id, node_index, value) "
-            f"SELECT ?, n.trace_id, n.node_index, s.value::FLOAT FROM {source} s JOIN nodes n USING (trace_id) "
+            "SELECT ?, n.trace_id, n.node_index, s.value::FLOAT "
+            "FROM (SELECT DISTINCT trace_id, value FROM _tdb_traces_in) s JOIN nodes n USING (trace_id) "
             "WHERE n.n_sampled > 0 AND s.value IS NOT NULL RETURNING 1) SELECT count(*) FROM ins",
             [credit],
+        )
+    )
+
+
+def _trace_values(db: Handle, credit: str) -> int:
+    """Per-trace scalars (registered as _tdb_traces_in) into a set stored per trace, one row
+    per trace (a null clears it); returns the sampled nodes they assign."""
+    db.con.execute(
+        "DELETE FROM trace_credit WHERE credit_set = ? AND trace_id IN (SELECT trace_id FROM _tdb_traces_in)",
+        [credit],
+    )
+    db.con.execute(
+        "INSERT INTO trace_credit (credit_set, trace_id, value) "
+        "SELECT DISTINCT ?, trace_id, value::FLOAT FROM _tdb_traces_in WHERE value IS NOT NULL",
+        [credit],
+    )
+    return int(
+        db.scalar(
+            "SELECT count(*) FROM nodes WHERE n_sampled > 0 AND trace_id IN "
+            "(SELECT trace_id FROM _tdb_traces_in WHERE value IS NOT NULL)"
         )
     )
 
@@ -515,7 +597,7 @@ def write_branches(
         }
     )
     with db.transaction():
-        return _apply(db, stage, stream, credit_sets.resolve(db, credit), name)
+        return _apply(db, stage, stream, _node_set(db, credit, "per-branch values"), name)
 
 
 # --------------------------------------------------------------------------- clear
@@ -537,7 +619,14 @@ def clear(
         missing = set(trace_ids) - db.existing("traces", "trace_id", trace_ids)
         if missing:
             raise NotFound(f"trace(s) {sorted(missing)} not in the database; nothing cleared")
-    rows = db.sql(f"SELECT trace_id, node_index FROM nodes {where}", params)
-    stage = rows.append_column("values", pa.nulls(rows.num_rows, pa.list_(pa.float32())))
     with db.transaction():
-        return _apply(db, stage, stream, credit_sets.resolve(db, credit), name)
+        named = credit_sets.resolve(db, credit)
+        if named is not None and credit_sets.layout(db, named) == "trace":
+            # A trace's row holds all its credit: dropping it clears every node.
+            db.con.execute(
+                f"DELETE FROM trace_credit WHERE credit_set = ? {where.replace('WHERE', 'AND')}", [named, *params]
+            )
+            return int(db.scalar(f"SELECT count(*) FROM nodes {where}", params))
+        rows = db.sql(f"SELECT trace_id, node_index FROM nodes {where}", params)
+        stage = rows.append_column("values", pa.nulls(rows.num_rows, pa.list_(pa.float32())))
+        return _apply(db, stage, stream, named, name)

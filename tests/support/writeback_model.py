@@ -226,6 +226,7 @@ def state(db: tracedb.Database) -> dict[str, list[dict[str, Any]]]:
             "map_entries(loss_weights) AS loss_weights, present FROM nodes ORDER BY trace_id, node_index"
         ).to_pylist(),
         "credit": db.sql("SELECT * FROM credit ORDER BY credit_set, trace_id, node_index").to_pylist(),
+        "trace_credit": db.sql("SELECT * FROM trace_credit ORDER BY credit_set, trace_id").to_pylist(),
         "credit_sets": db.sql("SELECT * FROM credit_sets ORDER BY name").to_pylist(),
     }
 

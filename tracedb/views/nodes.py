@@ -127,11 +127,14 @@ def load_nodes(
             )
             credit_rows = None
             if credit is not None and "advantages" in streams:
+                # A set is stored per node (credit) or per trace (trace_credit: no node_index).
+                also = where.replace(" WHERE ", " AND ")
                 credit_rows = _sql(
                     con,
-                    "SELECT trace_id, node_index, value, advantages FROM credit WHERE credit_set = ?"
-                    + where.replace(" WHERE ", " AND "),
-                    [credit],
+                    f"SELECT trace_id, node_index, value, advantages FROM credit WHERE credit_set = ?{also} "
+                    "UNION ALL SELECT trace_id, NULL::INTEGER, value, NULL::FLOAT[] FROM trace_credit "
+                    f"WHERE credit_set = ?{also}",
+                    [credit, credit],
                 )
         except BaseException:
             if own:
@@ -347,10 +350,14 @@ def _decode(
 
 def _credit_stream(credit_rows: pa.Table, base: dict[str, int], n_sampled: np.ndarray) -> Stream:
     """Advantages of a named credit set: a row holds a list or one value broadcast over
-    the node's sampled tokens; a node without a row (or with neither) is unassigned."""
+    the node's sampled tokens, or (``node_index`` null: a set stored per trace) one value
+    broadcast over the sampled tokens of every node of its trace; a node without a row
+    (or with neither) is unassigned, and so is a node without sampled tokens under a
+    trace's row."""
     n_rows = len(n_sampled)
     first = np.fromiter((base.get(t, -1) for t in credit_rows.column("trace_id").to_pylist()), np.int64)
-    index = credit_rows.column("node_index").to_numpy().astype(np.int64)
+    per_trace = credit_rows.column("node_index").is_null().to_numpy(zero_copy_only=False)
+    index = pc.fill_null(credit_rows.column("node_index"), 0).to_numpy().astype(np.int64)
     # A row naming no node of the selection (an unknown trace or node) is ignored, as a
     # join would; it never lands on another node's row.
     bounds = np.array(sorted(base.values()) + [n_rows], np.int64)
@@ -358,21 +365,35 @@ def _credit_stream(credit_rows: pa.Table, base: dict[str, int], n_sampled: np.nd
     known = (first >= 0) & (index >= 0) & (first + index < end)
     if not known.all():
         credit_rows, first, index = credit_rows.filter(pa.array(known)), first[known], index[known]
+        per_trace, end = per_trace[known], end[known]
     node = first + index
     values, offsets, listed = list_parts(credit_rows.column("advantages"))
     value = credit_rows.column("value")
-    scalar = value.is_valid().to_numpy(zero_copy_only=False) & ~listed
+    number = pc.fill_null(value, 0.0).to_numpy().astype(np.float32)
+    scalar = value.is_valid().to_numpy(zero_copy_only=False) & ~listed & ~per_trace
+    scalar_node, scalar_value = node[scalar], number[scalar]
+    if per_trace.any():
+        # A trace's row covers its node rows first .. end - 1; those with sampled tokens take it.
+        lo, sizes = first[per_trace], end[per_trace] - first[per_trace]
+        starts = np.zeros(len(sizes), np.int64)
+        np.cumsum(sizes[:-1], out=starts[1:])
+        rows = np.arange(int(sizes.sum()), dtype=np.int64) + np.repeat(lo - starts, sizes)
+        spread = np.repeat(number[per_trace], sizes)
+        sampled = n_sampled[rows] > 0
+        scalar_node = np.concatenate([scalar_node, rows[sampled]])
+        scalar_value = np.concatenate([scalar_value, spread[sampled]])
     # Broadcast values go after the listed ones, n_sampled of each.
-    counts = n_sampled[node[scalar]]
-    broadcast = np.repeat(pc.fill_null(value, 0.0).to_numpy().astype(np.float32)[scalar], counts)
+    counts = n_sampled[scalar_node]
+    broadcast = np.repeat(scalar_value, counts)
     src = np.zeros(n_rows, np.int64)
     take = np.zeros(n_rows, np.int64)
     has = np.zeros(n_rows, bool)
     src[node[listed]] = offsets[:-1][listed]
     take[node[listed]] = np.minimum(np.diff(offsets)[listed], n_sampled[node[listed]])
-    first = np.zeros(len(counts), np.int64)
-    np.cumsum(counts[:-1], out=first[1:])
-    src[node[scalar]] = len(values) + first
-    take[node[scalar]] = counts
-    has[node[listed | scalar]] = True
+    at = np.zeros(len(counts), np.int64)
+    np.cumsum(counts[:-1], out=at[1:])
+    src[scalar_node] = len(values) + at
+    take[scalar_node] = counts
+    has[node[listed]] = True
+    has[scalar_node] = True
     return Stream(np.concatenate([values.astype(np.float32, copy=False), broadcast]), src, take, has)
