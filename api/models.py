@@ -73,22 +73,12 @@ class TracePage(BaseModel):
     next_cursor: str | None = Field(description="Pass as ?cursor= for the next page; null on the last page.")
 
 
-class LiveTraceRow(BaseModel):
+class LiveTraceRow(TraceRow):
     """One trace of a live listing (``?after=`` and friends), in arrival order."""
 
     seq: int = Field(description="The trace's ingest sequence number.")
-    trace_id: str
-    episode_id: str | None
-    group_id: str | None
-    reward: float | None
-    ok: bool | None
     is_completed: bool | None
     is_timeout: bool | None
-    stop_condition: str | None
-    n_nodes: int
-    n_branches: int
-    n_tokens: int
-    n_sampled: int
     source: str | None = Field(description="The file the trace was read from.")
     line: int | None
     ingested_at: str | None
