@@ -40,7 +40,7 @@ def setup() -> None:
         venv.EnvBuilder(with_pip=True).create(VENV)
     print("installing tracedb and its test dependencies into .venv", flush=True)
     run(BIN / "python", "-m", "pip", "install", "--quiet", "--upgrade", "pip")
-    run(BIN / "python", "-m", "pip", "install", "--quiet", "-e", ".[test]")
+    run(BIN / "python", "-m", "pip", "install", "--quiet", "-e", ".[test,lake]")
     # An install of the old layout may leave an empty tracedb/ in site-packages, which
     # Python would take for a namespace package ahead of the editable install's finder.
     for leftover in VENV.glob("lib/python*/site-packages/tracedb"):

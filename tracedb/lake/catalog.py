@@ -1,0 +1,198 @@
+"""Where a lake lives and what it holds: the catalog, the namespace, the tables.
+
+A lake is tracedb's tables as Apache Iceberg tables in one namespace of a pyiceberg
+catalog. ``L`` is either a directory (a local lake made by :func:`init`: a SQLite
+catalog ``catalog.db`` and the warehouse ``warehouse/`` inside it) or a ``.yaml`` /
+``.json`` file of pyiceberg catalog properties (``uri``, ``warehouse``, ``type``, ...;
+two keys are tracedb's: ``name``, the catalog's name, and ``namespace``, both
+``tracedb`` by default).
+
+The schemas are the file store's (:data:`tracedb.tables.STORED`, read when the lake is
+made, never copied) with every column optional and one column of the lake's own,
+:data:`BATCH`, on the tables that the visibility rule joins (see :mod:`tracedb.lake.read`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+from pyiceberg.catalog import Catalog, load_catalog
+from pyiceberg.exceptions import NamespaceAlreadyExistsError, NoSuchTableError
+from pyiceberg.table import Table
+from pyiceberg.transforms import BucketTransform
+
+from tracedb import tables
+from tracedb.errors import DatabaseError
+
+LAKE_SCHEMA_VERSION = 1
+"""The version of the lake's layout (its tables, :data:`BATCH`, the partitioning);
+stored in the lake's ``tracedb_meta`` as ``lake_schema_version``."""
+BATCH = "lake_batch"
+"""The lake's own column: the id of the write that put a row in. A trace's rows are the
+ones written with the traces row that made it visible (the same ``lake_batch``)."""
+META = "tracedb_meta"
+FILE_ONLY = ("tracedb_meta", "follow_positions")
+"""Tables of the file store that the lake does not mirror: the file's own bookkeeping
+(the lake has its own ``tracedb_meta``) and the follower's read positions."""
+BUCKETS = 16
+"""Hash buckets of the key column (``bucket(16, trace_id)``, ...)."""
+BATCHED_KEYS = {"episodes": "episode_id"}
+"""Tables without a trace id whose rows still belong to a write (:data:`BATCH`), by the
+key readers join them on."""
+BUCKET_KEYS = {"segments": "segment_id", "episodes": "episode_id"}
+"""The bucketed column of tables that have no ``trace_id``."""
+
+NAME = "tracedb"
+"""The default catalog name and namespace."""
+
+
+class LakeError(DatabaseError):
+    """A lake that cannot be opened or written as asked (says which and why)."""
+
+
+def lake_tables() -> dict[str, pa.Schema]:
+    """The file store's tables the lake holds, by name, in the stored schemas."""
+    return {name: schema for name, schema in tables.STORED.items() if name not in FILE_ONLY}
+
+
+def per_trace(name: str, schema: pa.Schema) -> bool:
+    """Whether a table's rows belong to one trace each (joined through ``traces``)."""
+    return "trace_id" in schema.names and name != "rejects"
+
+
+def batched(name: str, schema: pa.Schema) -> bool:
+    """Whether a table carries :data:`BATCH`."""
+    return per_trace(name, schema) or name in BATCHED_KEYS or name == "rejects"
+
+
+def lake_schema(name: str, schema: pa.Schema) -> pa.Schema:
+    """The Arrow schema of ``name`` in the lake: the stored one, every column optional
+    (Iceberg's required checks would refuse rows a writer builds nullable), metadata
+    dropped, plus :data:`BATCH` where :func:`batched`."""
+    fields = [f.with_nullable(True).remove_metadata() for f in schema]
+    if batched(name, schema):
+        fields.append(pa.field(BATCH, pa.string()))
+    return pa.schema(fields)
+
+
+def partition_key(name: str, schema: pa.Schema) -> str | None:
+    """The column a table is bucketed on: the trace id, else its own key (None: not
+    partitioned)."""
+    if per_trace(name, schema):
+        return "trace_id"
+    return BUCKET_KEYS.get(name)
+
+
+@dataclass
+class Location:
+    """How to reach a lake: the catalog's properties and the namespace."""
+
+    where: str
+    name: str
+    namespace: str
+    properties: dict[str, str] = field(default_factory=dict)
+
+    def catalog(self) -> Catalog:
+        return load_catalog(self.name, **self.properties)
+
+
+def locate(lake: str | Path) -> Location:
+    """The catalog of ``lake``: a directory (a local lake, see :func:`init`) or a
+    ``.yaml``/``.json`` file of pyiceberg catalog properties."""
+    path = Path(lake)
+    if path.suffix in (".yaml", ".yml", ".json"):
+        if not path.is_file():
+            raise LakeError(f"lake {path}: no such catalog properties file")
+        text = path.read_text()
+        try:
+            if path.suffix == ".json":
+                props = json.loads(text)
+            else:
+                import yaml
+
+                props = yaml.safe_load(text)
+        except Exception as e:
+            raise LakeError(f"lake {path}: not readable as {path.suffix[1:]}: {e}") from None
+        if not isinstance(props, dict):
+            raise LakeError(f"lake {path}: holds {type(props).__name__}, not an object of catalog properties")
+        props = {str(k): str(v) for k, v in props.items()}
+        name = props.pop("name", NAME)
+        namespace = props.pop("namespace", NAME)
+        return Location(str(path), name, namespace, props)
+    if path.exists() and not path.is_dir():
+        raise LakeError(f"lake {path}: neither a directory nor a .yaml/.json of catalog properties")
+    root = path.resolve()
+    props = {
+        "type": "sql",
+        "uri": f"sqlite:///{root / 'catalog.db'}",
+        "warehouse": (root / "warehouse").as_uri(),
+    }
+    return Location(str(path), NAME, NAME, props)
+
+
+def create(location: Location) -> dict[str, Table]:
+    """Make the namespace, the tables that are missing and the meta rows (idempotent);
+    returns every table. ``traces`` is made without pyiceberg's own commit retries: its
+    writer retries itself and re-checks the trace ids each time."""
+    catalog = location.catalog()
+    try:
+        catalog.create_namespace(location.namespace)
+    except NamespaceAlreadyExistsError:
+        pass
+    made: dict[str, Table] = {}
+    for name, schema in {META: tables.META, **lake_tables()}.items():
+        ident = f"{location.namespace}.{name}"
+        try:
+            made[name] = catalog.load_table(ident)
+            continue
+        except NoSuchTableError:
+            pass
+        arrow = lake_schema(name, schema)
+        props = {"commit.retry.num-retries": "0"} if name == "traces" else {}
+        table = catalog.create_table(ident, schema=arrow, properties=props)
+        key = partition_key(name, schema)
+        if key is not None:
+            with table.update_spec() as update:
+                update.add_field(key, BucketTransform(BUCKETS), f"{key}_bucket")
+        made[name] = catalog.load_table(ident)
+    meta = made[META]
+    present = meta.scan().to_arrow().column("key").to_pylist()
+    if "lake_schema_version" not in present:
+        row = {"key": ["lake_schema_version"], "value": [str(LAKE_SCHEMA_VERSION)]}
+        meta.append(pa.table(row, schema=lake_schema(META, tables.META)))
+    return made
+
+
+def load(location: Location) -> dict[str, Table]:
+    """The lake's tables, after checking it is a lake of this version."""
+    if location.properties.get("type") == "sql" and location.properties["uri"].startswith("sqlite:///"):
+        db = Path(location.properties["uri"].removeprefix("sqlite:///"))
+        if not db.exists():
+            raise LakeError(
+                f"lake {location.where}: no lake here (no {db.name}); "
+                f"make one with `tracedb lake init --warehouse {location.where}`"
+            )
+    catalog = location.catalog()
+    found: dict[str, Table] = {}
+    missing = []
+    for name in (META, *lake_tables()):
+        try:
+            found[name] = catalog.load_table(f"{location.namespace}.{name}")
+        except NoSuchTableError:
+            missing.append(name)
+    if META in missing:
+        raise LakeError(
+            f"lake {location.where}: namespace {location.namespace!r} holds no tracedb lake (no {META} table)"
+        )
+    rows = dict(zip(*found[META].scan().to_arrow().select(["key", "value"]).to_pydict().values(), strict=True))
+    version = rows.get("lake_schema_version")
+    if version != str(LAKE_SCHEMA_VERSION):
+        raise LakeError(
+            f"lake {location.where}: lake schema version {version}, this tracedb reads {LAKE_SCHEMA_VERSION}"
+        )
+    if missing:
+        raise LakeError(f"lake {location.where}: tables {missing} are missing; `tracedb lake init` adds them")
+    return found

@@ -1,0 +1,149 @@
+"""The :class:`Lake`: one open lake, the calls a user makes on it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+from pyiceberg.table import Table
+
+from tracedb.database import Database, connect
+from tracedb.lake import catalog, move, read
+from tracedb.lake.write import AppendReport, append
+from tracedb.sqltext import load_sql
+
+
+class Lake:
+    """An open tracedb lake. Make one with :func:`tracedb.lake.init`, open with
+    :func:`tracedb.lake.open`."""
+
+    def __init__(self, location: catalog.Location, tables: dict[str, Table]) -> None:
+        self.location = location
+        """The catalog properties and namespace."""
+        self._tables = tables
+
+    def __repr__(self) -> str:
+        return f"Lake({self.location.where!r})"
+
+    @property
+    def where(self) -> str:
+        return self.location.where
+
+    def table(self, name: str) -> Table:
+        """The Iceberg table ``name``, reloaded (as of its latest commit)."""
+        table = self._tables[name]
+        table.refresh()
+        return table
+
+    # ----------------------------------------------------------------- writing
+
+    def append(self, rows: dict[str, pa.Table]) -> AppendReport:
+        """Append the traces of ``rows`` (tables by name in the stored schemas) the lake
+        does not show yet, as one write (see :mod:`tracedb.lake.write`)."""
+        return append(self, rows)
+
+    def push(self, db: str | Path | Database, *, batch_traces: int = move.PUSH_TRACES) -> AppendReport:
+        """Push a file store's traces (with their episodes, nodes, segments, branches,
+        tags and credit; its credit sets and rejects) into the lake, ``batch_traces`` per
+        write. Idempotent by trace id: traces the lake shows already are skipped."""
+        report = AppendReport()
+        with _opened(db, read_only=True) as database:
+            for rows in move.file_chunks(database, batch_traces):
+                report.merge(self.append(rows))
+        return report
+
+    # ----------------------------------------------------------------- reading
+
+    def tables(
+        self,
+        *,
+        trace_ids: Sequence[str] | None = None,
+        group: str | Sequence[str] | None = None,
+        after: int | None = None,
+    ) -> dict[str, pa.Table]:
+        """The visible rows of the selected traces in every table, by name (see
+        :func:`tracedb.lake.read.visible`)."""
+        return read.visible(self, trace_ids=trace_ids, group=group, after=after)
+
+    def watermark(self) -> int:
+        """The highest ``seq`` of a visible trace (0 before the first): the sequence
+        number of the latest traces commit."""
+        snapshot = self.table("traces").current_snapshot()
+        return 0 if snapshot is None else snapshot.sequence_number
+
+    def pull(
+        self,
+        db: str | Path | Database,
+        *,
+        trace_ids: Sequence[str] | None = None,
+        group: str | Sequence[str] | None = None,
+        after: int | None = None,
+    ) -> int:
+        """Write the selected visible traces (all by default) into a file store (created
+        if missing), skipping those it holds; returns how many were added. ``db.trace()``
+        of a pulled trace equals what the pushed file store returned."""
+        rows = self.tables(trace_ids=trace_ids, group=group, after=after)
+        with _opened(db, read_only=False) as database:
+            return move.write_into(database, rows)
+
+    def sql(self, query: str, params: Sequence[Any] | dict[str, Any] | None = None) -> pa.Table:
+        """Run SQL over the lake's visible rows with tracedb's macros (``branch_stats()``,
+        ``node_credit()``, ...), as :meth:`tracedb.Database.sql` does over a file.
+
+        Every table is scanned (pyiceberg, as Arrow) and registered under its name in a
+        DuckDB connection of its own; the macros of ``schema/macros.sql`` are created
+        over them."""
+        con = duckdb.connect()
+        try:
+            for name, table in self.tables().items():
+                con.register(name, table)
+            con.execute(load_sql("macros.sql"))
+            result = con.sql(query, params=params)
+            return pa.table({}) if result is None else result.to_arrow_table()
+        finally:
+            con.close()
+
+
+class _opened:
+    """A Database for the block: the one passed in (left open), or a path opened and closed."""
+
+    def __init__(self, db: str | Path | Database, *, read_only: bool) -> None:
+        self.given = db if isinstance(db, Database) else None
+        self.path = None if isinstance(db, Database) else Path(db)
+        self.read_only = read_only
+        self.db: Database | None = None
+
+    def __enter__(self) -> Database:
+        if self.given is not None:
+            return self.given
+        assert self.path is not None
+        if self.read_only and not self.path.exists():
+            raise catalog.LakeError(f"no database at {self.path}")
+        self.db = connect(self.path, read_only=self.read_only)
+        return self.db
+
+    def __exit__(self, *exc: object) -> None:
+        if self.db is not None:
+            self.db.close()
+
+
+def init(lake: str | Path) -> Lake:
+    """Make a lake (idempotent: an existing one gets the tables it lacks) and open it.
+    ``lake`` is a directory (created; a SQLite catalog and the warehouse go inside) or a
+    ``.yaml``/``.json`` file of pyiceberg catalog properties."""
+    location = catalog.locate(lake)
+    if location.properties.get("type") == "sql" and location.where == str(lake) and not Path(lake).suffix:
+        Path(lake).mkdir(parents=True, exist_ok=True)
+    catalog.create(location)
+    return open_lake(lake)
+
+
+def open_lake(lake: str | Path) -> Lake:
+    """Open the lake at ``lake`` (a directory :func:`init` made, or a ``.yaml``/``.json``
+    of pyiceberg catalog properties); :class:`~tracedb.lake.catalog.LakeError` when it
+    is not a lake of this version."""
+    location = catalog.locate(lake)
+    return Lake(location, catalog.load(location))

@@ -1,0 +1,148 @@
+"""Reading a lake: only what is visible, in the file store's schemas.
+
+The rule: a trace is visible once its ``traces`` row is committed, and its rows in the
+other tables are the ones written with that row (the same
+:data:`~tracedb.lake.catalog.BATCH`); rows of writes that never committed their traces
+row (a killed writer, a writer that lost the race for a trace id) are not shown. A
+trace's ``seq`` is the sequence number of the snapshot that committed its traces row
+(the data sequence number of the file holding it), so ``after=`` / the watermark mean
+here what they mean in the file store. Segments are shown once each (concurrent writers
+may store one twice) and only those a visible node uses; rejects once each; credit
+sets once per name (the first written).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyiceberg.expressions import AlwaysTrue, BooleanExpression, In
+from pyiceberg.io.pyarrow import ArrowScan
+
+from tracedb.lake.catalog import BATCH, batched, lake_tables, per_trace
+from tracedb.sqltext import quote_identifier
+
+REJECT_KEY = ("source", "line", "trace_id", "node", "field", "reason", "record_sha256")
+"""What makes two rejects one (a file pushed or ingested twice is rejected twice)."""
+
+
+def _scan(table: Any, row_filter: BooleanExpression) -> pa.Table:
+    return table.scan(row_filter=row_filter).to_arrow()
+
+
+def scan_traces(table: Any, row_filter: BooleanExpression = AlwaysTrue()) -> pa.Table:
+    """The traces rows (with :data:`BATCH`) that ``row_filter`` keeps, ``seq`` set to the
+    data sequence number of the file each was committed in."""
+    snapshot = table.current_snapshot()
+    if snapshot is None:
+        return table.scan().to_arrow()
+    seqs = {
+        entry.data_file.file_path: entry.sequence_number
+        for manifest in snapshot.manifests(table.io)
+        for entry in manifest.fetch_manifest_entry(table.io, discard_deleted=True)
+    }
+    scan = ArrowScan(table.metadata, table.io, table.schema(), row_filter)
+    parts = []
+    for task in table.scan(row_filter=row_filter).plan_files():
+        part = scan.to_table([task])
+        seq = pa.array([seqs[task.file.file_path]] * part.num_rows, pa.int64())
+        parts.append(part.set_column(part.schema.get_field_index("seq"), "seq", seq))
+    if not parts:
+        return table.scan(row_filter=row_filter, limit=0).to_arrow()
+    return pa.concat_tables(parts)
+
+
+def _stored(name: str, table: pa.Table) -> pa.Table:
+    """``table`` in the stored schema of ``name`` (the lake's column dropped, types cast)."""
+    schema = lake_tables()[name]
+    return table.select(schema.names).cast(pa.schema([f.with_nullable(True) for f in schema]))
+
+
+def visible(
+    lake: Any,
+    *,
+    trace_ids: Sequence[str] | None = None,
+    group: str | Sequence[str] | None = None,
+    after: int | None = None,
+) -> dict[str, pa.Table]:
+    """Every lake table, by name, holding the visible rows of the selected traces (all
+    when nothing is selected), in the stored schemas, ``traces`` ordered by ``seq`` then
+    trace id. ``trace_ids`` and ``group`` filter the scans (pushed down as row filters:
+    the buckets of other trace ids are not read); ``after`` keeps traces of ``seq > after``."""
+    selected = trace_ids is not None or group is not None
+    row_filter: BooleanExpression = AlwaysTrue()
+    if trace_ids is not None:
+        row_filter = In("trace_id", list(trace_ids))
+    if group is not None:
+        groups = [group] if isinstance(group, str) else list(group)
+        row_filter = In("group_id", groups) if trace_ids is None else row_filter & In("group_id", groups)
+    if trace_ids is not None and not trace_ids:
+        selected_traces = scan_traces(lake.table("traces"), row_filter).slice(0, 0)
+    else:
+        selected_traces = scan_traces(lake.table("traces"), row_filter)
+    con = duckdb.connect()
+    con.register("raw_traces", selected_traces)
+    where = "" if after is None else f"WHERE seq > {int(after)}"
+    traces = con.sql(
+        f"SELECT * FROM raw_traces {where} QUALIFY row_number() OVER (PARTITION BY trace_id ORDER BY seq, {BATCH}) = 1 "
+        "ORDER BY seq, trace_id"
+    ).to_arrow_table()
+    con.register("vis", traces)
+    ids = traces.column("trace_id").to_pylist()
+    out: dict[str, pa.Table] = {"traces": _stored("traces", traces)}
+    schemas = lake_tables()
+    for name, schema in schemas.items():
+        if name in ("traces", "segments"):
+            continue
+        if per_trace(name, schema):
+            raw = _scan(lake.table(name), In("trace_id", ids) if selected else AlwaysTrue())
+            query = f"SELECT r.* FROM raw r SEMI JOIN vis v ON r.trace_id = v.trace_id AND r.{BATCH} = v.{BATCH}"
+        elif name == "episodes":
+            episodes = [e for e in traces.column("episode_id").to_pylist() if e is not None]
+            raw = _scan(lake.table(name), In("episode_id", episodes) if selected else AlwaysTrue())
+            query = (
+                f"SELECT r.* FROM raw r SEMI JOIN vis v ON r.episode_id = v.episode_id AND r.{BATCH} = v.{BATCH} "
+                f"QUALIFY row_number() OVER (PARTITION BY r.episode_id ORDER BY r.ingested_at, r.{BATCH}) = 1"
+            )
+        elif name == "rejects":
+            raw = _scan(lake.table(name), AlwaysTrue())
+            if selected:
+                raw = raw.filter(pc.is_in(raw.column("trace_id"), value_set=pa.array(ids, pa.string())))
+            key = ", ".join(quote_identifier(c) for c in REJECT_KEY)
+            query = f"SELECT * FROM raw QUALIFY row_number() OVER (PARTITION BY {key} ORDER BY rejected_at) = 1"
+        elif name == "credit_sets":
+            raw = _scan(lake.table(name), AlwaysTrue())
+            query = "SELECT * FROM raw QUALIFY row_number() OVER (PARTITION BY name ORDER BY created_at) = 1"
+        else:
+            raw = _scan(lake.table(name), AlwaysTrue())
+            query = "SELECT * FROM raw"
+        con.register("raw", raw)
+        out[name] = _stored(name, _arrow(con.sql(query)))
+        con.unregister("raw")
+    used = pc.unique(out["nodes"].column("segment_id")).to_pylist()
+    raw = _scan(lake.table("segments"), In("segment_id", used) if used else AlwaysTrue())
+    if not used:
+        raw = raw.slice(0, 0)
+    con.register("raw", raw)
+    con.register("used", pa.table({"segment_id": pa.array(used, pa.binary())}))
+    out["segments"] = _stored(
+        "segments",
+        _arrow(
+            con.sql(
+                "SELECT * FROM raw SEMI JOIN used USING (segment_id) "
+                "QUALIFY row_number() OVER (PARTITION BY segment_id) = 1"
+            )
+        ),
+    )
+    con.close()
+    return {name: out[name] for name in schemas}
+
+
+def _arrow(relation: Any) -> pa.Table:
+    return relation.to_arrow_table()
+
+
+__all__ = ["BATCH", "batched", "scan_traces", "visible"]

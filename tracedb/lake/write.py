@@ -1,0 +1,164 @@
+"""Appending traces to a lake: idempotent by trace id, visible all at once.
+
+One :func:`append` is one write (one :data:`~tracedb.lake.catalog.BATCH` id): the rows
+of its new traces are committed table by table, ``traces`` last. The traces commit is
+the visibility marker, and the only one whose check matters: just before each attempt
+the trace ids are looked up again in the table as it is then, and the ones another
+writer made visible meanwhile are dropped; on a commit conflict the table is reloaded
+and the check made again (pyiceberg's own retries are off on ``traces``, they would
+re-apply the append without it). Rows of a trace whose traces row another writer
+committed first stay behind with this write's batch id, invisible.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyiceberg.exceptions import CommitFailedException
+from pyiceberg.expressions import In
+
+from tracedb.lake.catalog import BATCH, batched, lake_schema, lake_tables, per_trace
+
+COMMIT_ATTEMPTS = 20
+"""How often the traces commit is tried (each time after reloading the table and checking
+the trace ids again) before the write gives up."""
+
+
+@dataclass
+class AppendReport:
+    """What one write added to a lake."""
+
+    traces: int = 0
+    skipped: int = 0
+    """Traces already visible in the lake (or made visible by another writer meanwhile)."""
+    rows: dict[str, int] = field(default_factory=dict)
+    """Rows appended per table (including rows a concurrent writer made redundant)."""
+    attempts: int = 0
+    """Commits of ``traces`` tried (1 without a conflict)."""
+    sequence_number: int | None = None
+    """The sequence number of the snapshot that made this write's traces visible: their ``seq``."""
+
+    def merge(self, other: AppendReport) -> None:
+        self.traces += other.traces
+        self.skipped += other.skipped
+        self.attempts += other.attempts
+        for name, n in other.rows.items():
+            self.rows[name] = self.rows.get(name, 0) + n
+        if other.sequence_number is not None:
+            self.sequence_number = max(self.sequence_number or 0, other.sequence_number)
+
+
+def visible_ids(table: object, ids: list[str]) -> set[str]:
+    """The ones of ``ids`` that have a traces row in ``table`` (the traces table as loaded)."""
+    if not ids:
+        return set()
+    found = table.scan(row_filter=In("trace_id", ids), selected_fields=("trace_id",)).to_arrow()  # type: ignore[attr-defined]
+    return set(found.column("trace_id").to_pylist())
+
+
+def _in(column: pa.ChunkedArray | pa.Array, values: list) -> pa.Array:
+    return pc.is_in(column, value_set=pa.array(values, column.type))
+
+
+def _lake_rows(name: str, rows: pa.Table, batch: str) -> pa.Table:
+    schema = lake_tables()[name]
+    target = lake_schema(name, schema)
+    columns = {
+        f.name: rows.column(f.name) if f.name in rows.column_names else pa.nulls(rows.num_rows, f.type) for f in schema
+    }
+    table = pa.table(columns).cast(pa.schema([f for f in target if f.name != BATCH]))
+    if batched(name, schema):
+        table = table.append_column(pa.field(BATCH, pa.string()), pa.array([batch] * rows.num_rows, pa.string()))
+    return table
+
+
+def append(lake: object, rows: Mapping[str, pa.Table]) -> AppendReport:
+    """Append the traces of ``rows`` (tables by name in the stored schemas, as a file
+    store holds them: the traces and everything of theirs) that the lake does not show
+    yet. ``seq`` is not stored: readers take it from the traces commit."""
+    report = AppendReport()
+    traces = rows.get("traces")
+    if traces is None or traces.num_rows == 0:
+        _append_rejects(lake, rows, uuid.uuid4().hex, report)
+        return report
+    ids = traces.column("trace_id").to_pylist()
+    new = [t for t in ids if t not in visible_ids(lake.table("traces"), ids)]  # type: ignore[attr-defined]
+    report.skipped = len(ids) - len(new)
+    batch = uuid.uuid4().hex
+    if not new:
+        _append_rejects(lake, rows, batch, report)
+        return report
+    schemas = lake_tables()
+    keep = traces.filter(_in(traces.column("trace_id"), new))
+    episodes = [e for e in keep.column("episode_id").to_pylist() if e is not None]
+    order = [n for n in schemas if n not in ("traces", "rejects")]
+    for name in order:
+        table = rows.get(name)
+        if table is None or table.num_rows == 0:
+            continue
+        if per_trace(name, schemas[name]):
+            table = table.filter(_in(table.column("trace_id"), new))
+        elif name == "episodes":
+            table = table.filter(_in(table.column("episode_id"), episodes))
+        elif name == "segments":
+            nodes = rows.get("nodes")
+            wanted = nodes.filter(_in(nodes.column("trace_id"), new)).column("segment_id") if nodes is not None else []
+            used = pc.unique(pa.chunked_array(wanted, pa.binary()))
+            table = table.filter(pc.is_in(table.column("segment_id"), value_set=used))
+            table = table.filter(pc.invert(_in(table.column("segment_id"), _segments_present(lake, table))))
+        elif name == "credit_sets":
+            present = set(lake.table(name).scan(selected_fields=("name",)).to_arrow().column("name").to_pylist())  # type: ignore[attr-defined]
+            table = table.filter(pc.invert(_in(table.column("name"), sorted(present))))
+        if table.num_rows:
+            lake.table(name).append(_lake_rows(name, table, batch))  # type: ignore[attr-defined]
+            report.rows[name] = table.num_rows
+    _commit_traces(lake, keep, batch, report)
+    _append_rejects(lake, rows, batch, report)
+    return report
+
+
+def _segments_present(lake: object, segments: pa.Table) -> list[bytes]:
+    ids = pc.unique(segments.column("segment_id")).to_pylist()
+    if not ids:
+        return []
+    found = lake.table("segments").scan(row_filter=In("segment_id", ids), selected_fields=("segment_id",)).to_arrow()  # type: ignore[attr-defined]
+    return pc.unique(found.column("segment_id")).to_pylist()
+
+
+def _commit_traces(lake: object, traces: pa.Table, batch: str, report: AppendReport) -> None:
+    for attempt in range(1, COMMIT_ATTEMPTS + 1):
+        table = lake.table("traces")  # type: ignore[attr-defined]
+        ids = traces.column("trace_id").to_pylist()
+        taken = visible_ids(table, ids)
+        rest = traces.filter(pc.invert(_in(traces.column("trace_id"), sorted(taken)))) if taken else traces
+        report.attempts = attempt
+        if rest.num_rows == 0:
+            report.skipped += traces.num_rows
+            return
+        try:
+            table.append(_lake_rows("traces", rest, batch))
+        except CommitFailedException:
+            time.sleep(min(0.05 * 2**attempt, 2.0) * random.uniform(0.5, 1.0))
+            continue
+        report.skipped += traces.num_rows - rest.num_rows
+        report.traces = rest.num_rows
+        report.rows["traces"] = rest.num_rows
+        report.sequence_number = table.current_snapshot().sequence_number
+        return
+    raise CommitFailedException(
+        f"traces: {COMMIT_ATTEMPTS} commits conflicted with other writers; nothing of this write is visible"
+    )
+
+
+def _append_rejects(lake: object, rows: Mapping[str, pa.Table], batch: str, report: AppendReport) -> None:
+    """Rejects are a log, not trace rows: appended after the traces (readers show each once)."""
+    rejects = rows.get("rejects")
+    if rejects is not None and rejects.num_rows:
+        lake.table("rejects").append(_lake_rows("rejects", rejects, batch))  # type: ignore[attr-defined]
+        report.rows["rejects"] = rejects.num_rows
