@@ -1,0 +1,42 @@
+"""``tracedb lake init|push|pull|sql``: the shells call the library and report errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+import tracedb
+
+from support import FIXTURES
+
+pytest.importorskip("pyiceberg_core", reason="the lake extra is not installed (pip install '.[lake]')")
+
+from tracedb.cli.main import app  # noqa: E402
+
+
+def test_init_push_sql_pull(tmp_path):
+    store = tmp_path / "runs.duckdb"
+    with tracedb.connect(store) as db:
+        db.ingest(FIXTURES / "groups.traces.jsonl")
+        ids = db.sql("SELECT trace_id FROM traces ORDER BY trace_id").column("trace_id").to_pylist()
+        expected = db.sql("SELECT * FROM branch_stats() ORDER BY ALL").to_pylist()
+    run = CliRunner().invoke
+    lake = str(tmp_path / "L")
+    made = run(app, ["lake", "init", "--warehouse", lake, "--json"])
+    assert made.exit_code == 0, made.output
+    assert json.loads(made.output)["watermark"] == 0
+    pushed = run(app, ["lake", "push", "--db", str(store), "--lake", lake, "--json"])
+    assert pushed.exit_code == 0 and json.loads(pushed.output)["traces"] == len(ids)
+    again = run(app, ["lake", "push", "--db", str(store), "--lake", lake, "--json"])
+    assert json.loads(again.output)["skipped"] == len(ids)
+    stats = run(app, ["lake", "sql", "SELECT * FROM branch_stats() ORDER BY ALL", "--lake", lake, "--json"])
+    assert stats.exit_code == 0 and json.loads(stats.output) == json.loads(json.dumps(expected, default=str))
+    local = tmp_path / "local.duckdb"
+    pulled = run(app, ["lake", "pull", "--lake", lake, "--db", str(local), "--trace-ids", ",".join(ids[:2]), "--json"])
+    assert pulled.exit_code == 0 and json.loads(pulled.output)["traces"] == 2
+    bad = run(app, ["lake", "sql", "SELECT * FROM nope", "--lake", lake])
+    assert bad.exit_code == 1 and "nope does not exist" in bad.output
+    missing = run(app, ["lake", "push", "--db", str(store), "--lake", str(tmp_path / "none")])
+    assert missing.exit_code == 2 and "no lake here" in missing.output

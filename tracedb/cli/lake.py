@@ -1,0 +1,124 @@
+"""``tracedb lake ...``: the lake commands, thin shells over :mod:`tracedb.lake`.
+
+The lake needs the ``lake`` extra; it is imported when a lake command runs, so the rest
+of the CLI works without it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Annotated
+
+import typer
+
+from tracedb.cli.common import DbOption, JsonOption, emit, err, fail, out
+from tracedb.errors import TraceDBError
+
+app = typer.Typer(
+    help="The same store as Apache Iceberg tables (needs the lake extra: pip install 'tracedb[lake]').",
+    no_args_is_help=True,
+)
+
+LakeOption = Annotated[
+    Path,
+    typer.Option(
+        "--lake", envvar="TRACEDB_LAKE", help="A lake directory, or a .yaml/.json of pyiceberg catalog properties."
+    ),
+]
+
+
+def _lakes() -> ModuleType:
+    try:
+        import tracedb.lake
+    except ImportError as e:
+        raise fail(f"{e} (the lake commands need the lake extra: pip install 'tracedb[lake]')", 2) from None
+    return tracedb.lake
+
+
+def _open(lake: Path) -> object:
+    try:
+        return _lakes().open(lake)
+    except TraceDBError as e:
+        raise fail(e, 2) from None
+
+
+@app.command()
+def init(
+    warehouse: Annotated[
+        Path,
+        typer.Option("--warehouse", help="A local lake's directory (SQLite catalog + warehouse), or a .yaml/.json."),
+    ],
+    as_json: JsonOption = False,
+) -> None:
+    """Make a lake (idempotent: an existing one gets the tables it lacks)."""
+    lakes = _lakes()
+    try:
+        lake = lakes.init(warehouse)
+    except TraceDBError as e:
+        raise fail(e, 2) from None
+    made = {"lake": str(warehouse), "lake_schema_version": lakes.LAKE_SCHEMA_VERSION, "watermark": lake.watermark()}
+    emit(made, as_json)
+
+
+@app.command()
+def push(
+    db: DbOption = Path("tracedb.duckdb"),
+    lake: LakeOption = Path("lake"),
+    as_json: JsonOption = False,
+) -> None:
+    """Push a file store's traces into the lake; traces it shows already are skipped."""
+    opened = _open(lake)
+    try:
+        report = opened.push(db)  # type: ignore[attr-defined]
+    except TraceDBError as e:
+        raise fail(e) from None
+    mark = opened.watermark()  # type: ignore[attr-defined]
+    emit({"traces": report.traces, "skipped": report.skipped, "rows": report.rows, "watermark": mark}, as_json)
+
+
+@app.command()
+def pull(
+    lake: LakeOption = Path("lake"),
+    db: DbOption = Path("tracedb.duckdb"),
+    trace_ids: Annotated[str | None, typer.Option("--trace-ids", help="Comma-separated trace ids.")] = None,
+    group: Annotated[list[str] | None, typer.Option("--group", help="A group id (repeatable).")] = None,
+    after: Annotated[int | None, typer.Option("--after", help="Only traces committed after this seq.")] = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Pull the selected traces (all by default) from the lake into a local file."""
+    opened = _open(lake)
+    ids = None if trace_ids is None else [t.strip() for t in trace_ids.split(",") if t.strip()]
+    try:
+        added = opened.pull(db, trace_ids=ids, group=group or None, after=after)  # type: ignore[attr-defined]
+    except TraceDBError as e:
+        raise fail(e) from None
+    emit({"db": str(db), "traces": added}, as_json)
+
+
+@app.command()
+def sql(
+    query: Annotated[str, typer.Argument(help="SQL to run; '-' reads it from standard input.")],
+    lake: LakeOption = Path("lake"),
+    as_json: JsonOption = False,
+    limit: Annotated[int, typer.Option(help="Print at most this many rows (table output).")] = 50,
+) -> None:
+    """Run SQL over the lake's visible rows; tracedb's macros (branch_stats(), ...) are there."""
+    opened = _open(lake)
+    text = sys.stdin.read() if query == "-" else query
+    try:
+        table = opened.sql(text)  # type: ignore[attr-defined]
+    except TraceDBError as e:
+        raise fail(e) from None
+    except Exception as e:  # DuckDB's own message says what is wrong with the query
+        raise fail(f"{type(e).__name__}: {e}") from None
+    rows = table.to_pylist()
+    if as_json:
+        emit(rows, True)
+        return
+    emit(rows[:limit], False)
+    if len(rows) > limit:
+        err.print(f"{len(rows)} rows, {limit} shown (--limit)")
+
+
+__all__ = ["app", "out"]
