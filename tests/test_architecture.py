@@ -41,6 +41,7 @@ LAYERS: list[list[str]] = [
     ["tracedb.cec"],
     ["tracedb.database"],
     ["tracedb"],
+    ["tracedb.lake"],
     ["tracedb.cli", "tracedb.cec.cli", "tracedb.api", "tracedb.client", "tracedb.__main__"],
 ]
 """Bottom first. A module belongs to the longest group name that prefixes its own
