@@ -50,7 +50,7 @@ class Metric:
 
     key: str
     label: str
-    kind: str  # "speedup" (peer/tracedb, higher is better), "fraction" (lower is better), "info"
+    kind: str  # "speedup" (peer/tracedb, higher is better), "fraction" / "multiple" (tracedb/peer, lower is better)
     target: float | None = None
     peer: list[float] = field(default_factory=list)
     tracedb: list[float] = field(default_factory=list)
@@ -71,7 +71,7 @@ class Metric:
     def ratio(self) -> float | None:
         if not self.peer or not self.tracedb:
             return None
-        if self.kind == "fraction":
+        if self.kind in ("fraction", "multiple"):
             return statistics.median(self.tracedb) / statistics.median(self.peer)
         return statistics.median(self.peer) / statistics.median(self.tracedb)
 
@@ -85,6 +85,8 @@ class Metric:
     def target_text(self) -> str:
         if self.target is None:
             return "info"
+        if self.kind == "multiple":
+            return f"<= {self.target:g}x"
         return f">= {self.target:g}x" if self.kind == "speedup" else f"<= {self.target:.0%}"
 
     def to_dict(self) -> dict[str, Any]:

@@ -39,11 +39,16 @@ from benchmarks.core import (
     tracedb_ingest,
 )
 from benchmarks.workload import WorkloadFiles
+from tracedb import credit_sets
 
 RESULTS = Path(__file__).resolve().parent / "results-credit.json"
 QUICK = {"traces": 16, "tokens": 3_000, "repeat": 1}
 FULL = {"traces": 256, "tokens": 30_000, "repeat": 11}
-TARGET = 20.0
+TARGETS = {"grpo": 5.0, "gae": 3.0}
+"""Stamp speedup over the peer each algorithm must reach (issue 15)."""
+FLOOR_TARGET = 3.0
+"""A grpo stamp within this multiple of the floor: one set created and committed."""
+FLOOR_SET = "bench-floor"
 GAMMA, LAM = 1.0, 0.95
 ALGORITHMS: dict[str, dict[str, Any]] = {"grpo": {}, "gae": {"gamma": GAMMA, "lam": LAM}}
 SET_NAMES = {"grpo": "bench-grpo", "gae": "bench-gae"}
@@ -138,6 +143,19 @@ def tracedb_stamp(db: Any, algorithm: str) -> dict[str, Any]:
 def tracedb_compute(db: Any, algorithm: str) -> pa.Table:
     """``tracedb.credit.compute``: the algorithm's credit table, nothing written."""
     return tracedb.credit.compute(db, algorithm, **ALGORITHMS[algorithm])
+
+
+def tracedb_floor(db: Any) -> None:
+    """The floor of any stamp: one set created (``credit_sets.create``, replacing the one
+    before, as the stamps do) and committed, with no credit in it."""
+    with db.handle.transaction():
+        credit_sets.create(db.handle, FLOOR_SET, algorithm="grpo", replace=True)
+
+
+def empty_commit(db: Any) -> None:
+    """An empty DuckDB transaction: BEGIN, COMMIT."""
+    db.handle.con.execute("BEGIN TRANSACTION")
+    db.handle.con.execute("COMMIT")
 
 
 # ------------------------------------------------------------------ correctness
@@ -375,15 +393,19 @@ def run(files: WorkloadFiles, workdir: Path, repeat: int, *, log: Callable[[str]
         m: dict[str, Metric] = {}
         for algorithm in ALGORITHMS:
             m[f"{algorithm}_stamp"] = Metric(
-                f"{algorithm}_stamp", f"{algorithm}: stamp (tracedb compute + write)", "speedup", TARGET
+                f"{algorithm}_stamp", f"{algorithm}: stamp (tracedb compute + write)", "speedup", TARGETS[algorithm]
             )
             m[f"{algorithm}_compute"] = Metric(f"{algorithm}_compute", "  same, tracedb compute only", "speedup", None)
+        # Peer column: the floor; tracedb column: the grpo stamp; ratio: stamp / floor.
+        m["grpo_floor"] = Metric("grpo_floor", "grpo stamp vs floor (set created + commit)", "multiple", FLOOR_TARGET)
+        empty: list[float] = []
 
         # Warm-ups, untimed: both sides once per algorithm (imports, query plans, first touch).
         for algorithm in ALGORITHMS:
             PEERS[algorithm](episodes, **ALGORITHMS[algorithm])
             tracedb_stamp(db, algorithm)
             tracedb_compute(db, algorithm)
+        tracedb_floor(db)
 
         correctness: dict[str, Any] = {"passed": False, "rtol": RTOL, "atol": ATOL}
         for r in range(repeat):
@@ -409,6 +431,10 @@ def run(files: WorkloadFiles, workdir: Path, repeat: int, *, log: Callable[[str]
                         "compute_rows": verify_compute(algorithm, table, expected, sampled_traces),
                     }
                 del table, expected
+                if algorithm == "grpo":
+                    floor, _ = timed(partial(tracedb_floor, db))
+                    m["grpo_floor"].add(floor, tt)
+                    empty.append(timed(partial(empty_commit, db))[0].wall)
 
         correctness["passed"] = True
         correctness["repeats_checked"] = repeat
@@ -438,6 +464,10 @@ def run(files: WorkloadFiles, workdir: Path, repeat: int, *, log: Callable[[str]
         "metrics": {k: v.to_dict() for k, v in m.items()},
         "correctness": correctness,
         "profile": profiles,
+        "floor": {
+            "set_created_and_committed": m["grpo_floor"].to_dict()["peer"],
+            "empty_commit_seconds": {"median": statistics.median(empty), "min": min(empty), "samples": empty},
+        },
         "all_targets_met": all(targets),
         "other_load": other_load.result(),
         "seconds": round(time.perf_counter() - started, 1),
@@ -493,8 +523,13 @@ def render(results: dict[str, Any]) -> str:
     setup = results["setup_seconds"]
     c = results["correctness"]
     metrics = results["metrics"]
+    floor = results["floor"]
     lines += [
         "",
+        f"floor (same run): one set created and committed {floor['set_created_and_committed']['median'] * 1e3:.2f} ms "
+        f"median ({floor['set_created_and_committed']['min'] * 1e3:.2f} ms min), an empty BEGIN/COMMIT "
+        f"{floor['empty_commit_seconds']['median'] * 1e3:.2f} ms; grpo stamp = "
+        f"{metrics['grpo_floor']['ratio']:.1f}x the floor",
         f"workload: {w['traces']} traces in groups of {w['params']['group_size']}, {db['nodes']:,} nodes, "
         f"{db['branches']} branches, {results['sampled_tokens']:,} sampled tokens "
         f"({w['tokens']:,} node tokens); gae gamma={GAMMA:g} lam={LAM:g}",

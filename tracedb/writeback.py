@@ -282,8 +282,11 @@ def constant_rows(table: pa.Table) -> pa.Table | None:
     flat = col.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]]
     starts = offsets[:-1] - offsets[0]
     first = flat[starts]
-    if len(flat) and not np.array_equal(np.maximum.reduceat(flat, starts), np.minimum.reduceat(flat, starts)):
-        return None  # NaN makes a list non-constant too: the list path then refuses it
+    # Constant lists change value only where a list starts (one pass, no per-list reduce);
+    # NaN differs from itself, so a list holding one is not constant: the list path refuses it.
+    change = np.flatnonzero(flat[1:] != flat[:-1]) + 1
+    if len(change) and not np.array_equal(starts[np.searchsorted(starts, change).clip(max=len(starts) - 1)], change):
+        return None
     return pa.table(
         {
             "trace_id": table.column("trace_id"),
@@ -293,14 +296,30 @@ def constant_rows(table: pa.Table) -> pa.Table | None:
     )
 
 
-def stamp_fresh(db: Handle, credit: str, table: pa.Table, layout: str) -> int:
+def stamp_fresh(db: Handle, credit: str, table: pa.Table, layout: str, *, created: bool = False) -> int:
     """Write an algorithm's output into credit set ``credit``, created empty in the open
     transaction: ``(trace_id, value)`` into a set stored per trace (``layout="trace"``), or
-    ``(trace_id, node_index, value)`` into one stored per node. The keys come from the
-    database, one row each, so the checks of the general writers (existence, one value per
-    node, an old value to replace) reduce to finiteness and key uniqueness, done in numpy,
-    and to the set's layout and the keys' existence, which the one ``INSERT`` checks as it
-    goes (a row it leaves out refuses the write). Returns the nodes the set assigns."""
+    ``(trace_id, node_index, value)`` into one stored per node (a set stored the other way
+    is refused). The keys come from the database, one row each, so the checks of the
+    general writers (existence, one value per node, an old value to replace) reduce to
+    finiteness and key uniqueness, done in numpy, and to the keys' existence, which the one
+    ``INSERT`` checks as it goes (a row it leaves out refuses the write). Returns the nodes
+    the set assigns. ``created=True``: the caller created the set with ``layout`` in the
+    open transaction (:func:`stamp`), so it is not looked up again."""
+    with db.transaction():  # the rows of a refused stamp go with its rollback
+        nodes = _insert_fresh(db, credit, table, layout)
+        stored = layout if created else credit_sets.layout(db, credit)
+        if stored != layout:
+            shape = "one value per trace" if layout == "trace" else "values per node"
+            raise WriteError(
+                f"credit set {credit!r} is stored per {stored} (layout {stored!r}): a stamp of {shape} needs a set "
+                f"stored per {layout} (layout={layout!r}); nothing written"
+            )
+        return nodes
+
+
+def _insert_fresh(db: Handle, credit: str, table: pa.Table, layout: str) -> int:
+    """:func:`stamp_fresh` once the set is known to be stored per ``layout``."""
     keys = ["trace_id"] if layout == "trace" else ["trace_id", "node_index"]
     value = table.column("value").cast(pa.float64())
     finite = np.isfinite(pc.fill_null(value, 0.0).to_numpy())
@@ -322,15 +341,17 @@ def stamp_fresh(db: Handle, credit: str, table: pa.Table, layout: str) -> int:
         else:
             written = nodes = db.row(_INSERT_NODES, [credit])[0]
         if written != expected:
-            _refuse_stamp(db, credit, keys, layout)
+            using = ", ".join(keys)
+            stray = db.row(f"SELECT {using} FROM _tdb_fresh ANTI JOIN {layout}s USING ({using}) LIMIT 1")
+            where = " ".join(f"{k} {v}" for k, v in zip(keys, stray or ("?",) * len(keys)))
+            raise WriteError(f"{where} is not in the database; nothing written")
         return int(nodes)
 
 
-_LAYOUT_IS = "(SELECT layout FROM credit_sets WHERE name = $1) = "
 _INSERT_TRACES = (
     "WITH ins AS (INSERT INTO trace_credit (credit_set, trace_id, value) "
     "  SELECT $1, s.trace_id, s.value::FLOAT FROM _tdb_fresh s SEMI JOIN traces USING (trace_id) "
-    f"  WHERE s.value IS NOT NULL AND {_LAYOUT_IS}'trace' RETURNING trace_id) "
+    "  WHERE s.value IS NOT NULL RETURNING trace_id) "
     "SELECT (SELECT count(*) FROM ins), "
     "  (SELECT count(*) FROM nodes WHERE n_sampled > 0 AND trace_id IN (SELECT trace_id FROM ins))"
 )
@@ -338,27 +359,10 @@ _INSERT_TRACES = (
 _INSERT_NODES = (
     "INSERT INTO credit (credit_set, trace_id, node_index, value) "
     "SELECT $1, s.trace_id, s.node_index, s.value::FLOAT FROM _tdb_fresh s JOIN traces t USING (trace_id) "
-    f"WHERE s.value IS NOT NULL AND s.node_index >= 0 AND s.node_index < t.n_nodes AND {_LAYOUT_IS}'node'"
+    "WHERE s.value IS NOT NULL AND s.node_index >= 0 AND s.node_index < t.n_nodes"
 )
 """Per-node rows into a per-node set (a trace's nodes are 0 .. n_nodes - 1: ingest writes
 every node, nothing deletes one): the rows inserted."""
-
-
-def _refuse_stamp(db: Handle, credit: str, keys: list[str], layout: str) -> None:
-    """Why a stamp's ``INSERT`` left rows out: a key not in the database, or a set stored
-    the other way."""
-    using = ", ".join(keys)
-    stray = db.row(f"SELECT {using} FROM _tdb_fresh ANTI JOIN {layout}s USING ({using}) LIMIT 1")
-    if stray is not None:
-        raise WriteError(f"{' '.join(f'{k} {v}' for k, v in zip(keys, stray))} is not in the database; nothing written")
-    stored = credit_sets.layout(db, credit)
-    if stored != layout:
-        shape = "one value per trace" if layout == "trace" else "values per node"
-        raise WriteError(
-            f"credit set {credit!r} is stored per {stored} (layout {stored!r}): a stamp of {shape} needs a set "
-            f"stored per {layout} (layout={layout!r}); nothing written"
-        )
-    raise WriteError(f"credit set {credit!r}: the stamp's rows could not all be written; nothing written")
 
 
 def stamp(
@@ -386,9 +390,11 @@ def stamp(
             db, name, algorithm=algorithm, params=params, description=description, replace=replace, layout=layout
         )
         if layout == "trace" or "values" not in columns:
-            return stamp_fresh(db, name, table, layout)
+            return stamp_fresh(db, name, table, layout, created=True)
         scalars = constant_rows(table) if table.num_rows else None
-        return stamp_fresh(db, name, scalars, "node") if scalars is not None else write_nodes(db, table, credit=name)
+        if scalars is None:
+            return write_nodes(db, table, credit=name)
+        return stamp_fresh(db, name, scalars, "node", created=True)
 
 
 # --------------------------------------------------------------------------- traces

@@ -17,8 +17,8 @@ from support import REPO
 
 pytest.importorskip("verifiers.v1")
 
-METRICS = {"grpo_stamp", "grpo_compute", "gae_stamp", "gae_compute"}
-TARGETS = {"grpo_stamp", "gae_stamp"}
+METRICS = {"grpo_stamp", "grpo_compute", "gae_stamp", "gae_compute", "grpo_floor"}
+TARGETS = {"grpo_stamp": ">= 5x", "gae_stamp": ">= 3x", "grpo_floor": "<= 3x"}
 ROOT = REPO
 if str(ROOT) not in sys.path:  # benchmarks/ is not part of the installed package
     sys.path.insert(0, str(ROOT))
@@ -56,13 +56,18 @@ def test_quick_credit_benchmark_completes_and_is_correct(quick_run: tuple[Path, 
         assert metric["ratio"] > 0, key
         assert metric["notes"]["peer_s_per_M_sampled"] > 0 and metric["notes"]["tracedb_s_per_M_sampled"] > 0
         assert (metric["passed"] is not None) == (key in TARGETS), key
-        assert metric["target"] == (">= 20x" if key in TARGETS else "info"), key
+        assert metric["target"] == TARGETS.get(key, "info"), key
+    floor = data["metrics"]["grpo_floor"]
+    assert floor["tracedb"]["samples"] == data["metrics"]["grpo_stamp"]["tracedb"]["samples"]
+    assert floor["ratio"] == pytest.approx(floor["tracedb"]["median"] / floor["peer"]["median"])
+    assert data["floor"]["set_created_and_committed"]["median"] == floor["peer"]["median"]
+    assert data["floor"]["empty_commit_seconds"]["median"] > 0
     for algorithm in ("grpo", "gae"):
         profile = data["profile"][algorithm]
         assert profile["statements"] and any(s["statement"] == "COMMIT" for s in profile["statements"])
     assert data["machine"]["cpu_count"] and "load_average_before" in data["other_load"]
 
-    for label in ("grpo: stamp", "gae: stamp", "compute only", "s/M sampled", "PASSED"):
+    for label in ("grpo: stamp", "gae: stamp", "compute only", "s/M sampled", "PASSED", "the floor", "vs floor"):
         assert label in table
     assert "PASS" in table or "MISS" in table
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import polars as pl
 import pyarrow as pa
 
+from tracedb import tables
 from tracedb.handle import HandleOf, handle_of
 from tracedb.sqltext import quote_identifier
 
@@ -15,8 +18,10 @@ def trace_rewards(
     reward: str | None = None,
     group_by: str = "group_id",
     include_failed: bool = False,
+    columns: Sequence[str] = (),
 ) -> pl.DataFrame:
-    """One row per trace: ``trace_id``, ``group``, ``reward``, ``valid``.
+    """One row per trace, by trace id: ``trace_id``, ``group``, ``reward``, ``valid``, and
+    the ``traces`` columns named in ``columns``.
 
     ``reward`` None takes the weighted sum of the trace's scored rewards, a name takes
     that reward's score. ``group_by`` names a ``traces`` column (default the episode's
@@ -25,6 +30,7 @@ def trace_rewards(
     ``include_failed``, when it is not ok or timed out.
     """
     db = handle_of(db)
+    known = set(tables.TRACES.names)  # the stored layout (an open file always has it)
     reward_params: list = []
     group_params: list = []
     if reward is None:
@@ -38,17 +44,21 @@ def trace_rewards(
         group_sql = "json_extract_string(t.record, ?)"
         group_params = [group_by]
     else:
-        columns = set(db.columns("traces"))
-        if group_by not in columns:
-            raise ValueError(f"cannot group by {group_by!r}: not a traces column ({sorted(columns)}) nor a $.json.path")
+        if group_by not in known:
+            raise ValueError(f"cannot group by {group_by!r}: not a traces column ({sorted(known)}) nor a $.json.path")
         group_sql = f"t.{quote_identifier(group_by)}::VARCHAR"
+    unknown = [c for c in columns if c not in known]
+    if unknown:
+        raise ValueError(f"columns {unknown}: not traces columns ({sorted(known)})")
+    extra = "".join(f", t.{quote_identifier(c)}" for c in columns)
     failed = "" if include_failed else " AND coalesce(t.ok, false) AND NOT coalesce(t.is_timeout, false)"
+    # Sorted here rather than in SQL: an ORDER BY costs DuckDB more than the whole scan.
     table = db.sql(
         f'SELECT t.trace_id, {group_sql} AS "group", {reward_sql} AS reward, '
-        f"({reward_sql} IS NOT NULL{failed}) AS valid FROM traces t ORDER BY t.trace_id",
+        f"({reward_sql} IS NOT NULL{failed}) AS valid{extra} FROM traces t",
         group_params + reward_params + reward_params,
     )
-    return pl.from_arrow(table)
+    return pl.from_arrow(table).sort("trace_id")
 
 
 def _baseline_table(df: pl.DataFrame, advantage: pl.Expr) -> pa.Table:

@@ -50,17 +50,16 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from tracedb import tables
 from tracedb.credit.layouts import NODE_CREDIT
 from tracedb.credit.outcome import trace_rewards
 from tracedb.graph import owning_branch
 from tracedb.handle import Handle, HandleOf, handle_of
 from tracedb.sqltext import quote_identifier
-from tracedb.views.nodes import node_ordered, trace_bases
+from tracedb.views.nodes import node_ordered
 
 LIMITS = ("max_turns", "max_input_tokens", "max_output_tokens", "max_total_tokens", "compaction_failed")
 """Stop conditions that cut an episode short (verifiers ``Trace.is_truncated``)."""
-
-_TRACES = "_tdb_returns_traces"
 
 
 def returns(
@@ -165,10 +164,14 @@ def node_field(name: str | None, columns: set[str], key: str, params: dict[str, 
 def field_exists(db: Handle, name: str) -> bool:
     """Whether ``name`` is a ``nodes`` column or a key some node's ``extra`` holds (a
     parameter naming a field no node has is a typo, not a field that reads 0.0)."""
-    if name in set(db.columns("nodes")):
+    if name in NODE_COLUMNS:
         return True
     query = "SELECT EXISTS (SELECT 1 FROM nodes WHERE json_exists(extra, '$.' || to_json(?::VARCHAR)))"
     return bool(db.scalar(query, [name]))
+
+
+NODE_COLUMNS = frozenset(tables.NODES.names)
+"""The ``nodes`` columns (the stored layout: an open file always has it)."""
 
 
 def branch_turns(
@@ -188,40 +191,80 @@ def branch_turns(
     branch's last turn), ``n_sampled``, ``node_index``, and ``trace_id`` (Arrow); ``boot``:
     ``V_T`` of each branch, in branch order. ``keep``: one entry index per node, from the
     branch that owns it (first trainable), in (trace id, node index) order;
-    :func:`node_values` stamps those."""
+    :func:`node_values` stamps those.
+
+    Three plain scans (traces, nodes, branches; a filter, join or ORDER BY costs DuckDB
+    several times the scan) joined in numpy."""
     # The outcome reward and which traces are assigned come from the same rule as GRPO/RLOO.
-    traces = trace_rewards(db, reward=reward, include_failed=include_failed)
+    traces = trace_rewards(
+        db, reward=reward, include_failed=include_failed, columns=("ok", "is_timeout", "stop_condition")
+    )
+    timeout = pl.col("is_timeout").fill_null(False)
     if terminal_reward:
-        traces = traces.filter(pl.col("valid")).select("trace_id", outcome=pl.col("reward"))
+        assigned, outcome = pl.col("valid"), pl.col("reward")
     else:
         # Without an outcome reward a missing one excludes nothing; failed runs still do.
-        failed = "" if include_failed else "WHERE coalesce(ok, false) AND NOT coalesce(is_timeout, false)"
-        traces = pl.from_arrow(db.sql(f"SELECT trace_id, 0.0::DOUBLE AS outcome FROM traces {failed}"))
+        assigned = pl.lit(True) if include_failed else pl.col("ok").fill_null(False) & ~timeout
+        outcome = pl.lit(0.0)
+    limited = pl.col("stop_condition").is_in(LIMITS).fill_null(False) | timeout
+    traces = traces.filter(assigned).select("trace_id", outcome=outcome, limited=limited)
     if traces.height == 0:
         return None
-    columns = set(db.columns("nodes"))
-    params: dict[str, object] = {"limits": list(LIMITS)}
-    r_sql = node_field(reward_field, columns, "reward_field", params)
-    v_sql = node_field(value_field, columns, "value_field", params)
-    b_sql = node_field(bootstrap_field, columns, "bootstrap_field", params) if bootstrap_field else v_sql
-    with db.registered(_TRACES, traces.to_arrow()):
-        table = _turn_table(db, r_sql, v_sql, b_sql, params)
-    if table.num_rows == 0:
+    fields = {"r": reward_field, "v": value_field, "b": bootstrap_field}
+    params: dict[str, object] = {}
+    reads = "".join(
+        f", {node_field(name, NODE_COLUMNS, f'{key}_field', params)} AS {key}" for key, name in fields.items() if name
+    )
+    nodes = db.sql(
+        f"SELECT n.trace_id, n.node_index, n.n_sampled, n.semantic_parents{reads} FROM nodes n", params or None
+    )
+    if not node_ordered(nodes):
+        nodes = nodes.take(pc.sort_indices(nodes, [("trace_id", "ascending"), ("node_index", "ascending")]))
+    branches = db.sql("SELECT trace_id, branch_index, trainable, leaf, path FROM branches")
+    # The assigned traces' branches, by trace id then branch index.
+    of = pc.index_in(branches.column("trace_id"), value_set=traces["trace_id"].to_arrow().cast(pa.string()))
+    branches = branches.append_column("t", of).filter(pc.is_valid(of))
+    branches = branches.take(pc.sort_indices(branches, [("trace_id", "ascending"), ("branch_index", "ascending")]))
+    if branches.num_rows == 0:
         return None
-    col = lambda name: table.column(name).to_numpy()  # noqa: E731
-    # Rows come grouped by trace (in trace_id order), then by branch, then along the path.
-    tid = table.column("trace_id").combine_chunks()
-    changed = pc.not_equal(tid.slice(1), tid.slice(0, len(tid) - 1)).to_numpy(zero_copy_only=False)
-    branch, node = col("branch_index"), col("node_index")
-    last = np.append(changed | (branch[1:] != branch[:-1]), True)
+    t = branches.column("t").to_numpy().astype(np.int64)
+    # Node rows are (trace, node) ordered and a trace's nodes are 0..n-1 (ingest writes
+    # every node; nothing deletes one), so a trace's node i sits at its first row + i.
+    node_tid = nodes.column("trace_id").combine_chunks()
+    codes = pc.dictionary_encode(node_tid).indices.to_numpy()
+    starts = np.flatnonzero(np.concatenate([[True], codes[1:] != codes[:-1]]))
+    at = pc.index_in(branches.column("trace_id"), value_set=node_tid.take(pa.array(starts, pa.int64())))
+    first = starts[at.to_numpy().astype(np.int64)]
+    path = branches.column("path").combine_chunks()
+    path_off = path.offsets.to_numpy().astype(np.int64)
+    sizes = np.diff(path_off)
+    entry_row = path.values.to_numpy().astype(np.int64)[path_off[0] : path_off[-1]] + np.repeat(first, sizes)
+    entry_branch = np.repeat(np.arange(branches.num_rows), sizes)
+    n_sampled = nodes.column("n_sampled").to_numpy().astype(np.int64)
+    turn = n_sampled[entry_row] > 0
+    row, branch = entry_row[turn], entry_branch[turn]
+    if not len(row):
+        return None
+    trainable = branches.column("trainable").to_numpy(zero_copy_only=False).astype(bool)
+    owner = owning_branch(row, branch, trainable, len(n_sampled))[row] == branch
+    truncated = (
+        traces["limited"].to_numpy()[t]
+        | ~trainable
+        | _attempts(nodes.column("semantic_parents"))[first + branches.column("leaf").to_numpy().astype(np.int64)]
+    )
+    read = {key: nodes.column(key).to_numpy()[row] if name else np.zeros(len(row)) for key, name in fields.items()}
+    r, v = read["r"].astype(np.float64), read["v"].astype(np.float64)
+    b = read["b"] if bootstrap_field else v
+    node = nodes.column("node_index").to_numpy()[row]
+    tid = branches.column("trace_id").combine_chunks().take(pa.array(branch, pa.int64()))
+    last = np.append(branch[1:] != branch[:-1], True)
     # A node's row from the branch that owns it is the one kept, in node-row order.
-    keep = np.flatnonzero(col("owner"))
-    keep = keep[np.argsort(col("row")[keep], kind="stable")]
+    keep = np.flatnonzero(owner)
+    keep = keep[np.argsort(row[keep], kind="stable")]
 
-    r, v = col("r").astype(np.float64), col("v").astype(np.float64)
-    r[last] += col("outcome")[last]
-    boot = np.where(col("truncated")[last], col("b")[last], 0.0)
-    bad = ~(np.isfinite(r) & np.isfinite(v)) | ~np.isfinite(col("b"))
+    r[last] += traces["outcome"].to_numpy()[t[branch[last]]]
+    boot = np.where(truncated[branch[last]], b[last], 0.0)
+    bad = ~(np.isfinite(r) & np.isfinite(v) & np.isfinite(b))
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise ValueError(f"trace {tid[i]}, node {node[i]}: reward, value or bootstrap is NaN or infinite")
@@ -235,76 +278,20 @@ def branch_turns(
         "last": last,
         "end": end,
         "keep": keep,  # one row per node, by trace id then node index
-        "n_sampled": col("n_sampled").astype(np.int64),
+        "n_sampled": n_sampled[row],
         "trace_id": tid,
         "node_index": node,
     }
 
 
-def _turn_table(db: Handle, r_sql: str, v_sql: str, b_sql: str, params: dict[str, object]) -> pa.Table:
-    """One row per turn of every branch of the traces in ``_TRACES``, ordered by trace id,
-    branch index and path position: trace_id, branch_index, trainable, outcome, truncated,
-    node_index, n_sampled, r, v, b, and ``owner``: whether this branch owns the node
-    (:func:`tracedb.graph.owning_branch`). Three scans, joined in numpy."""
-    limits = params["limits"]
-    params = {k: v for k, v in params.items() if k != "limits"}
-    # Plain scans (a filter or an ORDER BY on nodes costs several times the scan); traces
-    # outside _TRACES are left out by the branches' join.
-    nodes = db.sql(
-        f"SELECT n.trace_id, n.node_index, n.n_sampled, {r_sql} AS r, {v_sql} AS v, {b_sql} AS b, "
-        "coalesce(list_bool_or(list_transform(n.semantic_parents, lambda s: s.type = 'compaction_attempt')), "
-        "false) AS attempt FROM nodes n",
-        params or None,
-    )
-    if not node_ordered(nodes):
-        nodes = nodes.take(pc.sort_indices(nodes, [("trace_id", "ascending"), ("node_index", "ascending")]))
-    branches = db.sql(
-        f"SELECT b.trace_id, b.branch_index, b.trainable, b.leaf, b.path, x.outcome FROM branches b "
-        f"JOIN {_TRACES} x USING (trace_id) ORDER BY b.trace_id, b.branch_index"
-    )
-    traces = db.sql("SELECT trace_id, stop_condition, is_timeout FROM traces")
-    limited = {
-        t: (stop in limits) or bool(timeout)
-        for t, stop, timeout in zip(*(traces.column(c).to_pylist() for c in traces.column_names))
-    }
-    # Node rows are (trace, node) ordered and a trace's nodes are 0..n-1 (ingest writes
-    # every node; nothing deletes one), so a trace's node i sits at its first row + i.
-    base = trace_bases(nodes.column("trace_id").combine_chunks())
-    b_tid = branches.column("trace_id").to_pylist()
-    first = np.fromiter((base[t] for t in b_tid), np.int64, len(b_tid))
-    path = branches.column("path").combine_chunks()
-    path_off = path.offsets.to_numpy().astype(np.int64)
-    sizes = np.diff(path_off)
-    entry_row = path.values.to_numpy().astype(np.int64)[path_off[0] : path_off[-1]] + np.repeat(first, sizes)
-    entry_branch = np.repeat(np.arange(len(b_tid)), sizes)
-    n_sampled = nodes.column("n_sampled").to_numpy().astype(np.int64)
-    turn = n_sampled[entry_row] > 0
-    row, branch = entry_row[turn], entry_branch[turn]
-    trainable = branches.column("trainable").to_numpy(zero_copy_only=False).astype(bool)
-    owner = owning_branch(row, branch, trainable, len(n_sampled))[row] == branch
-    attempt = nodes.column("attempt").to_numpy(zero_copy_only=False).astype(bool)
-    truncated = (
-        np.fromiter((limited[t] for t in b_tid), bool, len(b_tid))
-        | ~trainable
-        | attempt[first + branches.column("leaf").to_numpy().astype(np.int64)]
-    )
-    index = pa.array(branch, pa.int64())
-    return pa.table(
-        {
-            "trace_id": branches.column("trace_id").take(index),
-            "branch_index": branches.column("branch_index").take(index),
-            "trainable": pa.array(trainable[branch]),
-            "outcome": branches.column("outcome").take(index),
-            "truncated": pa.array(truncated[branch]),
-            "node_index": nodes.column("node_index").take(pa.array(row, pa.int64())),
-            "n_sampled": pa.array(n_sampled[row].astype(np.int32)),
-            "r": nodes.column("r").take(pa.array(row, pa.int64())),
-            "v": nodes.column("v").take(pa.array(row, pa.int64())),
-            "b": nodes.column("b").take(pa.array(row, pa.int64())),
-            "owner": pa.array(owner),
-            "row": pa.array(row),
-        }
-    )
+def _attempts(links: pa.ChunkedArray) -> np.ndarray:
+    """Per node row: whether its semantic links hold a ``compaction_attempt``."""
+    links = links.combine_chunks()
+    out = np.zeros(len(links), bool)
+    if len(links) and links.null_count < len(links):
+        hit = pc.fill_null(pc.equal(pc.list_flatten(links).field("type"), "compaction_attempt"), False)
+        out[pc.list_parent_indices(links).to_numpy()[hit.to_numpy(zero_copy_only=False)]] = True
+    return out
 
 
 def node_values(turns: dict, advantage: np.ndarray) -> pa.Table:
