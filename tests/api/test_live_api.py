@@ -210,12 +210,6 @@ def test_a_failing_follower_is_reported_and_the_server_goes_on(follower) -> None
         live.follower.poll = poll
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tracedb/ingest/writer.py reads each batch by a replacement scan of a local, which the "
-    "enable_external_access=false of a server with user SQL turns off (CatalogException: _tdb_rows); "
-    "POST /ingest on such a server fails the same way",
-)
 def test_a_follower_server_with_sql_ingests(tmp_path: Path) -> None:
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "traces.jsonl").write_bytes(b"".join(episode_lines(1, 2, seed=8)))

@@ -178,14 +178,12 @@ def test_a_failing_insert_reports_its_own_error(tmp_path, monkeypatch):
     import duckdb
 
     real = tracedb.ingest.rows.Batch.inserts
-    ROWS = tracedb.ingest.rows.ROWS
 
     def with_a_bad_row(batch):
-        bad = pa.table({"trace_id": pa.array([None], pa.string())})
-        return [
-            *real(batch),
-            ("bad", f"INSERT INTO traces (trace_id, record) SELECT trace_id, '{{}}' FROM {ROWS}", bad),
-        ]
+        from tracedb import tables
+
+        bad = pa.Table.from_pylist([{}], schema=tables.inserted(tables.TRACES))  # trace_id NULL
+        return [*real(batch), ("traces", bad)]
 
     monkeypatch.setattr(tracedb.ingest.rows.Batch, "inserts", with_a_bad_row)
     with tracedb.connect(tmp_path / "runs.duckdb") as db:
@@ -277,9 +275,9 @@ def test_inserts_fill_whole_row_groups(tmp_path, monkeypatch, knobs):
     inserted: dict[str, list[tuple[int, int]]] = {}
     real = tracedb.ingest.writer.Writer._insert
 
-    def recording(self, name, statement, table):
+    def recording(self, name, table):
         inserted.setdefault(name, []).append((len(table), len(table.column(0).chunks)))
-        real(self, name, statement, table)
+        real(self, name, table)
 
     monkeypatch.setattr(tracedb.ingest.writer.Writer, "_insert", recording)
     knobs(batch_tokens=1)

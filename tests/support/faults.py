@@ -35,7 +35,6 @@ import pyarrow.compute as pc
 import pydantic
 
 from tracedb.ingest.rejects import storable_text
-from tracedb.ingest.rows import ROWS
 from tracedb.records import COMPACT_STREAMS, Episode, Trace
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -86,9 +85,6 @@ class _Con:
         commit = isinstance(query, str) and query.strip().upper() == "COMMIT"
         if commit:
             self._marks("before-commit")
-        # The ingest writer's INSERTs read their rows from a local of the calling frame
-        # (DuckDB's replacement scan looks in the frame that calls execute): pass it on.
-        _tdb_rows = sys._getframe(1).f_locals.get(ROWS)  # noqa: F841
         result = self._con.execute(query, *args, **kwargs)
         if commit:
             self._marks("after-commit")

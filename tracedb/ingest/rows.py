@@ -25,12 +25,9 @@ from tracedb.records import COMPACT_STREAMS, trace_reward
 if TYPE_CHECKING:
     from tracedb.ingest.scanned import ScannedNodes
 
-Insert = tuple[str, str, pa.Table]
-"""One INSERT of a batch: a name for its rows (the table written), the statement, the rows.
-The statement reads the rows as :data:`ROWS`."""
-
-ROWS = "_tdb_rows"
-"""The name an :data:`Insert`'s statement reads its rows under."""
+Insert = tuple[str, pa.Table]
+"""One INSERT of a batch: the table written and its rows (every column but those DuckDB
+fills from their default)."""
 
 
 def _compact(meta: dict[str, Any]) -> str:
@@ -227,26 +224,21 @@ class Batch:
         """The INSERTs of this batch, their Arrow tables built (the Python half of a flush)."""
         out: list[Insert] = []
         if self.episodes:
-            out.append(_insert("episodes", pa.Table.from_pylist(self.episodes, schema=_EPISODE_ROWS)))
+            out.append(("episodes", pa.Table.from_pylist(self.episodes, schema=_EPISODE_ROWS)))
         if self.traces:
-            out.append(_insert("traces", pa.Table.from_pylist(self.traces, schema=_TRACE_ROWS)))
+            out.append(("traces", pa.Table.from_pylist(self.traces, schema=_TRACE_ROWS)))
         if self.tag_rows:
             columns = list(zip(*self.tag_rows, strict=True))
             arrays = [pa.array(c, f.type) for c, f in zip(columns, tables.TRACE_TAGS, strict=True)]
-            out.append(_insert("trace_tags", pa.Table.from_arrays(arrays, schema=tables.TRACE_TAGS)))
+            out.append(("trace_tags", pa.Table.from_arrays(arrays, schema=tables.TRACE_TAGS)))
         if self.segments:
-            out.append(_insert("segments", self.segment_table()))
+            out.append(("segments", self.segment_table()))
         if self.parsed_nodes or self.scanned:
-            out.append(_insert("nodes", self.node_table()))
+            out.append(("nodes", self.node_table()))
         if self.branches:
-            out.append(_insert("branches", self.branch_table()))
+            out.append(("branches", self.branch_table()))
         return out
 
 
 _EPISODE_ROWS = tables.inserted(tables.EPISODES)
 _TRACE_ROWS = tables.inserted(tables.TRACES)
-
-
-def _insert(table: str, rows: pa.Table) -> Insert:
-    columns = ", ".join(rows.column_names)
-    return table, f"INSERT INTO {table} ({columns}) SELECT {columns} FROM {ROWS}", rows
