@@ -180,7 +180,23 @@ def test_demo_and_entry_point(tmp_path: Path) -> None:
 
 def test_credit_commands(db_path: Path) -> None:
     listing = json.loads(invoke("credit", "--list", "--db", db_path, "--json").stdout)
-    assert {a["algorithm"] for a in listing} == {"grpo", "rloo", "returns", "gae", "tree", "reweight"}
+    assert (
+        {a["algorithm"] for a in listing}
+        == set(tracedb.credit.ALGORITHMS)
+        >= {
+            "grpo",
+            "rloo",
+            "returns",
+            "gae",
+            "tree",
+            "reweight",
+            "anchor",
+            "potential",
+            "branch",
+            "redistribute",
+            "channels",
+        }
+    )
     grpo = next(a for a in listing if a["algorithm"] == "grpo")
     assert grpo["params"]["scale_std"] is False
     result = invoke(

@@ -322,7 +322,7 @@ def _param(text: str) -> tuple[str, Any]:
 @app.command()
 def credit(
     algorithm: Annotated[
-        str | None, typer.Argument(help="Algorithm: grpo, rloo, returns, gae, tree, reweight.")
+        str | None, typer.Argument(help=f"Algorithm: {', '.join(credit_lib.ALGORITHMS)}.")
     ] = None,
     name: Annotated[str | None, typer.Option(help="Credit set to write (default: the algorithm's name).")] = None,
     param: Annotated[

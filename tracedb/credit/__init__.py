@@ -50,6 +50,11 @@ ALGORITHMS: dict[str, Algorithm] = {
         Algorithm("gae", "returns:gae", "node", "GAE(gamma, lambda) over each branch's turns"),
         Algorithm("tree", "tree:tree", "node", "prefix-tree credit over shared token prefixes within a group"),
         Algorithm("reweight", "reweight:reweight", "node", "mean-preserving token reweighting of an existing set"),
+        Algorithm("anchor", "anchor:anchor", "node", "GiGPO/TIGPO: episode + omega * same-state step advantage"),
+        Algorithm("potential", "potential:potential", "node", "PGPO: r + gamma Phi(next state) - Phi(state)"),
+        Algorithm("branch", "branch:branch", "node", "CBPO: R - V(fork) per prefix-tree segment, scaled by its spread"),
+        Algorithm("redistribute", "redistribute:redistribute", "node", "a trace advantage spread over turns by weight"),
+        Algorithm("channels", "channels:channels", "node", "each selected token gets its channel's reward advantage"),
     )
 }
 """The one table of credit algorithms."""
