@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -28,6 +27,7 @@ from tracedb.database import Database
 from tracedb.errors import NotFound
 from tracedb.readback import TRACE_LISTING
 from tracedb.tables import KEY_COLUMNS, NULLABLE_TOKEN_COLUMNS
+from tracedb.views import tag_filters as parse_tag_filters
 from tracedb.views import with_watermark
 
 from .errors import invalid, not_found
@@ -288,44 +288,14 @@ def node_exists(db: Database, trace_id: str, index: int) -> None:
 
 # --------------------------------------------------------------------------- live runs
 
-_TAG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*\Z")
-
-
-def _tag_value(text: str) -> Any:
-    """A tag value as a query string carries it: JSON when it reads as JSON (``12``,
-    ``true``, ``"12"``), else the text itself."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
 
 def tag_filters(values: Sequence[str] | None) -> dict[str, Any] | None:
-    """``?tag=`` values as the library's ``tags``: ``name=VALUE`` (equal; numbers compare
-    as numbers) or ``name=LOW..HIGH`` (inclusive, either end may be left empty); 422
-    naming the parameter for anything else."""
-    if not values:
-        return None
-    out: dict[str, Any] = {}
-    for text in values:
-        name, sep, spec = text.partition("=")
-        name = name.strip()
-        if not sep or not _TAG_NAME.match(name):
-            raise invalid(f"tag: expected name=value or name=low..high, got {text!r}")
-        if name in out:
-            raise invalid(f"tag: {name!r} is given twice (one filter per tag; a range is name=low..high)")
-        value = _tag_value(spec)
-        if isinstance(value, str) and ".." in spec:
-            low, high = (None if not end.strip() else _tag_value(end.strip()) for end in spec.split("..", 1))
-            ends = [v for v in (low, high) if v is not None]
-            numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in ends)
-            if not (numbers or all(isinstance(v, str) for v in ends)):
-                raise invalid(f"tag: a range's ends are both numbers or both strings, not {text!r}")
-            value = (low, high)
-        elif isinstance(value, float) and not np.isfinite(value):
-            raise invalid(f"tag: {text!r} is not a finite number")
-        out[name] = value
-    return out
+    """``?tag=`` values as the library's ``tags`` (:func:`tracedb.views.tag_filters`);
+    422 naming the parameter for anything else."""
+    try:
+        return parse_tag_filters(values)
+    except ValueError as e:
+        raise invalid(f"tag: {e}") from None
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,32 @@ DbOption = Annotated[
     Path, typer.Option("--db", envvar="TRACEDB_DB", help="Database file (created if missing); env TRACEDB_DB.")
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table.")]
+AfterOption = Annotated[
+    int | None, typer.Option("--after", help="Only traces committed after this watermark (what a last call returned).")
+]
+CompleteGroupsOption = Annotated[
+    int | None,
+    typer.Option("--complete-groups", help="Only groups of at least N members whose N-th arrived after --after."),
+]
+ThroughOption = Annotated[int | None, typer.Option("--through", help="Read as of this watermark.")]
+TagFilterOption = Annotated[
+    list[str] | None,
+    typer.Option("--tag", help="Only traces with this ingest tag: name=value or name=low..high (repeatable)."),
+]
+
+
+def live_selection(
+    after: int | None, complete_groups: int | None, through: int | None, tag: list[str] | None
+) -> dict[str, Any]:
+    """The live-run keyword arguments of a view call, from the shared options (exit 2 on
+    a bad --tag)."""
+    from tracedb.views import tag_filters
+
+    try:
+        tags = tag_filters(tag)
+    except ValueError as e:
+        raise fail(f"--tag: {e}", 2) from None
+    return {"after": after, "complete_groups": complete_groups, "through": through, "tags": tags}
 
 
 def open_db(db: Path, read_only: bool = False) -> tracedb.Database:

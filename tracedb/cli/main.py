@@ -13,8 +13,23 @@ import typer
 from tracedb import credit as credit_lib
 from tracedb.cec.cli import app as cec_app
 from tracedb.cli import remote
-from tracedb.cli.common import DbOption, JsonOption, emit, err, fail, open_db, out, report_ingest
+from tracedb.cli.common import (
+    AfterOption,
+    CompleteGroupsOption,
+    DbOption,
+    JsonOption,
+    TagFilterOption,
+    ThroughOption,
+    emit,
+    err,
+    fail,
+    live_selection,
+    open_db,
+    out,
+    report_ingest,
+)
 from tracedb.cli.follow import follow as run_follower
+from tracedb.cli.lake import app as lake_app
 from tracedb.errors import TraceDBError
 
 app = typer.Typer(
@@ -207,9 +222,15 @@ def export(
     train_once: Annotated[bool, typer.Option(help="Keep a shared node trainable only in its first branch.")] = False,
     format: Annotated[str | None, typer.Option(help="parquet, arrow or arrows (default: from the suffix).")] = None,
     credit: CreditOption = None,
+    after: AfterOption = None,
+    complete_groups: CompleteGroupsOption = None,
+    through: ThroughOption = None,
+    tag: TagFilterOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Export branch views, streaming in bounded memory."""
+    """Export branch views, streaming in bounded memory. The result's watermark (printed,
+    and in the file's schema) is the --after of the next export of a live run."""
+    live = live_selection(after, complete_groups, through, tag)
     with open_db(db, read_only=True) as database:
         try:
             result = database.export(
@@ -217,6 +238,7 @@ def export(
                 format=format,
                 trace_ids=trace_id or None,
                 group=group or None,
+                **live,
                 trainable=True if trainable_only else None,
                 columns=[c.strip() for c in columns.split(",")] if columns else None,
                 train_once=train_once,
@@ -248,12 +270,18 @@ def pack(
     pad_token_id: Annotated[int, typer.Option(help="Token id of the padding.")] = 0,
     share_prefixes: Annotated[bool, typer.Option(help="Store a prefix shared in a bin once (spans).")] = False,
     drop_zero_advantages: Annotated[bool, typer.Option(help="Leave out samples whose advantages are all 0.")] = False,
+    after: AfterOption = None,
+    complete_groups: CompleteGroupsOption = None,
+    through: ThroughOption = None,
+    tag: TagFilterOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Pack micro-batches for a trainer into a step directory: per rank an Arrow IPC file of
-    micro-batches and their samples, then manifest.json (a trainer waits for it)."""
+    micro-batches and their samples, then manifest.json (a trainer waits for it). On a live
+    run, --after with the last step's watermark (in the report) packs what arrived since."""
     from tracedb.batches import write_step
 
+    live = live_selection(after, complete_groups, through, tag)
     with open_db(db, read_only=True) as database:
         try:
             plan = database.micro_batches(
@@ -262,6 +290,7 @@ def pack(
                 trace_ids=trace_id or None,
                 group=group or None,
                 episode=episode or None,
+                **live,
                 trainable=None if all_branches else True,
                 credit=credit,
                 train_once=train_once,
@@ -321,9 +350,7 @@ def _param(text: str) -> tuple[str, Any]:
 
 @app.command()
 def credit(
-    algorithm: Annotated[
-        str | None, typer.Argument(help=f"Algorithm: {', '.join(credit_lib.ALGORITHMS)}.")
-    ] = None,
+    algorithm: Annotated[str | None, typer.Argument(help=f"Algorithm: {', '.join(credit_lib.ALGORITHMS)}.")] = None,
     name: Annotated[str | None, typer.Option(help="Credit set to write (default: the algorithm's name).")] = None,
     param: Annotated[
         list[str] | None, typer.Option("--param", "-p", help="Algorithm parameter key=value (JSON values), repeatable.")
@@ -511,6 +538,7 @@ def demo(
 
 
 app.add_typer(cec_app, name="cec")
+app.add_typer(lake_app, name="lake")
 
 
 def main() -> None:  # pragma: no cover - console entry point

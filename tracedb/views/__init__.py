@@ -15,6 +15,8 @@ traces, for exports that must stay within bounded memory).
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -114,6 +116,45 @@ def watermark_of(table: pa.Table | pa.Schema) -> int | None:
     schema = table if isinstance(table, pa.Schema) else table.schema
     value = (schema.metadata or {}).get(WATERMARK_KEY)
     return None if value is None else int(value)
+
+
+_TAG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*\Z")
+
+
+def _tag_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def tag_filters(values: Sequence[str] | None) -> dict[str, Any] | None:
+    """Tag filters as text (``--tag``, ``?tag=``) as :class:`Selection`'s ``tags``:
+    ``name=VALUE`` (equal; the value read as JSON when it is JSON, so ``12`` is a number
+    and compares as one) or ``name=LOW..HIGH`` (inclusive, either end may be left
+    empty). ValueError with the reason otherwise."""
+    if not values:
+        return None
+    out: dict[str, Any] = {}
+    for text in values:
+        name, sep, spec = text.partition("=")
+        name = name.strip()
+        if not sep or not _TAG_NAME.match(name):
+            raise ValueError(f"expected name=value or name=low..high, got {text!r}")
+        if name in out:
+            raise ValueError(f"{name!r} is given twice (one filter per tag; a range is name=low..high)")
+        value = _tag_value(spec)
+        if isinstance(value, str) and ".." in spec:
+            low, high = (None if not end.strip() else _tag_value(end.strip()) for end in spec.split("..", 1))
+            ends = [v for v in (low, high) if v is not None]
+            numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in ends)
+            if not (numbers or all(isinstance(v, str) for v in ends)):
+                raise ValueError(f"a range's ends are both numbers or both strings, not {text!r}")
+            value = (low, high)
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{text!r} is not a finite number")
+        out[name] = value
+    return out
 
 
 def _values(value: str | Sequence[str]) -> list[str]:
