@@ -4,7 +4,9 @@ Prints the table and writes ``benchmarks/results.json``. ``--suite credit`` (or
 ``python -m benchmarks credit``) runs the credit-stamping suite instead (``benchmarks/credit.py``,
 writing ``results-credit.json``); ``--suite batches`` (or ``python -m benchmarks batches``) the
 trainer-feed suite (``benchmarks/batches.py``, ``db.micro_batches``, writing
-``results-batches.json``). Exits 0 whether or not the targets are met (the table
+``results-batches.json``); ``--suite live`` (or ``python -m benchmarks live``) a run followed
+by ``tracedb serve --follow`` while a writer appends it and REST readers poll it
+(``benchmarks/live.py``, writing ``results-live.json``). Exits 0 whether or not the targets are met (the table
 reports PASS/MISS); 2 when tracedb's answers differ from verifiers' (the figures would mean
 nothing); 1 on any other error.
 """
@@ -25,11 +27,14 @@ FULL = {"traces": 256, "tokens": 30_000, "repeat": 5}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] in (["core"], ["credit"], ["batches"]):  # `python -m benchmarks credit` = `--suite credit`
+    if argv[:1] in (["core"], ["credit"], ["batches"], ["live"]):  # `python -m benchmarks credit` = `--suite credit`
         argv = ["--suite", *argv]
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--suite", choices=["core", "credit", "batches"], default="core", help="which suite to run (default core)"
+        "--suite",
+        choices=["core", "credit", "batches", "live"],
+        default="core",
+        help="which suite to run (default core)",
     )
     p.add_argument("--workdir", type=Path, default=Path("out/bench"), help="workload cache and scratch databases")
     p.add_argument("--traces", type=int, help=f"traces, in groups of 8 (default {FULL['traces']})")
@@ -46,6 +51,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seq-len", type=int, default=32_768, help="batches suite: tokens per micro-batch (default 32768)")
     p.add_argument("--ranks", type=int, default=8, help="batches suite: data-parallel ranks (default 8)")
+    p.add_argument("--rate", type=float, help="live suite: episodes/s in the fixed-rate phase (default 2)")
+    p.add_argument(
+        "--rate-traces",
+        type=int,
+        help="live suite: episodes appended at --rate; the rest as fast as possible (default 96)",
+    )
+    p.add_argument("--readers", type=int, help="live suite: REST reader threads (default 8)")
+    p.add_argument("--soak-traces", type=int, help="live suite: traces of the soak run (default 4096)")
+    p.add_argument(
+        "--format", choices=["arrow", "json"], default="arrow", help="live suite: the readers' branch format"
+    )
+    p.add_argument("--memory-limit", help="live suite: the server's TRACEDB_MEMORY_LIMIT (default: tracedb's default)")
     args = p.parse_args(argv)
     if args.suite == "credit":
         from benchmarks import credit
@@ -57,6 +74,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
         args.results = args.results or batches.RESULTS
         defaults = batches.QUICK if args.quick else batches.FULL
+    elif args.suite == "live":
+        from benchmarks import live
+
+        args.results = args.results or live.RESULTS
+        defaults = live.QUICK if args.quick else live.FULL
     else:
         args.results = args.results or RESULTS
         defaults = QUICK if args.quick else FULL
@@ -65,6 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, name, value)
     if args.traces < 1 or args.tokens < 100 or args.repeat < 1 or args.seq_len < 1 or args.ranks < 1:
         p.error("--traces >= 1, --tokens >= 100, --repeat >= 1, --seq-len >= 1 and --ranks >= 1")
+    if args.suite == "live" and (args.rate <= 0 or args.rate_traces < 0 or args.readers < 1 or args.soak_traces < 1):
+        p.error("--rate > 0, --rate-traces >= 0, --readers >= 1 and --soak-traces >= 1")
     return args
 
 
@@ -84,6 +108,17 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.batches import render, run
 
         options = {"seq_len": args.seq_len, "ranks": args.ranks}
+    elif args.suite == "live":
+        from benchmarks.live import render, run
+
+        options = {
+            "rate": args.rate,
+            "rate_traces": args.rate_traces,
+            "readers": args.readers,
+            "soak_traces": args.soak_traces,
+            "fmt": args.format,
+            "memory_limit": args.memory_limit,
+        }
     else:
         from benchmarks.core import render, run
 

@@ -1,0 +1,593 @@
+"""``python -m benchmarks live``: a run watched while it is written (issue "Live runs", item 8).
+
+Two server runs, each ``tracedb serve --db X --follow RUN_DIR`` in a subprocess on
+127.0.0.1, owning its database and ingesting the run as a writer process appends it:
+
+- **The live run**: the writer appends the core workload's episodes, first at a fixed
+  rate, then as fast as it can; 8 reader threads poll ``GET /traces?after=W&wait=S`` and
+  fetch every branch of each new trace over REST; a watcher only lists (its first sight of
+  a trace is when the trace became visible); a sampler reads the server's RSS and
+  ``/health``. Reported: visibility latency (append -> listed over REST) p50/p99, what the
+  readers got when (append -> every branch in hand), the ingest rate the follower sustains
+  and whether it fell behind in the fast phase, reader request latency, errors, RSS.
+- **The soak**: a larger run of the same workload appended as fast as it can, watched by
+  the watcher and the sampler only (the readers' requests bound the live run's size): the
+  server's RSS against the bytes ingested over gigabytes, with a fitted slope (MB per GB).
+
+Correctness, both runs: every appended trace was listed exactly once to every client, in
+sequence order with watermarks that never go back; every reader's branches equal what
+the database holds; the database holds exactly the appended traces and rejected nothing
+(exit 2 otherwise). The moving parts are in ``benchmarks/live_parts.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import orjson
+
+import tracedb
+from benchmarks.core import CorrectnessError, _busy_seconds, machine, remove_db
+from benchmarks.live_parts import COLUMNS, Reader, Sampler, Watcher, WriterSpec, cpu_seconds, read_writer, table_digests
+from benchmarks.workload import Workload, WorkloadFiles, build
+from tracedb.runtime import DEFAULT_MEMORY_LIMIT
+
+RESULTS = Path(__file__).resolve().parent / "results-live.json"
+QUICK = {"traces": 24, "tokens": 3_000, "repeat": 1, "rate": 8.0, "rate_traces": 12, "readers": 8, "soak_traces": 32}
+FULL = {"traces": 512, "tokens": 30_000, "repeat": 1, "rate": 2.0, "rate_traces": 96, "readers": 8, "soak_traces": 4096}
+FOLLOW_INTERVAL_S = 0.25
+"""The server's ``--interval`` (its default)."""
+VISIBLE_TARGET_MS = 1000.0
+"""Readers of the REST API see a committed trace within ~1 s (at the fixed rate)."""
+SLOPE_TARGET = 50.0
+"""MB of server RSS per GB ingested (the soak's fitted slope) that counts as flat."""
+MIN_FIT_BYTES = 100_000_000
+"""Below this many bytes ingested no slope is fitted (a smoke run's few MB say nothing)."""
+WARMUP_SHARE = 0.25
+"""RSS slopes are fitted over the samples past this share of the bytes: the first ingests
+load the compiled kernels and fill the fixed-size caches, a cost paid once."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def index_lines(jsonl: Path) -> tuple[list[list[str]], list[int]]:
+    """Each line's trace ids and byte length, in file order."""
+    ids, sizes = [], []
+    with jsonl.open("rb") as f:
+        for line in f:
+            ids.append([t["id"] for t in orjson.loads(line)["traces"]])
+            sizes.append(len(line))
+    return ids, sizes
+
+
+def start_server(
+    db: Path, run_dir: Path, memory_limit: str | None, log_path: Path
+) -> tuple[subprocess.Popen[bytes], str]:
+    """``tracedb serve --db DB --follow RUN_DIR`` on a free loopback port, once ``/health``
+    answers; ``memory_limit`` is its ``TRACEDB_MEMORY_LIMIT`` (None: tracedb's default)."""
+    port = _free_port()
+    env = dict(os.environ)
+    env.pop("TRACEDB_MEMORY_LIMIT", None)
+    if memory_limit is not None:
+        env["TRACEDB_MEMORY_LIMIT"] = memory_limit
+    command = [sys.executable, "-m", "tracedb", "serve", "--db", str(db), "--follow", str(run_dir)]
+    command += ["--port", str(port), "--interval", str(FOLLOW_INTERVAL_S)]
+    with log_path.open("wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"the server did not start: {log_path.read_text()[-2000:]}")
+        time.sleep(0.2)
+
+
+@dataclass
+class FollowedRun:
+    """What one server run produced: the writer's append times, the clients' records,
+    the sampler's samples."""
+
+    files: WorkloadFiles
+    line_ids: list[list[str]]
+    line_bytes: list[int]
+    rate_lines: int
+    appended: dict[int, float]
+    """Source line -> when the write that completed it returned (CLOCK_MONOTONIC)."""
+    appended_wall: dict[int, float]
+    """The same on the wall clock."""
+    phases: dict[str, float]
+    written: dict[str, Any]
+    """The writer's last record: bytes and seconds per phase."""
+    watcher: Watcher
+    readers: list[Reader]
+    sampler: Sampler
+    server_cpu_seconds: float
+    drained_after_writer_s: float
+    correctness: dict[str, Any]
+
+    @property
+    def expected(self) -> list[str]:
+        return [t for ids in self.line_ids for t in ids]
+
+
+def follow_run(
+    files: WorkloadFiles,
+    base_dir: Path,
+    *,
+    rate: float,
+    rate_lines: int,
+    readers: int,
+    fmt: str,
+    memory_limit: str | None,
+    drain_seconds: float,
+    log: Callable[[str], None],
+) -> FollowedRun:
+    """One server following ``base_dir/run`` while the writer appends ``files`` into it
+    and ``readers`` readers, the watcher and the sampler go through REST; checked."""
+    line_ids, line_bytes = index_lines(files.jsonl)
+    expected = [t for ids in line_ids for t in ids]
+    rate_lines = min(rate_lines, len(line_ids))
+    run_dir, db_path = base_dir / "run", base_dir / "live.duckdb"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    remove_db(db_path)
+    spec = WriterSpec(
+        source=str(files.jsonl),
+        first=str(run_dir / "traces.jsonl"),
+        second=str(run_dir / "fast" / "traces.jsonl"),  # a file that appears in a subdirectory
+        rate=rate,
+        rate_lines=rate_lines,
+    )
+    log(f"server: tracedb serve --follow {run_dir} (memory limit {memory_limit or 'default'})")
+    server, base = start_server(db_path, run_dir, memory_limit, base_dir / "server.log")
+    stop = threading.Event()
+    writer: subprocess.Popen[str] | None = None
+    try:
+        sampler = Sampler(base, server.pid, stop, period=0.25 if sum(line_bytes) < 50e6 else 0.5)
+        watcher = Watcher("watcher", base, len(expected), stop)
+        clients = [Reader(f"reader-{k}", base, len(expected), stop, fmt) for k in range(readers)]
+        sampler.start()
+        for client in [watcher, *clients]:
+            client.start()
+        writer = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.live_parts", "--write", orjson.dumps(asdict(spec)).decode()],
+            cwd=Path(__file__).resolve().parent.parent,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert writer.stdin is not None and writer.stdout is not None
+        records = read_writer(writer.stdout)
+        ready = next(records)
+        if ready.get("lines") != len(line_ids):
+            raise RuntimeError(f"the writer sees {ready.get('lines')} lines, the index {len(line_ids)}")
+        time.sleep(1.0)  # samples of the idle server
+        log(
+            f"writer: {rate_lines} episodes at {rate:g}/s, then {len(line_ids) - rate_lines} as fast as it can "
+            f"({sum(line_bytes) / 1e6:.0f} MB in all); {readers} readers"
+        )
+        writer.stdin.write("go\n")
+        writer.stdin.flush()
+        appended: dict[int, float] = {}
+        appended_wall: dict[int, float] = {}
+        phases: dict[str, float] = {}
+        written: dict[str, Any] = {}
+        for record in records:
+            if "lines" in record:
+                appended.update(dict.fromkeys(record["lines"], record["t"]))
+                appended_wall.update(dict.fromkeys(record["lines"], record["wall"]))
+            elif "phase" in record:
+                phases[record["phase"]] = record["t"]
+            elif record.get("done"):
+                written = record
+        if writer.wait(timeout=60) != 0 or not written or len(appended) != len(line_ids):
+            raise RuntimeError(f"the writer failed (exit {writer.returncode}, {len(appended)} lines appended)")
+        log(f"writer: done; waiting for the clients (at most {drain_seconds:.0f} s)")
+        deadline = time.monotonic() + drain_seconds
+        for client in [watcher, *clients]:
+            client.join(max(0.0, deadline - time.monotonic()))
+        drained = time.monotonic() - written["t"]
+        stop.set()
+        sampler.join(30)
+        for client in [watcher, *clients]:
+            client.join(10)
+        server_cpu = cpu_seconds(server.pid)
+    finally:
+        stop.set()
+        if writer is not None and writer.poll() is None:
+            writer.kill()
+            writer.wait()
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    correctness = check(expected, {"watcher": watcher, **{c.name: c for c in clients}}, db_path, log)
+    return FollowedRun(
+        files, line_ids, line_bytes, rate_lines, appended, appended_wall, phases, written, watcher, clients, sampler,
+        server_cpu, drained, correctness,
+    )  # fmt: skip
+
+
+def check(expected: list[str], clients: dict[str, Any], db_path: Path, log: Callable[[str], None]) -> dict[str, Any]:
+    """Every client listed every trace once, in order; every reader's branches equal the
+    database's; the database holds exactly the appended traces and rejected none."""
+    problems: list[str] = []
+    want = set(expected)
+    truth: dict[tuple[str, int], str] = {}
+    readers = [c for c in clients.values() if isinstance(c, Reader)]
+    with tracedb.connect(db_path, read_only=True) as db:
+        stored = {row[0] for row in db.handle.con.execute("SELECT trace_id FROM traces").fetchall()}
+        rejects = db.handle.scalar("SELECT count(*) FROM rejects")
+        if stored != want:
+            problems.append(
+                f"the database holds {len(stored)} traces, {len(want)} were appended: "
+                f"{len(want - stored)} missing, {len(stored - want)} unexpected"
+            )
+        if rejects:
+            problems.append(f"the follower rejected {rejects} lines")
+        if readers:
+            log("comparing every reader's branches with the database's")
+            for i in range(0, len(expected), 32):
+                truth.update(table_digests(db.branches(trace_ids=expected[i : i + 32], columns=COLUMNS)))
+    branches = 0
+    for name, client in clients.items():
+        seen = client.log.seen
+        if set(seen) != want:
+            problems.append(f"{name}: listed {len(set(seen) & want)} of {len(want)} traces (+{len(set(seen) - want)})")
+        if client.log.repeats:
+            problems.append(f"{name}: {len(client.log.repeats)} traces listed more than once")
+        problems += [f"{name}: {p}" for p in client.log.order_problems[:3]]
+        if isinstance(client, Reader):
+            got = {(t, i): d for t, s in seen.items() for i, d in s.digests.items()}
+            wrong = sum(truth.get(k) != d for k, d in got.items())
+            missing = len(set(truth) - set(got))
+            branches += len(got)
+            if wrong or missing:
+                problems.append(f"{name}: {wrong} branches differ from the database's, {missing} not fetched")
+    if problems:
+        raise CorrectnessError(f"the followed run {db_path} is not exact:\n  " + "\n  ".join(problems[:20]))
+    return {
+        "passed": True,
+        "traces": len(want),
+        "clients": len(clients),
+        "branches": len(truth),
+        "reader_branches_checked": branches,
+    }
+
+
+# ------------------------------------------------------------------ figures
+
+
+def _latency(seconds: list[float]) -> dict[str, Any]:
+    def ms(q: float) -> float | None:
+        return round(float(np.percentile(seconds, q)) * 1000, 1) if seconds else None
+
+    return {"n": len(seconds), "p50_ms": ms(50), "p99_ms": ms(99), "max_ms": ms(100)}
+
+
+def _slope(samples: list[dict[str, Any]], low: float, high: float) -> float | None:
+    """MB of RSS per GB ingested, least squares over the samples with bytes in [low, high]."""
+    kept = [s for s in samples if s["bytes"] is not None and low <= s["bytes"] <= high]
+    xs = [s["bytes"] / 1e9 for s in kept]
+    if len(set(xs)) < 3 or high < MIN_FIT_BYTES:
+        return None
+    return round(float(np.polyfit(xs, [s["rss"] / 1e6 for s in kept], 1)[0]), 1)
+
+
+def memory(samples: list[dict[str, Any]], total: int, memory_limit: str | None) -> dict[str, Any]:
+    """The server's RSS over the run and its slope over the bytes ingested (fitted while
+    ingest went on: up to the first sample that had every byte)."""
+    ingesting = []
+    for s in samples:
+        ingesting.append(s)
+        if s["bytes"] is not None and s["bytes"] >= total:
+            break
+    start, warm = samples[0], WARMUP_SHARE * total
+    return {
+        "memory_limit": memory_limit or f"default ({DEFAULT_MEMORY_LIMIT})",
+        "ingested_GB": round(total / 1e9, 3),
+        "rss_idle_MB": round(start["rss"] / 1e6, 1),
+        "rss_at_warmup_MB": round(next(s["rss"] for s in ingesting if (s["bytes"] or 0) >= warm) / 1e6, 1),
+        "rss_when_ingested_MB": round(ingesting[-1]["rss"] / 1e6, 1),
+        "rss_end_MB": round(samples[-1]["rss"] / 1e6, 1),
+        "peak_MB": round(max(s["hwm"] for s in samples) / 1e6, 1),
+        "slope_MB_per_GB": _slope(ingesting, warm, total),
+        "slope_second_half_MB_per_GB": _slope(ingesting, total / 2, total),
+        "samples": len(samples),
+        "series": [
+            {"t": round(s["t"] - start["t"], 2), "rss_MB": round(s["rss"] / 1e6, 1)}
+            | {"GB": round((s["bytes"] or 0) / 1e9, 4)}
+            | ({"behind": True} if s["behind"] else {})
+            for s in samples
+        ],
+    }  # fmt: skip
+
+
+def _max_backlog(samples: list[dict[str, Any]], appended: dict[int, float], line_bytes: list[int]) -> int:
+    """The most bytes of whole lines on disk and not yet ingested, over ``samples``."""
+    times = np.array([appended[j] for j in range(len(line_bytes))])
+    order = np.argsort(times, kind="stable")
+    on_disk = np.concatenate([[0], np.cumsum(np.array(line_bytes)[order])])
+    at = np.searchsorted(times[order], [s["t"] for s in samples], side="right")
+    return int(max((on_disk[k] - (s["bytes"] or 0) for k, s in zip(at, samples)), default=0))
+
+
+def _until_ingest(
+    run: FollowedRun, phase_of: dict[str, str], trace_line: dict[str, int], phases: list[str]
+) -> dict[str, Any] | None:
+    """Append -> the start of the transaction that ingested the trace (its ``ingested_at``,
+    DuckDB's ``current_timestamp``, read as UTC): the part of the visibility latency spent
+    before the follower's poll began; the rest is parsing, writing, committing and the
+    long-poll's answer. None when the clocks do not agree (the database's time zone is
+    not UTC)."""
+    out = {}
+    for phase in phases:
+        gaps = []
+        for t, seen in run.watcher.log.seen.items():
+            if phase_of.get(t) == phase and seen.ingested_at:
+                began = datetime.fromisoformat(seen.ingested_at).replace(tzinfo=UTC).timestamp()
+                gaps.append(began - run.appended_wall[trace_line[t]])
+        out[phase] = _latency(gaps)
+        if gaps and not -1.0 < float(np.median(gaps)) < 600:
+            return None
+    return out
+
+
+def figures(run: FollowedRun, memory_limit: str | None) -> dict[str, Any]:
+    """The figures of one followed run."""
+    trace_line = {t: j for j, ids in enumerate(run.line_ids) for t in ids}
+    phase_of = {t: "rate" if j < run.rate_lines else "fast" for t, j in trace_line.items()}
+    append_at = {t: run.appended[j] for t, j in trace_line.items()}
+    phases = [p for p in ("rate", "fast") if any(v == p for v in phase_of.values())]
+
+    def latencies(when: Callable[[Any, str], float | None], clients: list[Any]) -> dict[str, Any]:
+        return {
+            phase: _latency(
+                [
+                    when(c, t) - append_at[t]  # type: ignore[operator]
+                    for c in clients
+                    for t in run.expected
+                    if phase_of[t] == phase and when(c, t) is not None
+                ]
+            )
+            for phase in phases
+        }
+
+    out: dict[str, Any] = {
+        "workload": {k: run.files.manifest[k] for k in ("traces", "nodes", "tokens", "bytes")},
+        "visibility": latencies(lambda c, t: c.log.seen[t].listed_at, [run.watcher]),
+        "until_ingest_began": _until_ingest(run, phase_of, trace_line, phases),
+    }
+    if run.readers:
+        out["delivered"] = latencies(lambda c, t: c.log.seen[t].fetched_at, run.readers)
+    w = run.written
+    ingest: dict[str, Any] = {}
+    if run.rate_lines:
+        ingest["rate_phase"] = {
+            "traces": run.rate_lines,
+            "episodes_per_s": round(w["rate"]["lines"] / max(w["rate"]["seconds"], 1e-9), 2),
+            "MB_per_s_offered": round(w["rate"]["bytes"] / 1e6 / max(w["rate"]["seconds"], 1e-9), 2),
+            "seconds": round(w["rate"]["seconds"], 1),
+        }
+    fast = [t for t in run.expected if phase_of[t] == "fast"]
+    if fast:
+        visible_end = max(run.watcher.log.seen[t].listed_at for t in fast)
+        span = visible_end - run.phases["fast"]
+        in_fast = [s for s in run.sampler.samples if run.phases["fast"] <= s["t"] <= visible_end]
+        ingest["fast_phase"] = {
+            "traces": len(fast),
+            "MB": round(w["fast"]["bytes"] / 1e6, 1),
+            "writer_seconds": round(w["fast"]["seconds"], 2),
+            "writer_MB_per_s": round(w["fast"]["bytes"] / 1e6 / max(w["fast"]["seconds"], 1e-9), 1),
+            "seconds_until_all_visible": round(span, 2),
+            "traces_per_s": round(len(fast) / span, 1),
+            "MB_per_s": round(w["fast"]["bytes"] / 1e6 / span, 1),
+            "health_samples": len(in_fast),
+            "samples_behind": sum(bool(s["behind"]) for s in in_fast),
+            "max_backlog_MB": round(_max_backlog(in_fast, run.appended, run.line_bytes) / 1e6, 1),
+        }
+    out["ingest"] = ingest
+    clients = [run.watcher, *run.readers]
+    out["requests"] = {
+        "branch_fetch": _latency([x for c in run.readers for x in c.log.fetch_seconds]),
+        "listing_answered_at_once": _latency([x for c in clients for x in c.log.poll_seconds]),
+        "total": sum(c.log.requests for c in clients),
+        "MB_received": round(sum(c.log.bytes for c in clients) / 1e6, 1),
+    }
+    last = run.sampler.samples[-1] if run.sampler.samples else {}
+    errors = {
+        "requests": sum(c.log.errors for c in clients),
+        "request_messages": [m for c in clients for m in c.log.error_messages][:10],
+        "sampler": run.sampler.errors[:10],
+        "follower_errors": last.get("errors") or 0,
+        "follower_rejected": last.get("rejected") or 0,
+    }
+    errors["total"] = errors["requests"] + len(run.sampler.errors) + errors["follower_errors"]
+    out["errors"] = errors
+    out["memory"] = memory(run.sampler.samples, sum(run.line_bytes), memory_limit)
+    out["correctness"] = run.correctness
+    out["server_cpu_seconds"] = round(run.server_cpu_seconds, 1)
+    out["clients_done_after_writer_s"] = round(run.drained_after_writer_s, 1)
+    return out
+
+
+def run(
+    files: WorkloadFiles,
+    workdir: Path,
+    repeat: int,
+    *,
+    log: Callable[[str], None],
+    rate: float,
+    rate_traces: int,
+    readers: int,
+    soak_traces: int,
+    fmt: str = "arrow",
+    memory_limit: str | None = None,
+    drain_seconds: float = 600.0,
+) -> dict[str, Any]:
+    """The live run and the soak (``repeat`` is not used: each run is long and its figures
+    are distributions); returns the results (see :func:`render`)."""
+    started = time.perf_counter()
+    busy0, own0, load0 = _busy_seconds(), time.process_time(), os.getloadavg()
+    params = files.manifest["params"]
+    soak_files = build(Workload(traces=soak_traces, tokens=params["tokens"], seed=params["seed"]), workdir, log=log)
+    common = {"fmt": fmt, "memory_limit": memory_limit, "drain_seconds": drain_seconds, "log": log}
+    log("the live run")
+    live = follow_run(files, workdir / "live", rate=rate, rate_lines=rate_traces, readers=readers, **common)
+    log("the soak")
+    soak = follow_run(soak_files, workdir / "live-soak", rate=rate, rate_lines=0, readers=0, **common)
+    results: dict[str, Any] = {
+        "machine": machine(),
+        "setup": {
+            "readers": readers,
+            "format": fmt,
+            "columns": COLUMNS,
+            "rate": rate,
+            "rate_traces": live.rate_lines,
+            "follow_interval_s": FOLLOW_INTERVAL_S,
+            "memory_limit": memory_limit or f"default ({DEFAULT_MEMORY_LIMIT})",
+            "workload_params": params,
+        },
+        "live": figures(live, memory_limit),
+        "soak": figures(soak, memory_limit),
+    }
+    results["targets"] = targets(results)
+    busy, wall = _busy_seconds(), time.perf_counter() - started
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)  # the servers and writers, reaped
+    ours = time.process_time() - own0 + children.ru_utime + children.ru_stime
+    other: dict[str, Any] = {"load_average_before": load0, "load_average_after": os.getloadavg()}
+    if busy is not None and busy0 is not None:
+        others = max(0.0, busy - busy0 - ours)
+        other["other_cpu_seconds"] = round(others, 1)
+        other["other_cpu_share"] = round(others / (wall * (os.cpu_count() or 1)), 3)
+    results.update({"other_load": other, "seconds": round(wall, 1), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    return results
+
+
+def targets(results: dict[str, Any]) -> dict[str, Any]:
+    """Visibility p99 at the fixed rate, errors in both runs, the soak's RSS slope."""
+    visibility = results["live"]["visibility"].get("rate", {}).get("p99_ms")
+    errors = results["live"]["errors"]["total"] + results["soak"]["errors"]["total"]
+    slope = results["soak"]["memory"]["slope_MB_per_GB"]
+    return {
+        "visibility_p99_at_rate": {
+            "value": visibility,
+            "unit": "ms",
+            "target": f"<= {VISIBLE_TARGET_MS:g} ms",
+            "passed": None if visibility is None else visibility <= VISIBLE_TARGET_MS,
+        },
+        "errors": {"value": errors, "unit": "", "target": "0", "passed": errors == 0},
+        "soak_rss_slope": {
+            "value": slope,
+            "unit": "MB/GB",
+            "target": f"<= {SLOPE_TARGET:g} MB/GB",
+            "passed": None if slope is None else slope <= SLOPE_TARGET,
+        },
+    }
+
+
+# ------------------------------------------------------------------ output
+
+
+def _lat(d: dict[str, Any]) -> str:
+    return f"p50 {d['p50_ms']} ms, p99 {d['p99_ms']} ms, max {d['max_ms']} ms"
+
+
+def _run_lines(name: str, f: dict[str, Any]) -> list[str]:
+    w, ing, mem = f["workload"], f["ingest"], f["memory"]
+    lines = [f"{name}: {w['traces']} traces, {w['bytes'] / 1e6:.0f} MB of traces.jsonl"]
+    if "rate_phase" in ing:
+        r = ing["rate_phase"]
+        lines += [
+            f"  rate phase: {r['traces']} episodes at {r['episodes_per_s']}/s ({r['MB_per_s_offered']} MB/s) "
+            f"over {r['seconds']} s",
+            f"    visibility (append -> listed over REST): {_lat(f['visibility']['rate'])}",
+        ]
+        if f["until_ingest_began"]:
+            lines.append(f"      of which append -> ingest began: {_lat(f['until_ingest_began']['rate'])}")
+        if "delivered" in f:
+            lines.append(f"    delivered (append -> a reader holds every branch): {_lat(f['delivered']['rate'])}")
+    if "fast_phase" in ing:
+        x = ing["fast_phase"]
+        lines += [
+            f"  fast phase: {x['traces']} episodes, {x['MB']} MB written in {x['writer_seconds']} s "
+            f"({x['writer_MB_per_s']} MB/s); all visible {x['seconds_until_all_visible']} s after its start: "
+            f"{x['traces_per_s']} traces/s, {x['MB_per_s']} MB/s sustained",
+            f"    follower behind in {x['samples_behind']} of {x['health_samples']} /health samples, "
+            f"largest backlog {x['max_backlog_MB']} MB; visibility {_lat(f['visibility']['fast'])}",
+        ]
+        if "delivered" in f:
+            lines.append(f"    delivered: {_lat(f['delivered']['fast'])}")
+    q = f["requests"]
+    if q["branch_fetch"]["n"]:
+        lines.append(
+            f"  requests: {q['total']} ({q['MB_received']} MB); branch fetch {_lat(q['branch_fetch'])}; "
+            f"listing answered at once p50 {q['listing_answered_at_once']['p50_ms']} ms, "
+            f"p99 {q['listing_answered_at_once']['p99_ms']} ms"
+        )
+    c = f["correctness"]
+    lines += [
+        f"  errors: {f['errors']['total']} (rejected lines {f['errors']['follower_rejected']})",
+        f"  server RSS ({mem['memory_limit']}): {mem['rss_idle_MB']} MB idle, {mem['rss_at_warmup_MB']} MB at "
+        f"{WARMUP_SHARE:.0%} of the bytes, {mem['rss_when_ingested_MB']} MB when all {mem['ingested_GB']} GB were "
+        f"in, {mem['rss_end_MB']} MB at the end, peak {mem['peak_MB']} MB; slope {mem['slope_MB_per_GB']} MB/GB "
+        f"(second half {mem['slope_second_half_MB_per_GB']})",
+        f"  correctness: {c['traces']} traces listed once to each of {c['clients']} clients"
+        + (f", {c['reader_branches_checked']} branches fetched equal the database's" if c["branches"] else "")
+        + ": PASSED",
+        f"  server cpu {f['server_cpu_seconds']} s; clients done {f['clients_done_after_writer_s']} s after the writer",
+    ]
+    return lines
+
+
+def render(results: dict[str, Any]) -> str:
+    """The figures as text."""
+    s, m = results["setup"], results["machine"]
+    lines = [
+        f"{s['readers']} REST readers ({s['format']}, {len(s['columns'])} columns) + a watcher; the server follows "
+        f"every {s['follow_interval_s']} s; memory limit {s['memory_limit']}",
+        *_run_lines("live run", results["live"]),
+        *_run_lines("soak (watcher and sampler only)", results["soak"]),
+    ]
+    for name, t in results["targets"].items():
+        verdict = "-" if t["passed"] is None else "PASS" if t["passed"] else "MISS"
+        lines.append(f"target {name}: {t['value']} {t['unit']} ({t['target']}) {verdict}".replace("  ", " "))
+    lines.append(
+        f"machine: {m['cpu_count']} cpus, python {m['python']}, duckdb {m['packages']['duckdb']}; "
+        f"{results['seconds']:.0f} s"
+    )
+    share = results["other_load"].get("other_cpu_share")
+    if share is not None and share > 0.05:
+        lines.append(
+            f"note: other processes used {share:.0%} of the machine's cpus during the run "
+            f"({results['other_load']['other_cpu_seconds']:.0f} cpu-seconds): the figures are noisier than usual"
+        )
+    return "\n".join(lines)
