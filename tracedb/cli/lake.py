@@ -97,6 +97,54 @@ def pull(
 
 
 @app.command()
+def ingest(
+    paths: Annotated[list[Path], typer.Argument(help="Run directories or traces.jsonl / .jsonl.zst files.")],
+    lake: LakeOption = Path("lake"),
+    ray_address: Annotated[
+        str | None,
+        typer.Option("--ray-address", help="A running Ray cluster ('auto': the local one); default: start one."),
+    ] = None,
+    workers: Annotated[
+        int | None, typer.Option("--workers", min=1, help="Ingest tasks at once (default: Ray's CPUs).")
+    ] = None,
+    files_per_task: Annotated[int, typer.Option("--files-per-task", min=1, help="Files each Ray task ingests.")] = 1,
+    allow_ragged: Annotated[
+        bool, typer.Option(help="Accept compact streams longer/shorter than the sampled count.")
+    ] = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Ingest files into the lake in Ray tasks (the file store's scanner and checks; rejects kept).
+
+    Idempotent by trace id, also against other ingests running at the same time. Exits 1
+    when anything was rejected."""
+    opened = _open(lake)
+    try:
+        import ray
+    except ImportError as e:
+        raise fail(f"{e} (lake ingest needs the lake extra: pip install 'tracedb[lake]')", 2) from None
+    started = not ray.is_initialized()
+    if started:
+        if ray_address is not None:
+            ray.init(address=ray_address, log_to_driver=False)
+        else:
+            ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
+    try:
+        report = opened.ingest(paths, workers=workers, files_per_task=files_per_task, allow_ragged=allow_ragged)  # type: ignore[attr-defined]
+    except (TraceDBError, FileNotFoundError) as e:
+        raise fail(e) from None
+    finally:
+        if started:
+            ray.shutdown()
+    if as_json:
+        emit(report.to_dict(), True)
+    else:
+        out.print(str(report))
+    if report.rejected:
+        err.print(f"{report.rejected} line(s) rejected: tracedb lake sql 'SELECT * FROM rejects' --lake {lake}")
+        raise typer.Exit(1)
+
+
+@app.command()
 def sql(
     query: Annotated[str, typer.Argument(help="SQL to run; '-' reads it from standard input.")],
     lake: LakeOption = Path("lake"),

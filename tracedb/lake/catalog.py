@@ -196,3 +196,24 @@ def load(location: Location) -> dict[str, Table]:
     if missing:
         raise LakeError(f"lake {location.where}: tables {missing} are missing; `tracedb lake init` adds them")
     return found
+
+
+class Opened:
+    """The tables of an open lake, each reloaded when asked for: what the readers and
+    the writer work on (:class:`tracedb.lake.Lake` adds the user's calls)."""
+
+    def __init__(self, location: Location, tables: dict[str, Table]) -> None:
+        self.location = location
+        """The catalog properties and namespace."""
+        self._tables = tables
+
+    @classmethod
+    def at(cls, location: Location) -> Opened:
+        """Open the lake ``location`` names (checking it, see :func:`load`)."""
+        return cls(location, load(location))
+
+    def table(self, name: str) -> Table:
+        """The Iceberg table ``name``, reloaded (as of its latest commit)."""
+        table = self._tables[name]
+        table.refresh()
+        return table

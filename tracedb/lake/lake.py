@@ -2,28 +2,27 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import duckdb
 import pyarrow as pa
-from pyiceberg.table import Table
 
 from tracedb.database import Database, connect
 from tracedb.lake import catalog, move, read
 from tracedb.lake.write import AppendReport, append
 from tracedb.sqltext import load_sql
 
+if TYPE_CHECKING:
+    import ray.data
 
-class Lake:
+    from tracedb.lake.distributed import LakeIngestReport
+
+
+class Lake(catalog.Opened):
     """An open tracedb lake. Make one with :func:`tracedb.lake.init`, open with
     :func:`tracedb.lake.open`."""
-
-    def __init__(self, location: catalog.Location, tables: dict[str, Table]) -> None:
-        self.location = location
-        """The catalog properties and namespace."""
-        self._tables = tables
 
     def __repr__(self) -> str:
         return f"Lake({self.location.where!r})"
@@ -31,12 +30,6 @@ class Lake:
     @property
     def where(self) -> str:
         return self.location.where
-
-    def table(self, name: str) -> Table:
-        """The Iceberg table ``name``, reloaded (as of its latest commit)."""
-        table = self._tables[name]
-        table.refresh()
-        return table
 
     # ----------------------------------------------------------------- writing
 
@@ -88,6 +81,68 @@ class Lake:
         rows = self.tables(trace_ids=trace_ids, group=group, after=after)
         with _opened(db, read_only=False) as database:
             return move.write_into(database, rows)
+
+    def branches(
+        self,
+        *,
+        trace_ids: Sequence[str] | None = None,
+        group: str | Sequence[str] | None = None,
+        episode: str | Sequence[str] | None = None,
+        after: int | None = None,
+        complete_groups: int | None = None,
+        tags: Mapping[str, Any] | None = None,
+        through: int | None = None,
+        trainable: bool | None = None,
+        branch_index: int | Sequence[int] | None = None,
+        columns: Sequence[str] | None = None,
+        train_once: bool = False,
+        credit: str | None = None,
+        traces_per_task: int = 256,
+    ) -> ray.data.Dataset:
+        """The branch views of the selected visible traces as a ``ray.data.Dataset`` in
+        the :meth:`tracedb.Database.branches` schema, computed in Ray workers
+        (``traces_per_task`` traces each, groups kept together) by the file store's own
+        view code; the arguments are :meth:`tracedb.Database.branches`' (``after`` /
+        ``through`` compare with the lake's ``seq``). ``complete_groups`` and ``tags`` are
+        refused for now. Needs Ray running in this process (``ray.init``)."""
+        from tracedb.lake import distributed
+
+        return distributed.branches(
+            self,
+            trace_ids=trace_ids,
+            group=group,
+            episode=episode,
+            after=after,
+            complete_groups=complete_groups,
+            tags=tags,
+            through=through,
+            trainable=trainable,
+            branch_index=branch_index,
+            columns=columns,
+            train_once=train_once,
+            credit=credit,
+            traces_per_task=traces_per_task,
+        )
+
+    def ingest(
+        self,
+        paths: str | Path | Iterable[str | Path],
+        *,
+        workers: int | None = None,
+        files_per_task: int = 1,
+        allow_ragged: bool = False,
+    ) -> LakeIngestReport:
+        """Ingest ``traces.jsonl`` files or directories into the lake in Ray tasks
+        (``files_per_task`` files each, at most ``workers`` at once; default: Ray's CPUs):
+        each task runs the file store's ingest (scanner, parser, validation, rejects kept)
+        in memory and appends its traces as one write. Idempotent by trace id, also
+        against other ingests running at the same time. Needs Ray running (``ray.init``)."""
+        from tracedb.lake import distributed
+
+        chosen = [paths] if isinstance(paths, str | Path) else list(paths)
+        return distributed.ingest(
+            self, chosen, workers=workers, files_per_task=files_per_task, allow_ragged=allow_ragged
+        )
 
     def sql(self, query: str, params: Sequence[Any] | dict[str, Any] | None = None) -> pa.Table:
         """Run SQL over the lake's visible rows with tracedb's macros (``branch_stats()``,
@@ -146,4 +201,4 @@ def open_lake(lake: str | Path) -> Lake:
     of pyiceberg catalog properties); :class:`~tracedb.lake.catalog.LakeError` when it
     is not a lake of this version."""
     location = catalog.locate(lake)
-    return Lake(location, catalog.load(location))
+    return Lake.at(location)

@@ -1,0 +1,209 @@
+"""The lake on Ray: views computed in workers, ingest in tasks (one local Ray for the module).
+
+Ray binds every interface and looks for the machine's address (it asks for a route to a
+public one), so these tests run in a network namespace that has only loopback: collected
+outside one, the module re-runs itself under ``unshare --net`` (root, as CI runs) and
+passes or fails with that run; where no namespace can be made it is skipped, saying why.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+import tracedb
+
+from support import FIXTURES
+
+pytest.importorskip("pyiceberg_core", reason="the lake extra is not installed (pip install '.[lake]')")
+pytest.importorskip("ray", reason="the lake extra is not installed (pip install '.[lake]')")
+
+INSIDE = os.environ.get("TRACEDB_LAKE_NETNS") == "1"
+ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DISABLE_DOCKER_CPU_WARNING": "1"}
+
+
+def _namespace_problem() -> str | None:
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return "needs unshare and ip (util-linux, iproute2) for a loopback-only network namespace"
+    probe = subprocess.run(["unshare", "--net", "ip", "link", "set", "lo", "up"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"cannot make a network namespace here (unshare --net: {probe.stderr.strip()}); CI runs as root"
+    return None
+
+
+if not INSIDE:
+
+    def test_in_a_loopback_only_network_namespace():
+        problem = _namespace_problem()
+        if problem:
+            pytest.skip(f"Ray tests not run: {problem}")
+        inner = f"ip link set lo up && exec {sys.executable} -m pytest -q -x -p no:cacheprovider {__file__}"
+        env = {**os.environ, **ENV, "TRACEDB_LAKE_NETNS": "1"}
+        run = subprocess.run(
+            ["unshare", "--net", "sh", "-c", inner],
+            cwd=Path(__file__).resolve().parents[2],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=420,
+        )
+        assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+        assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], run.stdout[-2000:]
+
+else:
+    import ray
+
+    import tracedb.lake as lakes
+    from tracedb.lake import distributed, write
+
+    def _only_loopback() -> bool:
+        links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout.splitlines()
+        return [line.split(":")[1].strip() for line in links] == ["lo"]
+
+    @pytest.fixture(scope="module")
+    def local_ray():
+        assert _only_loopback(), "the Ray tests must run in a network namespace holding only loopback"
+        os.environ.update(ENV)
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        yield ray
+        ray.shutdown()
+
+    @pytest.fixture(scope="module")
+    def store(tmp_path_factory):
+        path = tmp_path_factory.mktemp("store") / "runs.duckdb"
+        with tracedb.connect(path) as db:
+            db.ingest(FIXTURES)
+        return path
+
+    @pytest.fixture(scope="module")
+    def pushed(store, tmp_path_factory):
+        lake = lakes.init(tmp_path_factory.mktemp("lake") / "L")
+        lake.push(store)
+        return lake
+
+    def _collect(dataset) -> pa.Table:
+        parts = ray.get(dataset.to_arrow_refs())
+        return pa.concat_tables(parts).sort_by([("trace_id", "ascending"), ("branch_index", "ascending")])
+
+    @pytest.mark.parametrize(
+        "options",
+        [{}, {"trainable": True, "train_once": True}, {"columns": ["token_ids", "advantages"], "branch_index": [0, 1]}],
+        ids=["all", "trainable-train-once", "columns"],
+    )
+    def test_views_in_workers_equal_the_file_stores(local_ray, pushed, store, options):
+        got = _collect(pushed.branches(traces_per_task=7, **options))
+        with tracedb.connect(store, read_only=True) as db:
+            expected = db.branches(**options).replace_schema_metadata(None)
+        assert got.num_rows == expected.num_rows > 0
+        assert got.schema == expected.schema
+        assert got.equals(expected)
+
+    def test_views_of_a_selection(local_ray, pushed, store):
+        with tracedb.connect(store, read_only=True) as db:
+            group = db.sql("SELECT group_id FROM traces WHERE group_id IS NOT NULL LIMIT 1").column(0)[0].as_py()
+            expected = db.branches(group=group).replace_schema_metadata(None)
+        assert _collect(pushed.branches(group=group)).equals(expected)
+        assert pushed.branches(trace_ids=[]).count() == 0
+        with pytest.raises(ValueError, match="complete_groups= and tags= are not supported"):
+            pushed.branches(complete_groups=2)
+
+    def _runs(tmp_path: Path) -> tuple[Path, Path]:
+        """Two run directories that overlap in three files; the second holds a bad line."""
+        files = sorted(FIXTURES.glob("*.traces.jsonl"))
+        a, b = tmp_path / "a", tmp_path / "b"
+        a.mkdir()
+        b.mkdir()
+        for f in files[:8]:
+            shutil.copy(f, a / f.name)
+        for f in files[5:]:
+            shutil.copy(f, b / f.name)
+        (b / "bad.traces.jsonl").write_text('{"not": "a trace"\n')
+        return a, b
+
+    def test_concurrent_overlapping_ingests_lose_and_duplicate_nothing(local_ray, tmp_path):
+        a, b = _runs(tmp_path)
+        lake = lakes.init(tmp_path / "L")
+        reports, errors = [], []
+
+        def run(paths):
+            try:
+                reports.append(lakes.open(tmp_path / "L").ingest(paths, workers=2))
+            except Exception as e:  # asserted below
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(p,)) for p in ([a], [a, b])]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert not errors
+        with tracedb.connect(tmp_path / "file.duckdb") as db:  # the file store's ingest of the same inputs
+            db.ingest([a, b])
+            ids = sorted(db.sql("SELECT trace_id FROM traces").column("trace_id").to_pylist())
+            records = {t: db.trace(t) for t in ids}
+            reasons = sorted(db.sql("SELECT reason FROM rejects").column("reason").to_pylist())
+        visible = lake.tables()
+        assert sorted(visible["traces"].column("trace_id").to_pylist()) == ids
+        assert sum(r.traces for r in reports) == len(ids)
+        assert sorted(visible["rejects"].column("reason").to_pylist()) == reasons and reasons
+        lake.pull(tmp_path / "pulled.duckdb")
+        with tracedb.connect(tmp_path / "pulled.duckdb", read_only=True) as pulled:
+            assert {t: pulled.trace(t) for t in ids} == records
+        again = lake.ingest([a, b])
+        assert again.traces == 0 and again.skipped == again.lines - again.rejected  # every good line seen again
+        assert sorted(lake.tables()["rejects"].column("reason").to_pylist()) == reasons  # a reject shown once
+
+    def test_a_killed_worker_is_retried_without_duplicates(local_ray, tmp_path, store):
+        lake = lakes.init(tmp_path / "L")
+
+        def _dies_once(location, files, marker):
+            """An ingest task whose worker dies between writing its rows and committing its
+            traces, the first time it runs."""
+            if not os.path.exists(marker):
+                Path(marker).write_text("killed")
+
+                def die(*args, **kwargs):
+                    os._exit(1)
+
+                write._commit_traces = die
+            return distributed.ingest_files(location, files, False)
+
+        # defined here, so that Ray ships it by value (workers cannot import a test module)
+        task = ray.remote(max_retries=2)(_dies_once)
+        result = ray.get(task.remote(lake.location, [str(FIXTURES / "groups.traces.jsonl")], str(tmp_path / "m")))
+        assert (tmp_path / "m").exists()
+        with tracedb.connect(":memory:") as db:
+            db.ingest(FIXTURES / "groups.traces.jsonl")
+            n = db.sql("SELECT count(*) FROM traces").column(0)[0].as_py()
+            n_nodes = db.sql("SELECT count(*) FROM nodes").column(0)[0].as_py()
+        assert result["traces"] == n
+        visible = lake.tables()
+        assert visible["traces"].num_rows == n and visible["nodes"].num_rows == n_nodes
+        assert lake.table("nodes").scan().to_arrow().num_rows == 2 * n_nodes  # the dead attempt's rows, invisible
+
+    def test_cli_ingest(local_ray, tmp_path):
+        import json
+
+        from typer.testing import CliRunner
+
+        from tracedb.cli.main import app
+
+        a, b = _runs(tmp_path)
+        lake = str(tmp_path / "L")
+        lakes.init(lake)
+        run = CliRunner().invoke
+        first = run(app, ["lake", "ingest", str(a), "--lake", lake, "--workers", "2", "--json"])
+        assert first.exit_code == 0, first.output
+        assert json.loads(first.output)["traces"] == len(lakes.open(lake).tables()["traces"]) > 0
+        second = run(app, ["lake", "ingest", str(b), "--lake", lake, "--files-per-task", "3"])
+        assert second.exit_code == 1 and "1 line(s) rejected" in second.output
+        missing = run(app, ["lake", "ingest", str(tmp_path / "none"), "--lake", lake])
+        assert missing.exit_code == 1 and "no such file or directory" in missing.output
