@@ -146,19 +146,76 @@ CREATE OR REPLACE MACRO node_credit(credit := NULL) AS TABLE
            list_sum(list_transform(a.advantages, lambda x: abs(x))) AS advantage_abs_sum
     FROM nodes n JOIN credit_advantages(credit) a USING (trace_id, node_index);
 
--- Two credit sets on the same rollouts, per trace: signed and absolute advantage mass
--- over sampled tokens, and how many nodes each assigns.
+-- Each node's credit in one set as the spread reads it: its sampled tokens' values (a
+-- compact list cut or zero-padded to the node's sampled tokens), NULL when unassigned.
+CREATE OR REPLACE MACRO credit_tokens(credit := NULL) AS TABLE
+    SELECT trace_id, node_index, n_sampled,
+           CASE WHEN advantages IS NOT NULL
+                THEN list_transform(list_resize(advantages, n_sampled, 0.0::FLOAT), lambda x: x::DOUBLE) END AS a
+    FROM credit_advantages(credit);
+
+-- The dose of one credit set, per trace, over the trace's sampled tokens (each node once):
+-- tokens assigned and credited (nonzero), coverage (assigned / sampled), signed, absolute
+-- and squared mass, and concentration n * sum(A^2) / sum(|A|)^2 over the trace's n sampled
+-- tokens (1 for uniform credit, L/m for equal credit on m of L tokens). The masses and the
+-- concentration are NULL for a trace the set leaves unassigned (None is not zero).
+CREATE OR REPLACE MACRO credit_dose(credit := NULL) AS TABLE
+    WITH per AS (
+        SELECT trace_id,
+               count(a) AS assigned_nodes,
+               coalesce(sum(len(a)), 0)::BIGINT AS assigned_tokens,  -- a holds n_sampled values
+               coalesce(sum(len(list_filter(a, lambda x: x <> 0))), 0)::BIGINT AS credited_tokens,
+               sum(coalesce(list_sum(a), 0.0)) FILTER (WHERE a IS NOT NULL) AS mass,
+               sum(coalesce(list_sum(list_transform(a, lambda x: abs(x))), 0.0))
+                   FILTER (WHERE a IS NOT NULL) AS abs_mass,
+               sum(coalesce(list_sum(list_transform(a, lambda x: x * x)), 0.0))
+                   FILTER (WHERE a IS NOT NULL) AS sq_mass
+        FROM credit_tokens(credit := credit) GROUP BY trace_id
+    )
+    SELECT t.trace_id, t.group_id, t.reward, t.n_sampled AS sampled_tokens,
+           coalesce(p.assigned_nodes, 0) AS assigned_nodes,
+           coalesce(p.assigned_tokens, 0) AS assigned_tokens,
+           coalesce(p.credited_tokens, 0) AS credited_tokens,
+           CASE WHEN t.n_sampled > 0 THEN coalesce(p.assigned_tokens, 0) / t.n_sampled END AS coverage,
+           p.mass, p.abs_mass, p.sq_mass,
+           CASE WHEN p.abs_mass > 0 THEN t.n_sampled * p.sq_mass / (p.abs_mass * p.abs_mass) END AS concentration
+    FROM traces t LEFT JOIN per p USING (trace_id)
+    ORDER BY t.trace_id;
+
+-- Two credit sets token by token, per trace, over the sampled tokens both assign: how many,
+-- the share whose signs agree (sign -1, 0 or 1), and the Pearson correlation of the two
+-- (NULL under two tokens or when either set is constant over them, as grpo is in a trace).
+-- per_trace := false: one row (trace_id NULL) over every token both assign.
+CREATE OR REPLACE MACRO credit_agreement(set_a, set_b, per_trace := true) AS TABLE
+    WITH both_sets AS (
+        SELECT x.trace_id, x.a, y.a AS b
+        FROM credit_tokens(credit := set_a) x JOIN credit_tokens(credit := set_b) y USING (trace_id, node_index)
+        WHERE x.a IS NOT NULL AND y.a IS NOT NULL AND x.n_sampled > 0
+    ),
+    tokens AS (SELECT trace_id, unnest(a) AS x, unnest(b) AS y FROM both_sets)
+    SELECT CASE WHEN per_trace THEN trace_id END AS trace_id, count(*) AS shared_tokens,
+           avg(CASE WHEN sign(x) = sign(y) THEN 1.0 ELSE 0.0 END) AS sign_agreement,
+           CASE WHEN count(*) > 1 AND var_pop(x) > 0 AND var_pop(y) > 0 THEN corr(x, y) END AS correlation
+    FROM tokens GROUP BY ALL;
+
+-- Two credit sets on the same rollouts, per trace: each one's dose (credit_dose: *_a, *_b)
+-- and, between them, the tokens both assign, their sign agreement and correlation
+-- (credit_agreement; NULL where they share no token).
 CREATE OR REPLACE MACRO credit_compare(set_a, set_b) AS TABLE
-    WITH a AS (SELECT trace_id, sum(advantage_sum) AS mass, sum(advantage_abs_sum) AS abs_mass,
-                      count(*) FILTER (WHERE assigned) AS nodes
-               FROM node_credit(credit := set_a) GROUP BY trace_id),
-         b AS (SELECT trace_id, sum(advantage_sum) AS mass, sum(advantage_abs_sum) AS abs_mass,
-                      count(*) FILTER (WHERE assigned) AS nodes
-               FROM node_credit(credit := set_b) GROUP BY trace_id)
     SELECT t.trace_id, t.group_id, t.reward,
            a.mass AS mass_a, b.mass AS mass_b, a.abs_mass AS abs_mass_a, b.abs_mass AS abs_mass_b,
-           a.nodes AS assigned_nodes_a, b.nodes AS assigned_nodes_b
-    FROM traces t JOIN a USING (trace_id) JOIN b USING (trace_id)
+           a.assigned_nodes AS assigned_nodes_a, b.assigned_nodes AS assigned_nodes_b,
+           t.n_sampled AS sampled_tokens,
+           a.assigned_tokens AS assigned_tokens_a, b.assigned_tokens AS assigned_tokens_b,
+           a.credited_tokens AS credited_tokens_a, b.credited_tokens AS credited_tokens_b,
+           a.coverage AS coverage_a, b.coverage AS coverage_b,
+           a.sq_mass AS sq_mass_a, b.sq_mass AS sq_mass_b,
+           a.concentration AS concentration_a, b.concentration AS concentration_b,
+           coalesce(g.shared_tokens, 0) AS shared_tokens, g.sign_agreement, g.correlation
+    FROM traces t
+    JOIN credit_dose(credit := set_a) a USING (trace_id)
+    JOIN credit_dose(credit := set_b) b USING (trace_id)
+    LEFT JOIN credit_agreement(set_a, set_b) g USING (trace_id)
     ORDER BY t.trace_id;
 
 -- One row per trace with its group, reward and sizes; the starting point of most queries.

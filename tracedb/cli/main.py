@@ -30,6 +30,7 @@ from tracedb.cli.common import (
 )
 from tracedb.cli.follow import follow as run_follower
 from tracedb.cli.lake import app as lake_app
+from tracedb.credit import dose as dose_lib
 from tracedb.errors import TraceDBError
 
 app = typer.Typer(
@@ -375,6 +376,40 @@ def credit(
         except (TraceDBError, ValueError, TypeError) as e:
             raise fail(e) from None
     emit(result, as_json)
+
+
+@app.command("credit-compare")
+def credit_compare(
+    sets: Annotated[
+        list[str], typer.Argument(help="Credit sets to compare, one or more ('default': the ingested credit).")
+    ],
+    per_trace: Annotated[bool, typer.Option("--per-trace", help="One row per set (pair) and trace.")] = False,
+    db: DbOption = Path("tracedb.duckdb"),
+    as_json: JsonOption = False,
+) -> None:
+    """Dose-matched comparison of credit sets: per set, tokens assigned and credited, coverage,
+    sum A, sum |A|, sum A^2 and concentration; per pair, the tokens both assign, their sign
+    agreement and correlation."""
+    with open_db(db, read_only=True) as database:
+        try:
+            result = dose_lib.compare(database, sets, per_trace=per_trace)
+        except (TraceDBError, ValueError) as e:
+            raise fail(e) from None
+    tables = {name: table.to_pylist() for name, table in result.items()}
+    if as_json:
+        emit(tables, True)
+        return
+    shown = {
+        k: [{c: f"{v:.4g}" if isinstance(v, float) else v for c, v in r.items()} for r in rows]
+        for k, rows in tables.items()
+    }
+    if per_trace:
+        emit(shown["dose"], False, title="credit dose per trace")
+    else:  # one column per set: the figures read down
+        figures = [c for c in shown["dose"][0] if c != "credit_set"]
+        emit([{"": f, **{r["credit_set"]: r[f] for r in shown["dose"]}} for f in figures], False, title="credit dose")
+    if "agreement" in shown:
+        emit(shown["agreement"], False, title="agreement" + (" per trace" if per_trace else ""))
 
 
 @app.command("credit-sets")

@@ -18,7 +18,8 @@ from typing import Any
 import pyarrow as pa
 
 from tracedb import writeback
-from tracedb.handle import HandleOf, handle_of
+from tracedb.credit import dose
+from tracedb.handle import Handle, HandleOf, handle_of
 
 
 @dataclass(frozen=True)
@@ -65,11 +66,18 @@ def algorithms() -> dict[str, Algorithm]:
     return ALGORITHMS
 
 
-def compute(db: HandleOf, algorithm: str, **params: Any) -> pa.Table:
+def compute(db: HandleOf, algorithm: str, *, matched_to: str | None = None, **params: Any) -> pa.Table:
     """Run an algorithm on ``db`` (a :class:`tracedb.Database` or its handle) without
-    writing anything; returns its credit table."""
-    algo = _lookup(algorithm)
-    return algo.func(handle_of(db), **params)
+    writing anything; returns its credit table. ``matched_to=SET`` rescales it per trace
+    to the ``sum |A|`` that set gives the trace (:func:`tracedb.credit.dose.match`)."""
+    return _credit(handle_of(db), _lookup(algorithm), matched_to, params)[0]
+
+
+def _credit(handle: Handle, algo: Algorithm, matched_to: str | None, params: dict[str, Any]) -> tuple[pa.Table, Any]:
+    table = algo.func(handle, **params)
+    if matched_to is None:
+        return table, None
+    return dose.match(handle, table, matched_to)
 
 
 def run(
@@ -84,16 +92,23 @@ def run(
     """Compute ``algorithm`` on ``db`` (a :class:`tracedb.Database` or its handle) and
     stamp it as credit set ``name`` (default: the algorithm's name), in one transaction
     (:func:`tracedb.writeback.stamp`). Returns the set's name, algorithm, parameters and
-    what was written."""
+    what was written.
+
+    ``matched_to=SET`` (any algorithm; ``-p matched_to=SET`` on the command line) rescales
+    the output per trace to the ``sum |A|`` over tokens that set gives the trace, leaving a
+    trace where either is 0 as it is; the result's ``matched`` counts both kinds
+    (:func:`tracedb.credit.dose.match`)."""
     handle = handle_of(db)
     algo = _lookup(algorithm)
     name = name or algorithm
-    table = algo.func(handle, **params)
-    resolved = {**algo.params(), **params}
+    matched_to = params.pop("matched_to", None)
+    table, matched = _credit(handle, algo, matched_to, params)
+    resolved = {**algo.params(), **params, **({} if matched_to is None else {"matched_to": matched_to})}
     nodes = writeback.stamp(
         handle, name, table, algorithm=algorithm, params=resolved, description=description, replace=replace
     )
-    return {"name": name, "algorithm": algorithm, "params": resolved, "rows": table.num_rows, "nodes": nodes}
+    out = {"name": name, "algorithm": algorithm, "params": resolved, "rows": table.num_rows, "nodes": nodes}
+    return out if matched is None else {**out, "matched": matched}
 
 
 def _lookup(algorithm: str) -> Algorithm:
