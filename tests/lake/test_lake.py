@@ -40,6 +40,7 @@ def pushed(store, tmp_path_factory):
 
 def test_init_makes_the_stored_tables(tmp_path):
     lake = lakes.init(tmp_path / "L")
+    assert lakes.init(tmp_path / "lake.v1").watermark() == 0  # a dot in a directory's name
     assert (tmp_path / "L" / "catalog.db").is_file() and (tmp_path / "L" / "warehouse").is_dir()
     expected = {n: s for n, s in tables.STORED.items() if n not in catalog.FILE_ONLY}
     assert set(lake._tables) == {"tracedb_meta", *expected}

@@ -45,6 +45,8 @@ key readers join them on."""
 BUCKET_KEYS = {"segments": "segment_id", "episodes": "episode_id"}
 """The bucketed column of tables that have no ``trace_id``."""
 
+PROPERTY_FILES = (".yaml", ".yml", ".json")
+"""What a lake given by its catalog properties is named like (anything else is a directory)."""
 NAME = "tracedb"
 """The default catalog name and namespace."""
 
@@ -103,7 +105,7 @@ def locate(lake: str | Path) -> Location:
     """The catalog of ``lake``: a directory (a local lake, see :func:`init`) or a
     ``.yaml``/``.json`` file of pyiceberg catalog properties."""
     path = Path(lake)
-    if path.suffix in (".yaml", ".yml", ".json"):
+    if path.suffix in PROPERTY_FILES:
         if not path.is_file():
             raise LakeError(f"lake {path}: no such catalog properties file")
         text = path.read_text()

@@ -190,7 +190,7 @@ def init(lake: str | Path) -> Lake:
     ``lake`` is a directory (created; a SQLite catalog and the warehouse go inside) or a
     ``.yaml``/``.json`` file of pyiceberg catalog properties."""
     location = catalog.locate(lake)
-    if location.properties.get("type") == "sql" and location.where == str(lake) and not Path(lake).suffix:
+    if Path(lake).suffix not in catalog.PROPERTY_FILES:
         Path(lake).mkdir(parents=True, exist_ok=True)
     catalog.create(location)
     return open_lake(lake)
