@@ -4,7 +4,9 @@ Each algorithm is one small vectorized function from columns (Arrow / Polars / D
 to credit, registered in :data:`ALGORITHMS`. It returns either per-trace scalars
 (``trace_id, value``: broadcast over the trace's sampled tokens) or per-node compact
 lists (``trace_id, node_index, values``). :func:`run` records the set (algorithm,
-parameters, creation time) and writes its credit in one transaction.
+parameters, creation time) and writes its credit in one transaction. A turn-level
+algorithm may also register ``per_node``: the same credit as one value per node, which
+:func:`run` stamps instead of expanding it into lists that the stamp collapses again.
 """
 
 from __future__ import annotations
@@ -28,13 +30,20 @@ class Algorithm:
     target: str  # "module:function" under tracedb.credit, imported when first used
     layout: str  # "trace" (trace_id, value) or "node" (trace_id, node_index, values)
     summary: str
+    per_node: str | None = None  # "module:function": the same credit as one value per node
 
     @property
     def func(self) -> Callable[..., pa.Table]:
         """The algorithm's function ``(handle, **params) -> credit table`` (its module is
         imported when first used)."""
-        module, function = self.target.split(":")
-        return getattr(importlib.import_module(f"tracedb.credit.{module}"), function)
+        return _function(self.target)
+
+    @property
+    def stamp_func(self) -> Callable[..., pa.Table]:
+        """What :func:`run` stamps: ``per_node`` when given (the credit of :attr:`func` as
+        ``(trace_id, node_index, value)``, one value per node, which turn-level credit is:
+        nothing to expand into lists and collapse again), else :attr:`func`."""
+        return _function(self.per_node) if self.per_node else self.func
 
     def params(self) -> dict[str, Any]:
         """Parameter names and defaults, from the function signature."""
@@ -47,8 +56,16 @@ ALGORITHMS: dict[str, Algorithm] = {
     for a in (
         Algorithm("grpo", "outcome:grpo", "trace", "group-relative advantage r - mean(group), optional std scaling"),
         Algorithm("rloo", "outcome:rloo", "trace", "leave-one-out baseline r - mean(others)"),
-        Algorithm("returns", "returns:returns", "node", "discounted turn-level returns along each branch"),
-        Algorithm("gae", "returns:gae", "node", "GAE(gamma, lambda) over each branch's turns"),
+        Algorithm(
+            "returns",
+            "returns:returns",
+            "node",
+            "discounted turn-level returns along each branch",
+            per_node="returns:returns_per_node",
+        ),
+        Algorithm(
+            "gae", "returns:gae", "node", "GAE(gamma, lambda) over each branch's turns", per_node="returns:gae_per_node"
+        ),
         Algorithm("tree", "tree:tree", "node", "prefix-tree credit over shared token prefixes within a group"),
         Algorithm("reweight", "reweight:reweight", "node", "mean-preserving token reweighting of an existing set"),
         Algorithm("anchor", "anchor:anchor", "node", "GiGPO/TIGPO: episode + omega * same-state step advantage"),
@@ -73,8 +90,10 @@ def compute(db: HandleOf, algorithm: str, *, matched_to: str | None = None, **pa
     return _credit(handle_of(db), _lookup(algorithm), matched_to, params)[0]
 
 
-def _credit(handle: Handle, algo: Algorithm, matched_to: str | None, params: dict[str, Any]) -> tuple[pa.Table, Any]:
-    table = algo.func(handle, **params)
+def _credit(
+    handle: Handle, algo: Algorithm, matched_to: str | None, params: dict[str, Any], *, stamping: bool = False
+) -> tuple[pa.Table, Any]:
+    table = (algo.stamp_func if stamping else algo.func)(handle, **params)
     if matched_to is None:
         return table, None
     return dose.match(handle, table, matched_to)
@@ -102,13 +121,18 @@ def run(
     algo = _lookup(algorithm)
     name = name or algorithm
     matched_to = params.pop("matched_to", None)
-    table, matched = _credit(handle, algo, matched_to, params)
+    table, matched = _credit(handle, algo, matched_to, params, stamping=True)
     resolved = {**algo.params(), **params, **({} if matched_to is None else {"matched_to": matched_to})}
     nodes = writeback.stamp(
         handle, name, table, algorithm=algorithm, params=resolved, description=description, replace=replace
     )
     out = {"name": name, "algorithm": algorithm, "params": resolved, "rows": table.num_rows, "nodes": nodes}
     return out if matched is None else {**out, "matched": matched}
+
+
+def _function(target: str) -> Callable[..., pa.Table]:
+    module, function = target.split(":")
+    return getattr(importlib.import_module(f"tracedb.credit.{module}"), function)
 
 
 def _lookup(algorithm: str) -> Algorithm:

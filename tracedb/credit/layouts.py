@@ -10,6 +10,9 @@ TRACE_CREDIT = pa.schema([("trace_id", pa.string()), ("value", pa.float64())])
 """One value per trace, broadcast over its sampled tokens (outcome-level credit)."""
 NODE_CREDIT = pa.schema([("trace_id", pa.string()), ("node_index", pa.int32()), ("values", pa.list_(pa.float32()))])
 """Compact values per node, one per sampled token (turn- and token-level credit)."""
+NODE_VALUE = pa.schema([("trace_id", pa.string()), ("node_index", pa.int32()), ("value", pa.float64())])
+"""One value per node over its sampled tokens: turn-level credit as ``run`` stamps it
+(an algorithm registered with ``per_node``), without expanding it to lists and back."""
 
 
 def node_table(trace_id: pa.Array, node_index: pa.Array, n_sampled: np.ndarray, values: np.ndarray) -> pa.Table:

@@ -51,7 +51,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from tracedb import tables
-from tracedb.credit.layouts import NODE_CREDIT
+from tracedb.credit.layouts import NODE_CREDIT, NODE_VALUE
 from tracedb.credit.outcome import trace_rewards
 from tracedb.graph import owning_branch
 from tracedb.handle import Handle, HandleOf, handle_of
@@ -79,16 +79,37 @@ def returns(
     Returns ``(trace_id, node_index, values)``: each sampled node's value broadcast over its
     sampled tokens. See the module docstring for turns, rewards, values and termination.
     """
-    db = handle_of(db)
+    found = _returns(handle_of(db), **_args(locals()))
+    return NODE_CREDIT.empty_table() if found is None else node_values(*found)
+
+
+def returns_per_node(db: HandleOf, **params: object) -> pa.Table:
+    """:func:`returns` as one value per node (:func:`node_scalars`): what ``run`` stamps."""
+    found = _returns(handle_of(db), **params)
+    return NODE_VALUE.empty_table() if found is None else node_scalars(*found)
+
+
+def _returns(
+    db: Handle,
+    *,
+    gamma: float = 1.0,
+    reward: str | None = None,
+    reward_field: str | None = None,
+    value_field: str | None = None,
+    bootstrap_field: str | None = None,
+    terminal_reward: bool = True,
+    subtract_values: bool = False,
+    include_failed: bool = False,
+) -> tuple[dict, np.ndarray] | None:
     check_unit("gamma", gamma)
     turns = branch_turns(db, reward, reward_field, value_field, bootstrap_field, terminal_reward, include_failed)
     if turns is None:
-        return NODE_CREDIT.empty_table()
+        return None
     r, v, boot, last, end = turns["r"], turns["v"], turns["boot"], turns["last"], turns["end"]
     x = r.copy()
     x[last] += gamma * boot  # G_T folded into the last reward: G_{T-1} = r_{T-1} + gamma G_T
     g = reverse_scan(x, end, gamma)
-    return node_values(turns, g - v if subtract_values else g)
+    return turns, g - v if subtract_values else g
 
 
 def gae(
@@ -109,18 +130,44 @@ def gae(
     ``lam=1`` gives ``G_t - V_t``, ``lam=0`` the one-step TD error. Returns
     ``(trace_id, node_index, values)`` like :func:`returns`.
     """
-    db = handle_of(db)
+    found = _gae(handle_of(db), **_args(locals()))
+    return NODE_CREDIT.empty_table() if found is None else node_values(*found)
+
+
+def gae_per_node(db: HandleOf, **params: object) -> pa.Table:
+    """:func:`gae` as one value per node (:func:`node_scalars`): what ``run`` stamps."""
+    found = _gae(handle_of(db), **params)
+    return NODE_VALUE.empty_table() if found is None else node_scalars(*found)
+
+
+def _gae(
+    db: Handle,
+    *,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    reward: str | None = None,
+    reward_field: str | None = None,
+    value_field: str | None = None,
+    bootstrap_field: str | None = None,
+    terminal_reward: bool = True,
+    include_failed: bool = False,
+) -> tuple[dict, np.ndarray] | None:
     check_unit("gamma", gamma)
     check_unit("lam", lam)
     turns = branch_turns(db, reward, reward_field, value_field, bootstrap_field, terminal_reward, include_failed)
     if turns is None:
-        return NODE_CREDIT.empty_table()
+        return None
     r, v, boot, last, end = turns["r"], turns["v"], turns["boot"], turns["last"], turns["end"]
     v_next = np.empty_like(v)
     v_next[:-1] = v[1:]
     v_next[last] = boot  # V_T: the next turn of the branch does not exist, the bootstrap stands in
     delta = r + gamma * v_next - v
-    return node_values(turns, reverse_scan(delta, end, gamma * lam))
+    return turns, reverse_scan(delta, end, gamma * lam)
+
+
+def _args(scope: dict[str, object]) -> dict[str, object]:
+    """A public function's keyword parameters, from its ``locals()``."""
+    return {k: v for k, v in scope.items() if k != "db"}
 
 
 def check_unit(name: str, x: float) -> None:
@@ -292,6 +339,20 @@ def _attempts(links: pa.ChunkedArray) -> np.ndarray:
         hit = pc.fill_null(pc.equal(pc.list_flatten(links).field("type"), "compaction_attempt"), False)
         out[pc.list_parent_indices(links).to_numpy()[hit.to_numpy(zero_copy_only=False)]] = True
     return out
+
+
+def node_scalars(turns: dict, advantage: np.ndarray) -> pa.Table:
+    """The credit :func:`node_values` gives, as one ``value`` per node
+    (:data:`~tracedb.credit.layouts.NODE_VALUE`), in the same order."""
+    keep = turns["keep"]
+    return pa.Table.from_arrays(
+        [
+            turns["trace_id"].take(pa.array(keep)).cast(pa.string()),
+            pa.array(turns["node_index"][keep].astype(np.int32)),
+            pa.array(advantage[keep].astype(np.float32).astype(np.float64)),
+        ],
+        schema=NODE_VALUE,
+    )
 
 
 def node_values(turns: dict, advantage: np.ndarray) -> pa.Table:
