@@ -207,3 +207,32 @@ else:
         assert second.exit_code == 1 and "1 line(s) rejected" in second.output
         missing = run(app, ["lake", "ingest", str(tmp_path / "none"), "--lake", lake])
         assert missing.exit_code == 1 and "no such file or directory" in missing.output
+
+    @pytest.mark.parametrize("seed", [3, 11])
+    def test_random_forests_ingested_and_viewed_on_ray_equal_the_file_store(local_ray, tmp_path, seed):
+        from tracedb.sample import write_sample
+
+        files = [
+            write_sample(
+                tmp_path / f"run{k}" / "traces.jsonl",
+                groups=2,
+                group_size=3,
+                tokens_per_trace=2_500,
+                compaction_every=900,
+                advantages=True,
+                seed=seed * 10 + k,
+            )
+            for k in range(2)
+        ]
+        lake = lakes.init(tmp_path / "L")
+        assert lake.ingest([tmp_path], workers=2).traces > 0
+        with tracedb.connect(":memory:") as db:
+            db.ingest(files)
+            expected = db.branches(train_once=True).replace_schema_metadata(None)
+            stats = db.sql("SELECT * FROM branch_stats() ORDER BY ALL")
+        assert expected.num_rows > db_traces(expected)  # forests: more branches than traces
+        assert _collect(lake.branches(train_once=True, traces_per_task=2)).equals(expected)
+        assert lake.sql("SELECT * FROM branch_stats() ORDER BY ALL").equals(stats)
+
+    def db_traces(table: pa.Table) -> int:
+        return len(set(table.column("trace_id").to_pylist()))
