@@ -282,6 +282,24 @@ def apply_memory_limit(inst: _Instance, limit: str | None) -> None:
     inst.memory_limit = limit
 
 
+def set_memory_limit(limit: str | None) -> None:
+    """Set the process's DuckDB memory limit from now on (what ``--memory-limit`` does;
+    :func:`configure` changes it for a block). ValueError for a size DuckDB cannot read."""
+    state = _state
+    inst = state.instance
+    if inst is not None:
+        apply_memory_limit(inst, limit)
+    elif limit is not None:
+        probe = duckdb.connect(":memory:")  # refuse a bad size now, not at the first open
+        try:
+            probe.execute(f"SET memory_limit = {quote_literal(limit)}")
+        except duckdb.Error as e:
+            raise ValueError(f"memory limit {limit!r}: expected a size such as 512MB or 2GiB ({e})") from None
+        finally:
+            probe.close()
+    state.settings = dataclasses.replace(state.settings, memory_limit=limit)
+
+
 def memory_limit() -> str:
     """The memory limit DuckDB applies now, as it reports it."""
     return _instance().root.execute("SELECT current_setting('memory_limit')").fetchall()[0][0]

@@ -87,3 +87,19 @@ def test_a_bad_tag_filter_is_a_usage_error_naming_it(tmp_path, two_steps, bad):
     assert result.exit_code == 2
     assert "--tag" in result.output and "Traceback" not in result.output
     assert not (tmp_path / "x.parquet").exists()
+
+
+def test_memory_limit_option_caps_duckdb_and_a_bad_one_is_a_usage_error(tmp_path):
+    from tracedb import runtime
+
+    before = runtime.settings().memory_limit
+    try:
+        result = invoke("ingest", GROUPS, "--db", tmp_path / "m.duckdb", "--memory-limit", "300MB", "--json")
+        assert result.exit_code == 0, result.output
+        assert runtime.memory_limit() == "286.1 MiB"
+        result = invoke("ingest", GROUPS, "--db", tmp_path / "n.duckdb", "--memory-limit", "lots")
+        assert result.exit_code == 2 and "--memory-limit" in result.output and "Traceback" not in result.output
+        assert not (tmp_path / "n.duckdb").exists()
+    finally:
+        runtime.set_memory_limit(before)
+    assert runtime.settings().memory_limit == before

@@ -14,6 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 import tracedb
+from tracedb import runtime
 from tracedb.errors import TraceDBError
 
 out = Console(soft_wrap=True)
@@ -23,6 +24,26 @@ DbOption = Annotated[
     Path, typer.Option("--db", envvar="TRACEDB_DB", help="Database file (created if missing); env TRACEDB_DB.")
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table.")]
+MemoryLimitOption = Annotated[
+    str | None,
+    typer.Option(
+        "--memory-limit",
+        envvar="TRACEDB_MEMORY_LIMIT",
+        help="Cap DuckDB's memory (e.g. 512MB, 4GiB; 'none': 80% of RAM). Default 1GiB; env TRACEDB_MEMORY_LIMIT.",
+    ),
+]
+
+
+def memory_limit(value: str | None) -> None:
+    """Apply ``--memory-limit`` (exit 2 on a size DuckDB cannot read)."""
+    if value is None:
+        return
+    try:
+        runtime.set_memory_limit(None if value.lower() == "none" else value)
+    except ValueError as e:
+        raise fail(f"--memory-limit: {e}", 2) from None
+
+
 AfterOption = Annotated[
     int | None, typer.Option("--after", help="Only traces committed after this watermark (what a last call returned).")
 ]

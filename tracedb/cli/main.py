@@ -18,12 +18,14 @@ from tracedb.cli.common import (
     CompleteGroupsOption,
     DbOption,
     JsonOption,
+    MemoryLimitOption,
     TagFilterOption,
     ThroughOption,
     emit,
     err,
     fail,
     live_selection,
+    memory_limit,
     open_db,
     out,
     report_ingest,
@@ -64,6 +66,7 @@ def ingest(
     settle: Annotated[
         float, typer.Option(help="--follow: take a .jsonl.zst once it has not changed for this long (s).")
     ] = 2.0,
+    memory_limit_: MemoryLimitOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Ingest verifiers traces. Exits 1 when any record was rejected (they are kept in `rejects`).
@@ -71,6 +74,7 @@ def ingest(
     With --follow, tails the files and directories (a line is taken once its line break is
     there; positions are committed with the lines, so a restart continues where it ended)
     and exits 0 on Ctrl-C or SIGTERM after finishing the transaction under way."""
+    memory_limit(memory_limit_)
     tags = tag or []
     if follow:
         if strict:
@@ -483,6 +487,7 @@ def serve(
     branch_token_limit: Annotated[
         int, typer.Option(help="View tokens GET /branches answers at most (whole traces; said when reached).")
     ] = 4_000_000,
+    memory_limit_: MemoryLimitOption = None,
 ) -> None:
     """Serve the REST API (branch lookup as JSON or Arrow, listings, writes) and the web trace viewer.
 
@@ -495,6 +500,7 @@ def serve(
     from tracedb.api import create_app
     from tracedb.api.security import LOOPBACK_HOSTS
 
+    memory_limit(memory_limit_)
     if token is None and not follow and not db.exists():
         raise fail(f"no database at {db} (a read-only server needs one; with --token or --follow it is created)", 2)
     if host not in ("127.0.0.1", "localhost", "::1") and token is None:
