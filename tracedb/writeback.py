@@ -335,23 +335,28 @@ def _insert_fresh(db: Handle, credit: str, table: pa.Table, layout: str) -> int:
         raise WriteError(f"credit set {credit!r}: an algorithm gave one {' and '.join(keys)} two rows")
     stage = pa.table({**{k: table.column(k) for k in keys}, "value": value})
     expected = stage.num_rows - value.null_count
-    with db.transaction(), db.registered("_tdb_fresh", stage):
+    with db.transaction():
         if layout == "trace":
-            written, nodes = db.row(_INSERT_TRACES, [credit])
+            # One value per trace: a few hundred rows go as bound lists (no table to register).
+            kept = stage.filter(pc.is_valid(value))
+            ids, values = kept.column("trace_id").to_pylist(), kept.column("value").to_pylist()
+            written, nodes = db.row(_INSERT_TRACES, [credit, ids, values])
         else:
-            written = nodes = db.row(_INSERT_NODES, [credit])[0]
+            with db.registered("_tdb_fresh", stage):
+                written = nodes = db.row(_INSERT_NODES, [credit])[0]
         if written != expected:
             using = ", ".join(keys)
-            stray = db.row(f"SELECT {using} FROM _tdb_fresh ANTI JOIN {layout}s USING ({using}) LIMIT 1")
+            with db.registered("_tdb_fresh", stage):
+                stray = db.row(f"SELECT {using} FROM _tdb_fresh ANTI JOIN {layout}s USING ({using}) LIMIT 1")
             where = " ".join(f"{k} {v}" for k, v in zip(keys, stray or ("?",) * len(keys)))
             raise WriteError(f"{where} is not in the database; nothing written")
         return int(nodes)
 
 
 _INSERT_TRACES = (
-    "WITH ins AS (INSERT INTO trace_credit (credit_set, trace_id, value) "
-    "  SELECT $1, s.trace_id, s.value::FLOAT FROM _tdb_fresh s SEMI JOIN traces USING (trace_id) "
-    "  WHERE s.value IS NOT NULL RETURNING trace_id) "
+    "WITH s AS (SELECT unnest($2::VARCHAR[]) AS trace_id, unnest($3::DOUBLE[]) AS value), "
+    "ins AS (INSERT INTO trace_credit (credit_set, trace_id, value) "
+    "  SELECT $1, s.trace_id, s.value::FLOAT FROM s SEMI JOIN traces USING (trace_id) RETURNING trace_id) "
     "SELECT (SELECT count(*) FROM ins), "
     "  (SELECT count(*) FROM nodes WHERE n_sampled > 0 AND trace_id IN (SELECT trace_id FROM ins))"
 )
