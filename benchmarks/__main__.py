@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="live suite: episodes appended at --rate; the rest as fast as possible (default 96)",
     )
     p.add_argument("--readers", type=int, help="live suite: REST reader threads (default 8)")
-    p.add_argument("--soak-traces", type=int, help="live suite: traces of the soak run (default 4096)")
+    p.add_argument("--soak-traces", type=int, help="live suite: traces of the soak run (default 12288)")
     p.add_argument(
         "--format", choices=["arrow", "json"], default="arrow", help="live suite: the readers' branch format"
     )
