@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from tracedb.cli.common import DbOption, JsonOption, emit, err, fail, out
+from tracedb.cli.common import AfterOption, DbOption, JsonOption, ThroughOption, emit, err, fail, out
 from tracedb.errors import TraceDBError
 
 app = typer.Typer(
@@ -142,6 +142,70 @@ def ingest(
     if report.rejected:
         err.print(f"{report.rejected} line(s) rejected: tracedb lake sql 'SELECT * FROM rejects' --lake {lake}")
         raise typer.Exit(1)
+
+
+@app.command()
+def pack(
+    out_dir: Annotated[Path, typer.Option("--out", help="Step directory to write (rank_R.arrow, manifest.json last).")],
+    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per micro-batch, at most.")],
+    lake: LakeOption = Path("lake"),
+    ranks: Annotated[int, typer.Option(help="Data-parallel ranks: one file each, as many micro-batches each.")] = 1,
+    trace_id: Annotated[list[str] | None, typer.Option(help="Only these traces (repeatable).")] = None,
+    group: Annotated[list[str] | None, typer.Option(help="Only traces of these groups (repeatable).")] = None,
+    episode: Annotated[list[str] | None, typer.Option(help="Only traces of these episodes (repeatable).")] = None,
+    all_branches: Annotated[bool, typer.Option(help="Also untrainable branches (compaction attempts).")] = False,
+    credit: Annotated[str | None, typer.Option(help="Credit set of the advantages (default: the ingested).")] = None,
+    train_once: Annotated[bool, typer.Option(help="A shared sampled token is in the loss once.")] = True,
+    overflow: Annotated[str, typer.Option(help="A sample over --seq-len: truncate, drop or error.")] = "truncate",
+    cost_linear: Annotated[float, typer.Option(help="Bin cost per token (rank balance).")] = 1.0,
+    cost_quadratic: Annotated[float, typer.Option(help="Bin cost per squared sample length (attention).")] = 0.0,
+    pad_to_multiple_of: Annotated[int, typer.Option(help="Pad each micro-batch to a multiple of this.")] = 1,
+    pad_token_id: Annotated[int, typer.Option(help="Token id of the padding.")] = 0,
+    share_prefixes: Annotated[bool, typer.Option(help="Store a prefix shared in a bin once (spans).")] = False,
+    drop_zero_advantages: Annotated[bool, typer.Option(help="Leave out samples whose advantages are all 0.")] = False,
+    after: AfterOption = None,
+    through: ThroughOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Pack micro-batches of the lake's visible traces into a step directory, as
+    ``tracedb pack`` does for a file (the same files; the report's watermark is the lake's:
+    the --after of the next step)."""
+    from tracedb.batches import write_step
+
+    opened = _open(lake)
+    try:
+        plan = opened.micro_batches(  # type: ignore[attr-defined]
+            seq_len,
+            ranks=ranks,
+            trace_ids=trace_id or None,
+            group=group or None,
+            episode=episode or None,
+            after=after,
+            through=through,
+            trainable=None if all_branches else True,
+            credit=credit,
+            train_once=train_once,
+            overflow=overflow,
+            cost=(cost_linear, cost_quadratic),
+            pad_to_multiple_of=pad_to_multiple_of,
+            pad_token_id=pad_token_id,
+            share_prefixes=share_prefixes,
+            drop_zero_advantages=drop_zero_advantages,
+        )
+    except ValueError as e:
+        raise fail(e, 2) from None
+    except TraceDBError as e:
+        raise fail(e) from None
+    manifest = write_step(plan, out_dir)
+    if as_json:
+        emit(manifest, True)
+        return
+    r = plan.report
+    line = (
+        f"packed {r.samples} samples into {r.micro_batches} micro-batches over {r.ranks} ranks "
+        f"({r.physical_tokens} tokens stored for {r.logical_tokens}, {r.padding_tokens} padding) in {out_dir}"
+    )
+    emit({k: v for k, v in r.to_dict().items() if k != "rank_costs"}, False, title=line)
 
 
 @app.command()

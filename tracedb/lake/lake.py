@@ -17,6 +17,7 @@ from tracedb.sqltext import load_sql
 if TYPE_CHECKING:
     import ray.data
 
+    from tracedb.batches import Plan
     from tracedb.lake.distributed import LakeIngestReport
 
 
@@ -122,6 +123,60 @@ class Lake(catalog.Opened):
             train_once=train_once,
             credit=credit,
             traces_per_task=traces_per_task,
+        )
+
+    def micro_batches(
+        self,
+        seq_len: int,
+        *,
+        ranks: int = 1,
+        trace_ids: Sequence[str] | None = None,
+        group: str | Sequence[str] | None = None,
+        episode: str | Sequence[str] | None = None,
+        after: int | None = None,
+        complete_groups: int | None = None,
+        tags: Mapping[str, Any] | None = None,
+        through: int | None = None,
+        trainable: bool | None = True,
+        branch_index: int | Sequence[int] | None = None,
+        credit: str | None = None,
+        train_once: bool = True,
+        overflow: str = "truncate",
+        cost: tuple[float, float] = (1.0, 0.0),
+        pad_to_multiple_of: int = 1,
+        pad_token_id: int = 0,
+        share_prefixes: bool = False,
+        drop_zero_advantages: bool = False,
+    ) -> Plan:
+        """Packed, rank-balanced micro-batches of the selected visible traces: the plan
+        :meth:`tracedb.Database.micro_batches` makes of the same traces (the same
+        arguments; ``after`` / ``through`` compare with the lake's ``seq``, and
+        ``plan.report.watermark`` is the lake's). The driver pulls the selection into an
+        in-memory tracedb and packs it there (no Ray needed); ``complete_groups`` and
+        ``tags`` are refused for now. Write it with :func:`tracedb.batches.write_step`."""
+        from tracedb.lake import train
+
+        return train.micro_batches(
+            self,
+            seq_len,
+            trace_ids=trace_ids,
+            group=group,
+            episode=episode,
+            after=after,
+            complete_groups=complete_groups,
+            tags=tags,
+            through=through,
+            ranks=ranks,
+            trainable=trainable,
+            branch_index=branch_index,
+            credit=credit,
+            train_once=train_once,
+            overflow=overflow,
+            cost=cost,
+            pad_to_multiple_of=pad_to_multiple_of,
+            pad_token_id=pad_token_id,
+            share_prefixes=share_prefixes,
+            drop_zero_advantages=drop_zero_advantages,
         )
 
     def ingest(

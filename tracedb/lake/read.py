@@ -57,7 +57,7 @@ def scan_traces(
         parts.append(part.set_column(part.schema.get_field_index("seq"), "seq", seq))
     if not parts:
         return table.scan(row_filter=row_filter, selected_fields=fields, limit=0).to_arrow()
-    return pa.concat_tables(parts)
+    return pa.concat_tables(parts, promote_options="permissive")  # files may differ in string vs large_string
 
 
 def _stored(name: str, table: pa.Table) -> pa.Table:
