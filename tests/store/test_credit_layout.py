@@ -121,7 +121,7 @@ def test_the_api_serves_a_per_trace_set_as_the_same_values_per_node(tmp_path):
         tracedb.credit.run(db, "grpo", "g")
         twin(db, "n", tracedb.credit.compute(db, "grpo"))
         groups = db.sql("SELECT DISTINCT group_id FROM traces WHERE group_id IS NOT NULL").column(0).to_pylist()
-    with TestClient(create_app(path), base_url="http://127.0.0.1") as client:
+    with TestClient(create_app(path, token="t0ken"), base_url="http://127.0.0.1") as client:
 
         def get(url: str, credit: str) -> Any:
             response = client.get(url, params={"credit": credit})
@@ -136,6 +136,17 @@ def test_the_api_serves_a_per_trace_set_as_the_same_values_per_node(tmp_path):
             assert get(f"/groups/{gid}", "g") == get(f"/groups/{gid}", "n"), gid
         sets = {s["name"]: s for s in client.get("/credit-sets").json()}
         assert sets["g"]["assigned_nodes"] == sets["n"]["assigned_nodes"] > 0
+        # A per-node write into the per-trace set is refused as the library refuses it.
+        node = sampled_nodes(FORK)[0]
+        before = client.get(f"/traces/{FORK}/record", params={"credit": "g"}).json()
+        response = client.put(
+            f"/traces/{FORK}/nodes/{node}/advantages",
+            params={"credit": "g"},
+            json={"values": [1.0] * n_sampled(FORK, node)},
+            headers={"Authorization": "Bearer t0ken"},
+        )
+        assert response.status_code == 422 and "stored per trace" in response.json()["detail"], response.text
+        assert client.get(f"/traces/{FORK}/record", params={"credit": "g"}).json() == before
 
 
 # =========================================================================== writes
