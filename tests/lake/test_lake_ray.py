@@ -236,3 +236,39 @@ else:
 
     def db_traces(table: pa.Table) -> int:
         return len(set(table.column("trace_id").to_pylist()))
+
+    def test_group_credit_in_a_ray_groupby_equals_the_file_stores(local_ray, store, tmp_path):
+        import json
+
+        from typer.testing import CliRunner
+
+        from tracedb import credit
+        from tracedb.cli.main import app
+
+        lake = lakes.init(tmp_path / "L")
+        lake.push(store, batch_traces=25)  # several writes: the credit rows must follow each trace's
+        file = tmp_path / "file.duckdb"
+        shutil.copy(store, file)
+        runs = [("grpo", "g", {}), ("grpo", "gs", {"scale_std": True}), ("rloo", "r", {"include_failed": True})]
+        with tracedb.connect(file) as db:
+            for algorithm, name, params in runs:
+                credit.run(db, algorithm, name, **params)
+            want = db.sql("SELECT credit_set, trace_id, value FROM trace_credit ORDER BY ALL")
+            sets = db.sql("SELECT name, algorithm, params, layout FROM credit_sets ORDER BY name")
+            plan = db.micro_batches(512, credit="gs")
+        for algorithm, name, params in runs[:2]:
+            assert lake.credit(algorithm, name, **params)["rows"] > 0
+        cli = CliRunner().invoke(
+            app, ["lake", "credit", "rloo", "--name", "r", "-p", "include_failed=true", "--lake", lake.where, "--json"]
+        )
+        assert cli.exit_code == 0, cli.output
+        assert json.loads(cli.output)["rows"] == pa.compute.sum(pa.compute.equal(want.column(0), "r")).as_py()
+        visible = lake.tables()
+        got = visible["trace_credit"].sort_by([(c, "ascending") for c in ("credit_set", "trace_id", "value")])
+        assert got.cast(want.schema).equals(want)
+        assert visible["credit_sets"].select(sets.column_names).sort_by("name").cast(sets.schema).equals(sets)
+        assert lake.micro_batches(512, credit="gs")[0][0].tokens.equals(plan[0][0].tokens)
+        with pytest.raises(tracedb.errors.WriteError, match="credit set 'g' exists in the lake"):
+            lake.credit("grpo", "g")
+        with pytest.raises(ValueError, match="lake credit computes"):
+            lake.credit("gae", "x")

@@ -118,22 +118,15 @@ def ingest(
     Idempotent by trace id, also against other ingests running at the same time. Exits 1
     when anything was rejected."""
     opened = _open(lake)
-    try:
-        import ray
-    except ImportError as e:
-        raise fail(f"{e} (lake ingest needs the lake extra: pip install 'tracedb[lake]')", 2) from None
-    started = not ray.is_initialized()
-    if started:
-        if ray_address is not None:
-            ray.init(address=ray_address, log_to_driver=False)
-        else:
-            ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
+    started = _started_ray(ray_address, workers)
     try:
         report = opened.ingest(paths, workers=workers, files_per_task=files_per_task, allow_ragged=allow_ragged)  # type: ignore[attr-defined]
     except (TraceDBError, FileNotFoundError) as e:
         raise fail(e) from None
     finally:
         if started:
+            import ray
+
             ray.shutdown()
     if as_json:
         emit(report.to_dict(), True)
@@ -206,6 +199,54 @@ def pack(
         f"({r.physical_tokens} tokens stored for {r.logical_tokens}, {r.padding_tokens} padding) in {out_dir}"
     )
     emit({k: v for k, v in r.to_dict().items() if k != "rank_costs"}, False, title=line)
+
+
+def _started_ray(ray_address: str | None, workers: int | None) -> bool:
+    """Start Ray for a command unless it runs already; True when this call started it."""
+    try:
+        import ray
+    except ImportError as e:
+        raise fail(f"{e} (this lake command needs the lake extra: pip install 'tracedb[lake]')", 2) from None
+    if ray.is_initialized():
+        return False
+    if ray_address is not None:
+        ray.init(address=ray_address, log_to_driver=False)
+    else:
+        ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
+    return True
+
+
+@app.command()
+def credit(
+    algorithm: Annotated[str, typer.Argument(help="grpo or rloo.")],
+    name: Annotated[str | None, typer.Option(help="Credit set to append (default: the algorithm's name).")] = None,
+    param: Annotated[
+        list[str] | None, typer.Option("--param", "-p", help="Algorithm parameter key=value (JSON values), repeatable.")
+    ] = None,
+    lake: LakeOption = Path("lake"),
+    ray_address: Annotated[
+        str | None,
+        typer.Option("--ray-address", help="A running Ray cluster ('auto': the local one); default: start one."),
+    ] = None,
+    workers: Annotated[int | None, typer.Option("--workers", min=1, help="CPUs of the Ray this starts.")] = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Compute group credit (grpo, rloo) over the lake in a Ray groupby and append it as a set."""
+    from tracedb.cli.main import _param
+
+    opened = _open(lake)
+    params = dict(_param(p) for p in param or [])
+    started = _started_ray(ray_address, workers)
+    try:
+        result = opened.credit(algorithm, name, **params)  # type: ignore[attr-defined]
+    except (TraceDBError, ValueError, TypeError) as e:
+        raise fail(e) from None
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+    emit(result, as_json)
 
 
 @app.command()

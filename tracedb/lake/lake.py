@@ -179,6 +179,17 @@ class Lake(catalog.Opened):
             drop_zero_advantages=drop_zero_advantages,
         )
 
+    def credit(self, algorithm: str, name: str | None = None, **params: Any) -> dict[str, Any]:
+        """Compute group credit (``"grpo"`` or ``"rloo"``, with that algorithm's parameters:
+        ``reward``, ``group_by``, ``include_failed``; grpo's ``scale_std``, ``eps``) over
+        the visible traces, each group in a Ray ``groupby`` by the file store's own
+        algorithm, and append it as credit set ``name`` (default: the algorithm's name;
+        stored per trace). A set of that name in the lake is refused. Returns the set's
+        name, algorithm, parameters and rows. Needs Ray running (``ray.init``)."""
+        from tracedb.lake import credit
+
+        return credit.run(self, algorithm, name, **params)
+
     def ingest(
         self,
         paths: str | Path | Iterable[str | Path],
