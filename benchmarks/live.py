@@ -318,13 +318,19 @@ def _latency(seconds: list[float]) -> dict[str, Any]:
     return {"n": len(seconds), "p50_ms": ms(50), "p99_ms": ms(99), "max_ms": ms(100)}
 
 
-def _slope(samples: list[dict[str, Any]], low: float, high: float) -> float | None:
-    """MB of RSS per GB ingested, least squares over the samples with bytes in [low, high]."""
+def _slope(samples: list[dict[str, Any]], low: float, high: float) -> tuple[float | None, float | None]:
+    """MB of RSS per GB ingested, least squares over the samples with bytes in [low, high],
+    and its standard error (None, None with fewer than 4 distinct byte counts)."""
     kept = [s for s in samples if s["bytes"] is not None and low <= s["bytes"] <= high]
     xs = [s["bytes"] / 1e9 for s in kept]
-    if len(set(xs)) < 3 or high < MIN_FIT_BYTES:
-        return None
-    return round(float(np.polyfit(xs, [s["rss"] / 1e6 for s in kept], 1)[0]), 1)
+    if len(set(xs)) < 4 or high < MIN_FIT_BYTES:
+        return None, None
+    (slope, _), cov = np.polyfit(xs, [s["rss"] / 1e6 for s in kept], 1, cov=True)
+    return round(float(slope), 1), round(float(np.sqrt(cov[0, 0])), 1)
+
+
+def _slopes(name: str, fit: tuple[float | None, float | None]) -> dict[str, float | None]:
+    return {f"{name}_MB_per_GB": fit[0], f"{name}_stderr": fit[1]}
 
 
 def _rss_at(samples: list[dict[str, Any]], at: float) -> float:
@@ -349,9 +355,9 @@ def memory(samples: list[dict[str, Any]], total: int, memory_limit: str | None) 
         "rss_when_ingested_MB": round(ingesting[-1]["rss"] / 1e6, 1),
         "rss_end_MB": round(samples[-1]["rss"] / 1e6, 1),
         "peak_MB": round(max(s["hwm"] for s in samples) / 1e6, 1),
-        "slope_MB_per_GB": _slope(ingesting, warm, total),
-        "slope_second_half_MB_per_GB": _slope(ingesting, total / 2, total),
-        "slope_tail_MB_per_GB": _slope(ingesting, TAIL_SHARE * total, total),
+        **_slopes("slope", _slope(ingesting, warm, total)),
+        **_slopes("slope_second_half", _slope(ingesting, total / 2, total)),
+        **_slopes("slope_tail", _slope(ingesting, TAIL_SHARE * total, total)),
         "rss_at_tail_start_MB": _rss_at(ingesting, TAIL_SHARE * total),
         "samples": len(samples),
         "series": [
@@ -554,6 +560,11 @@ def _lat(d: dict[str, Any]) -> str:
     return f"p50 {d['p50_ms']} ms, p99 {d['p99_ms']} ms, max {d['max_ms']} ms"
 
 
+def _pm(mem: dict[str, Any], name: str) -> str:
+    slope, error = mem[f"{name}_MB_per_GB"], mem[f"{name}_stderr"]
+    return "-" if slope is None else f"{slope} +- {error}"
+
+
 def _run_lines(name: str, f: dict[str, Any]) -> list[str]:
     w, ing, mem = f["workload"], f["ingest"], f["memory"]
     lines = [f"{name}: {w['traces']} traces, {w['bytes'] / 1e6:.0f} MB of traces.jsonl"]
@@ -592,8 +603,8 @@ def _run_lines(name: str, f: dict[str, Any]) -> list[str]:
         f"  server RSS ({mem['memory_limit']}): {mem['rss_idle_MB']} MB idle, {mem['rss_at_warmup_MB']} MB at "
         f"{WARMUP_SHARE:.0%} of the bytes, {mem['rss_when_ingested_MB']} MB when all {mem['ingested_GB']} GB were "
         f"in, {mem['rss_end_MB']} MB at the end, peak {mem['peak_MB']} MB",
-        f"    slope past {WARMUP_SHARE:.0%} of the bytes {mem['slope_MB_per_GB']} MB/GB, over the second half "
-        f"{mem['slope_second_half_MB_per_GB']}, over the last third {mem['slope_tail_MB_per_GB']} (from "
+        f"    slope past {WARMUP_SHARE:.0%} of the bytes {_pm(mem, 'slope')} MB/GB, over the second half "
+        f"{_pm(mem, 'slope_second_half')}, over the last third {_pm(mem, 'slope_tail')} (from "
         f"{mem['rss_at_tail_start_MB']} MB)",
         f"  correctness: {c['traces']} traces listed once to each of {c['clients']} clients"
         + (f", {c['reader_branches_checked']} branches fetched equal the database's" if c["branches"] else "")

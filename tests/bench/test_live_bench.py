@@ -80,6 +80,7 @@ def test_quick_live_benchmark_completes_and_is_exact(quick_run: tuple[Path, str]
         assert memory["peak_MB"] >= memory["rss_idle_MB"] > 0
         assert memory["series"][-1]["GB"] == round(run["workload"]["bytes"] / 1e9, 4)  # all ingested
         assert memory["slope_MB_per_GB"] is memory["slope_tail_MB_per_GB"] is None  # a few MB: no slope fitted
+        assert memory["slope_stderr"] is None
     targets = data["targets"]
     assert set(targets) == {"visibility_p99_at_rate", "errors", "soak_rss_tail_slope"}
     assert targets["errors"]["passed"] is True and targets["soak_rss_tail_slope"]["passed"] is None
