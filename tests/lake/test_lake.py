@@ -154,7 +154,7 @@ def test_a_write_without_its_traces_row_is_invisible(tmp_path, store):
     killed = {k: v for k, v in rows.items() if k != "traces"}
     lake.append({**killed, "traces": rows["traces"].slice(0, 0)})  # nothing committed as traces
     for name in ("nodes", "branches", "episodes"):
-        lake.table(name).append(write._lake_rows(name, rows[name], "killed-writer"))
+        lake.table(name).append(write.lake_rows(name, rows[name], "killed-writer"))
     assert lake.tables()["nodes"].num_rows == 0 and lake.tables()["segments"].num_rows == 0
     lake.append(rows)
     visible = lake.tables()

@@ -5,6 +5,7 @@ of the CLI works without it."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -201,6 +202,17 @@ def pack(
     emit({k: v for k, v in r.to_dict().items() if k != "rank_costs"}, False, title=line)
 
 
+def _key_value(text: str) -> tuple[str, object]:
+    """``key=value`` of a ``--param``: the value as JSON, else as the text."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise typer.BadParameter(f"expected key=value, got {text!r}")
+    try:
+        return key.strip(), json.loads(value)
+    except ValueError:
+        return key.strip(), value
+
+
 def _started_ray(ray_address: str | None, workers: int | None) -> bool:
     """Start Ray for a command unless it runs already; True when this call started it."""
     try:
@@ -232,10 +244,8 @@ def credit(
     as_json: JsonOption = False,
 ) -> None:
     """Compute group credit (grpo, rloo) over the lake in a Ray groupby and append it as a set."""
-    from tracedb.cli.main import _param
-
     opened = _open(lake)
-    params = dict(_param(p) for p in param or [])
+    params = dict(_key_value(p) for p in param or [])
     started = _started_ray(ray_address, workers)
     try:
         result = opened.credit(algorithm, name, **params)  # type: ignore[attr-defined]
@@ -247,6 +257,25 @@ def credit(
 
             ray.shutdown()
     emit(result, as_json)
+
+
+@app.command()
+def compact(
+    lake: LakeOption = Path("lake"),
+    grace: Annotated[
+        float, typer.Option("--grace", min=0, help="Keep uncommitted rows in files younger than this (seconds).")
+    ] = 3600.0,
+    as_json: JsonOption = False,
+) -> None:
+    """Remove what readers never see (a killed writer's rows, duplicate segments) and
+    rewrite small files, table by table (traces excepted); readers' answers are unchanged."""
+    opened = _open(lake)
+    try:
+        report = opened.compact(grace=grace)  # type: ignore[attr-defined]
+    except (TraceDBError, ValueError) as e:
+        raise fail(e) from None
+    rows = [{"table": name, **entry} for name, entry in report.tables.items()]
+    emit(rows if not as_json else report.to_dict(), as_json, title="compacted")
 
 
 @app.command()

@@ -23,8 +23,8 @@ from tracedb import credit as credit_lib
 from tracedb.credit.outcome import trace_rewards
 from tracedb.errors import WriteError
 from tracedb.lake import catalog, read
-from tracedb.lake.distributed import _ray
-from tracedb.lake.write import _lake_rows
+from tracedb.lake.distributed import running_ray
+from tracedb.lake.write import lake_rows
 from tracedb.sqltext import quote_identifier
 
 GROUP_ALGORITHMS = ("grpo", "rloo")
@@ -71,7 +71,7 @@ def compute(lake: catalog.Opened, algorithm: str, **params: Any) -> pa.Table:
     unknown = sorted(set(params) - set(known))
     if unknown:
         raise ValueError(f"lake credit {algorithm}: unknown parameters {unknown}; known: {sorted(known)}")
-    ray = _ray()
+    ray = running_ray()
     reward, group_by = params.get("reward"), params.get("group_by", "group_id")
     columns = ["trace_id", "reward", "ok", "is_timeout"]
     if reward is not None or str(group_by).startswith("$"):
@@ -125,7 +125,7 @@ def run(lake: catalog.Opened, algorithm: str, name: str | None = None, **params:
         params=[name],
     ).to_arrow_table()
     if stamped.num_rows:
-        rows = _lake_rows("trace_credit", stamped, "")
+        rows = lake_rows("trace_credit", stamped, "")
         rows = rows.set_column(rows.schema.get_field_index(catalog.BATCH), catalog.BATCH, stamped.column(catalog.BATCH))
         lake.table("trace_credit").append(rows)
     resolved = {**credit_lib.algorithms()[algorithm].params(), **params}
@@ -139,7 +139,7 @@ def run(lake: catalog.Opened, algorithm: str, name: str | None = None, **params:
             "layout": ["trace"],
         }
     )
-    lake.table("credit_sets").append(_lake_rows("credit_sets", entry, ""))
+    lake.table("credit_sets").append(lake_rows("credit_sets", entry, ""))
     return {"name": name, "algorithm": algorithm, "params": resolved, "rows": stamped.num_rows}
 
 

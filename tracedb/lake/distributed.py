@@ -33,7 +33,8 @@ VIEW_TRACES = 256
 """Traces per view task (whole groups are kept in one task where the selection allows)."""
 
 
-def _ray() -> Any:
+def running_ray() -> Any:
+    """Ray, once it runs in this process (an error saying what to do otherwise)."""
     try:
         import ray
     except ImportError as e:
@@ -118,7 +119,7 @@ def branches(
         )
     if not isinstance(traces_per_task, int) or traces_per_task < 1:
         raise ValueError(f"traces_per_task is a number of traces (an int >= 1), not {traces_per_task!r}")
-    ray = _ray()
+    ray = running_ray()
     ids = select_ids(lake, trace_ids=trace_ids, group=group, episode=episode, after=after, through=through)
     options = dict(
         trainable=trainable, branch_index=branch_index, columns=columns, train_once=train_once, credit=credit
@@ -187,7 +188,7 @@ def ingest(
     """See :meth:`tracedb.lake.Lake.ingest`."""
     if workers is not None and (not isinstance(workers, int) or workers < 1):
         raise ValueError(f"workers is a number of tasks at once (an int >= 1), not {workers!r}")
-    ray = _ray()
+    ray = running_ray()
     files = [str(p.resolve()) for p in find_files(paths)]
     task = ray.remote(max_retries=3, retry_exceptions=False)(ingest_files)
     groups = _chunks(files, max(1, files_per_task))

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import ray.data
 
     from tracedb.batches import Plan
+    from tracedb.lake.compact import CompactReport
     from tracedb.lake.distributed import LakeIngestReport
 
 
@@ -189,6 +190,18 @@ class Lake(catalog.Opened):
         from tracedb.lake import credit
 
         return credit.run(self, algorithm, name, **params)
+
+    def compact(self, *, grace: float = 3600.0) -> CompactReport:
+        """Rewrite every table but ``traces`` holding only what readers see (removing rows
+        of writes that never committed their traces row, rows of writes that lost the race
+        for a trace id, duplicate segments, rejects and credit sets), one file set per
+        table: readers' answers are unchanged. Rows of an uncommitted write in a file added
+        less than ``grace`` seconds ago are kept (its writer may still be at work).
+        ``traces`` is not rewritten (its files' sequence numbers are the traces' ``seq``).
+        See :mod:`tracedb.lake.compact`."""
+        from tracedb.lake import compact
+
+        return compact.compact(self, grace=grace)
 
     def ingest(
         self,

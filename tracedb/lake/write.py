@@ -66,7 +66,8 @@ def _in(column: pa.ChunkedArray | pa.Array, values: list) -> pa.Array:
     return pc.is_in(column, value_set=pa.array(values, column.type))
 
 
-def _lake_rows(name: str, rows: pa.Table, batch: str) -> pa.Table:
+def lake_rows(name: str, rows: pa.Table, batch: str) -> pa.Table:
+    """``rows`` (stored schema of table ``name``) in the lake's schema, carrying write ``batch``."""
     schema = lake_tables()[name]
     target = lake_schema(name, schema)
     columns = {
@@ -116,7 +117,7 @@ def append(lake: object, rows: Mapping[str, pa.Table]) -> AppendReport:
             present = set(lake.table(name).scan(selected_fields=("name",)).to_arrow().column("name").to_pylist())  # type: ignore[attr-defined]
             table = table.filter(pc.invert(_in(table.column("name"), sorted(present))))
         if table.num_rows:
-            lake.table(name).append(_lake_rows(name, table, batch))  # type: ignore[attr-defined]
+            lake.table(name).append(lake_rows(name, table, batch))  # type: ignore[attr-defined]
             report.rows[name] = table.num_rows
     _commit_traces(lake, keep, batch, report)
     _append_rejects(lake, rows, batch, report)
@@ -142,7 +143,7 @@ def _commit_traces(lake: object, traces: pa.Table, batch: str, report: AppendRep
             report.skipped += traces.num_rows
             return
         try:
-            table.append(_lake_rows("traces", rest, batch))
+            table.append(lake_rows("traces", rest, batch))
         except CommitFailedException:
             time.sleep(min(0.05 * 2**attempt, 2.0) * random.uniform(0.5, 1.0))
             continue
@@ -160,5 +161,5 @@ def _append_rejects(lake: object, rows: Mapping[str, pa.Table], batch: str, repo
     """Rejects are a log, not trace rows: appended after the traces (readers show each once)."""
     rejects = rows.get("rejects")
     if rejects is not None and rejects.num_rows:
-        lake.table("rejects").append(_lake_rows("rejects", rejects, batch))  # type: ignore[attr-defined]
+        lake.table("rejects").append(lake_rows("rejects", rejects, batch))  # type: ignore[attr-defined]
         report.rows["rejects"] = rejects.num_rows
