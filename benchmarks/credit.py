@@ -11,6 +11,11 @@ Every repeat times both sides back to back, alternating which goes first, each a
 set is read back node by node and compared with the peer's ``node.advantages``; on the first
 repeat also the branch view (``db.branches(credit=...)``) against verifiers' own
 ``Branch.advantages`` and the ``compute`` table. Any difference is a :class:`CorrectnessError`.
+
+The floor, measured in every repeat beside the grpo stamp: one credit set created
+(``credit_sets.create``, replacing the previous one, as a stamp does) and committed, with
+no credit in it; and an empty BEGIN/COMMIT. The grpo stamp's multiple of the floor is a
+target of its own.
 """
 
 from __future__ import annotations
