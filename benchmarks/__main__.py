@@ -6,7 +6,9 @@ writing ``results-credit.json``); ``--suite batches`` (or ``python -m benchmarks
 trainer-feed suite (``benchmarks/batches.py``, ``db.micro_batches``, writing
 ``results-batches.json``); ``--suite live`` (or ``python -m benchmarks live``) a run followed
 by ``tracedb serve --follow`` while a writer appends it and REST readers poll it
-(``benchmarks/live.py``, writing ``results-live.json``). Exits 0 whether or not the targets are met (the table
+(``benchmarks/live.py``, writing ``results-live.json``); ``--suite lake`` the lake beside the
+file store on Ray, and the 1M-rollout projection (``benchmarks/lake.py``, ``results-lake.json``).
+Exits 0 whether or not the targets are met (the table
 reports PASS/MISS); 2 when tracedb's answers differ from verifiers' (the figures would mean
 nothing); 1 on any other error.
 """
@@ -27,12 +29,12 @@ FULL = {"traces": 256, "tokens": 30_000, "repeat": 5}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] in (["core"], ["credit"], ["batches"], ["live"]):  # `python -m benchmarks credit` = `--suite credit`
+    if argv[:1] in (["core"], ["credit"], ["batches"], ["live"], ["lake"]):  # `... credit` = `--suite credit`
         argv = ["--suite", *argv]
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--suite",
-        choices=["core", "credit", "batches", "live"],
+        choices=["core", "credit", "batches", "live", "lake"],
         default="core",
         help="which suite to run (default core)",
     )
@@ -79,6 +81,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
         args.results = args.results or live.RESULTS
         defaults = live.QUICK if args.quick else live.FULL
+    elif args.suite == "lake":
+        from benchmarks import lake
+
+        args.results = args.results or lake.RESULTS
+        defaults = lake.QUICK if args.quick else lake.FULL
     else:
         args.results = args.results or RESULTS
         defaults = QUICK if args.quick else FULL
@@ -119,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
             "fmt": args.format,
             "memory_limit": args.memory_limit,
         }
+    elif args.suite == "lake":
+        from benchmarks.lake import render, run
     else:
         from benchmarks.core import render, run
 
