@@ -2,10 +2,11 @@
 the REST readers, the watcher and the server's sampler.
 
 - **Writer** (:func:`write_run`, run as ``python -m benchmarks.live_parts --write SPEC``):
-  appends the workload's lines to the run directory, first at a fixed rate (each line in
-  one to three pieces, so the follower sometimes finds half a line), then as fast as it
-  can in randomly sized chunks that cut lines anywhere, into a second file that appears
-  in a subdirectory. After every write it prints, on stdout, the source lines the write
+  appends the workload's lines to the run directory, first at a fixed mean rate (Poisson
+  arrivals, as episodes finish at random moments; each line in one to three pieces, so
+  the follower sometimes finds half a line), then as fast as it can in randomly sized
+  chunks that cut lines anywhere, into a second file that appears in a subdirectory.
+  After every write it prints, on stdout, the source lines the write
   completed and ``time.monotonic()`` (CLOCK_MONOTONIC, the same clock in every process
   of the machine), so append times are comparable with the readers', and the wall
   clock (for the database's ``ingested_at``).
@@ -92,7 +93,7 @@ def table_digests(table: pa.Table) -> dict[tuple[str, int], str]:
 @dataclass(frozen=True)
 class WriterSpec:
     """What the writer appends: ``source``'s first ``rate_lines`` lines to ``first`` at
-    ``rate`` lines/s, then (after ``gap`` s) the rest to ``second`` as fast as it can, in
+    ``rate`` lines/s on average (exponential gaps), then (after ``gap`` s) the rest to ``second`` as fast as it can, in
     chunks of ``min_chunk`` to ``max_chunk`` bytes (log-uniform)."""
 
     source: str
@@ -149,9 +150,10 @@ def _write_phases(spec: WriterSpec, data: memoryview, ends: np.ndarray, rng: ran
     fd = os.open(spec.first, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     start = time.monotonic()
     _emit({"phase": "rate", "t": start})
-    begin = 0
+    begin, due = 0, start
     for j in range(rate_lines):
-        delay = start + j / spec.rate - time.monotonic()
+        due += rng.expovariate(spec.rate)  # Poisson arrivals: no fixed phase against the follower's polls
+        delay = due - time.monotonic()
         if delay > 0:
             time.sleep(delay)
         end = int(ends[j])
