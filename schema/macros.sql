@@ -185,12 +185,14 @@ CREATE OR REPLACE MACRO credit_dose(credit := NULL) AS TABLE
 -- Two credit sets token by token, per trace, over the sampled tokens both assign: how many,
 -- the share whose signs agree (sign -1, 0 or 1), and the Pearson correlation of the two
 -- (NULL under two tokens or when either set is constant over them, as grpo is in a trace).
--- per_trace := false: one row (trace_id NULL) over every token both assign.
-CREATE OR REPLACE MACRO credit_agreement(set_a, set_b, per_trace := true) AS TABLE
+-- per_trace := false: one row (trace_id NULL) over every token both assign. trace_ids (a
+-- list, NULL: every trace): only those traces' tokens.
+CREATE OR REPLACE MACRO credit_agreement(set_a, set_b, per_trace := true, trace_ids := NULL) AS TABLE
     WITH both_sets AS (
         SELECT x.trace_id, x.a, y.a AS b
         FROM credit_tokens(credit := set_a) x JOIN credit_tokens(credit := set_b) y USING (trace_id, node_index)
         WHERE x.a IS NOT NULL AND y.a IS NOT NULL AND x.n_sampled > 0
+          AND (trace_ids IS NULL OR list_contains(trace_ids, x.trace_id))
     ),
     tokens AS (SELECT trace_id, unnest(a) AS x, unnest(b) AS y FROM both_sets)
     SELECT CASE WHEN per_trace THEN trace_id END AS trace_id, count(*) AS shared_tokens,

@@ -210,6 +210,45 @@ def test_refusals_name_the_set(sets_db):
     assert set(dose.compare(db, ["x"])) == {"dose"}
 
 
+def test_trace_selection_equals_a_database_of_only_those_traces(sets_db, tmp_path):
+    """``trace_ids`` gives the figures the same sets give on a database holding only those
+    traces (every other episode of the fixtures, their credit stamped there as here)."""
+    db, models = sets_db
+    lines = [line for path in sorted(FIXTURES.glob("*.traces.jsonl")) for line in path.read_text().splitlines()]
+    kept = lines[::2]
+    ids = sorted(trace["id"] for line in kept for trace in json.loads(line)["traces"])
+    assert 0 < len(ids) < len(RECORDS)
+    (tmp_path / "some.traces.jsonl").write_text("\n".join(kept) + "\n")
+    with tracedb.connect(":memory:") as only:
+        assert only.ingest(tmp_path / "some.traces.jsonl").ok
+        for name, model in models.items():
+            stamp_model(only, name, {tid: model[tid] for tid in ids})
+        sets = ["x", "y", "g", "default"]
+        for per_trace in (False, True):
+            got = dose.compare(db, sets, per_trace=per_trace, trace_ids=list(reversed(ids)))
+            want = dose.compare(only, sets, per_trace=per_trace)
+            for part in ("dose", "agreement"):
+                rows, expected = got[part].to_pylist(), want[part].to_pylist()
+                assert len(rows) == len(expected) > 0
+                for i, (row, ref) in enumerate(zip(rows, expected)):
+                    assert row.keys() == ref.keys()
+                    for key, value in ref.items():
+                        if isinstance(value, str):
+                            assert row[key] == value, f"{part} {per_trace} row {i} {key}"
+                        else:
+                            close(row[key], value, f"{part} {per_trace} row {i} {key}")
+    full, part = dose.dose(db, sets).to_pylist(), dose.dose(db, sets, trace_ids=ids).to_pylist()
+    assert all(f["sampled_tokens"] > p["sampled_tokens"] for f, p in zip(full, part))  # a real restriction
+
+
+def test_trace_selection_refusals_name_the_parameter(sets_db):
+    db, _ = sets_db
+    with pytest.raises(tracedb.NotFound, match="trace_ids: no trace 'nope'"):
+        dose.compare(db, ["x", "y"], trace_ids=[next(iter(RECORDS)), "nope"])
+    with pytest.raises(ValueError, match="trace_ids"):
+        dose.dose(db, ["x"], trace_ids=[])
+
+
 # =========================================================================== matched_to
 
 

@@ -43,17 +43,38 @@ def _sets(db: Handle, sets: Sequence[str]) -> list[str]:
     return list(sets)
 
 
-def dose(db: HandleOf, sets: Sequence[str], *, per_trace: bool = False) -> pa.Table:
+def _traces(db: Handle, trace_ids: Sequence[str] | None) -> list[str] | None:
+    """The traces asked for (None: every trace), each one in the database."""
+    if trace_ids is None:
+        return None
+    if isinstance(trace_ids, str) or not trace_ids:
+        raise ValueError("trace_ids: name one or more traces (or pass None for every trace)")
+    ids = list(dict.fromkeys(trace_ids))
+    found = db.sql("SELECT trace_id FROM traces WHERE list_contains(?, trace_id)", [ids]).column("trace_id")
+    missing = sorted(set(ids) - set(found.to_pylist()))
+    if missing:
+        more = " ..." if len(missing) > 5 else ""
+        raise NotFound(f"trace_ids: no trace {', '.join(map(repr, missing[:5]))}{more}")
+    return ids
+
+
+def dose(
+    db: HandleOf, sets: Sequence[str], *, per_trace: bool = False, trace_ids: Sequence[str] | None = None
+) -> pa.Table:
     """The dose of each set in ``sets`` (``"default"`` is the ingested credit): per trace
     (``per_trace=True``: set, trace_id, group_id, reward and ``credit_dose``'s figures) or
     per set (the figures summed over every trace; coverage and concentration over all the
-    sampled tokens; ``traces_assigned`` counts the traces the set assigns)."""
+    sampled tokens; ``traces_assigned`` counts the traces the set assigns). ``trace_ids``:
+    only those traces (each must exist), as if the database held no others."""
     db = handle_of(db)
+    ids = _traces(db, trace_ids)
     tables = [
         db.sql("SELECT ?::VARCHAR AS credit_set, * FROM credit_dose(credit := ?)", [name, name])
         for name in _sets(db, sets)
     ]
     per = pl.from_arrow(pa.concat_tables(tables))
+    if ids is not None:
+        per = per.filter(pl.col("trace_id").is_in(ids))
     if per_trace:
         return per.to_arrow()
     masses = ("mass", "abs_mass", "sq_mass")
@@ -72,18 +93,22 @@ def dose(db: HandleOf, sets: Sequence[str], *, per_trace: bool = False) -> pa.Ta
     ).to_arrow()
 
 
-def agreement(db: HandleOf, sets: Sequence[str], *, per_trace: bool = False) -> pa.Table:
+def agreement(
+    db: HandleOf, sets: Sequence[str], *, per_trace: bool = False, trace_ids: Sequence[str] | None = None
+) -> pa.Table:
     """Each pair of ``sets`` (in the order given): the tokens both assign, their sign
-    agreement and correlation, per trace or over every token (``credit_agreement``)."""
+    agreement and correlation, per trace or over every token (``credit_agreement``);
+    ``trace_ids``: over those traces' tokens only."""
     db = handle_of(db)
     names = _sets(db, sets)
+    ids = _traces(db, trace_ids)
     if len(names) < 2:
         raise ValueError("agreement needs two or more credit sets")
     tables = [
         db.sql(
-            "SELECT ?::VARCHAR AS set_a, ?::VARCHAR AS set_b, * FROM credit_agreement(?, ?, per_trace := ?) "
-            "ORDER BY trace_id",
-            [a, b, a, b, per_trace],
+            "SELECT ?::VARCHAR AS set_a, ?::VARCHAR AS set_b, * "
+            "FROM credit_agreement(?, ?, per_trace := ?, trace_ids := ?::VARCHAR[]) ORDER BY trace_id",
+            [a, b, a, b, per_trace, ids],
         )
         for a, b in combinations(names, 2)
     ]
@@ -91,13 +116,16 @@ def agreement(db: HandleOf, sets: Sequence[str], *, per_trace: bool = False) -> 
     return out if per_trace else out.drop_columns(["trace_id"])
 
 
-def compare(db: HandleOf, sets: Sequence[str], *, per_trace: bool = False) -> dict[str, pa.Table]:
-    """:func:`dose` of every set and :func:`agreement` of every pair (none for one set)."""
+def compare(
+    db: HandleOf, sets: Sequence[str], *, per_trace: bool = False, trace_ids: Sequence[str] | None = None
+) -> dict[str, pa.Table]:
+    """:func:`dose` of every set and :func:`agreement` of every pair (none for one set),
+    over ``trace_ids`` only when given."""
     db = handle_of(db)
     names = _sets(db, sets)
-    out = {"dose": dose(db, names, per_trace=per_trace)}
+    out = {"dose": dose(db, names, per_trace=per_trace, trace_ids=trace_ids)}
     if len(names) > 1:
-        out["agreement"] = agreement(db, names, per_trace=per_trace)
+        out["agreement"] = agreement(db, names, per_trace=per_trace, trace_ids=trace_ids)
     return out
 
 
