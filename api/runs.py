@@ -21,10 +21,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from tracedb.credit import dose
 from tracedb.database import Database
 
 from . import queries
-from .errors import invalid
+from .errors import invalid, not_found
 
 MAX_BINS = 500
 """The most bins a plot gets, whatever the size of the run."""
@@ -316,6 +317,26 @@ def group_page(db: Database, group_id: str, credit: str | None) -> dict[str, Any
             member["strips"].append({"strip": len(strips), **{k: strip.pop(k) for k in _STRIP_META}})
             strips.append(strip)
     return {**group, "traces": members, "credit_sets": sets, "strips": strips, "strip_cap": cap}
+
+
+def group_compare(db: Database, group_id: str, a: str, b: str) -> dict[str, Any]:
+    """Sets ``a`` and ``b`` (``"default"``: the ingested credit) compared over the group's
+    traces only, dose-matched (:func:`tracedb.credit.dose.compare` with ``trace_ids``):
+    per set its ``dose`` (tokens assigned and credited, coverage, sum A, sum |A|, sum A^2,
+    concentration, ...) and, for the pair, its ``agreement`` (shared tokens, sign
+    agreement, correlation; 0 shared tokens, no agreement or correlation, when the two
+    share no token). 404 for a group without traces."""
+    ids = [
+        r["trace_id"]
+        for r in db.sql("SELECT trace_id FROM traces WHERE group_id = ? ORDER BY 1", [group_id]).to_pylist()
+    ]
+    if not ids:
+        raise not_found(f"group {group_id!r} has no traces in {db.path}")
+    figures = dose.compare(db.handle, [a, b], trace_ids=ids)
+    # no token both sets assign: the library has no row for the pair; the page says 0 shared
+    none = {"set_a": a, "set_b": b, "shared_tokens": 0, "sign_agreement": None, "correlation": None}
+    agreement = (figures["agreement"].to_pylist() or [none])[0]
+    return {"a": a, "b": b, "traces": ids, "dose": figures["dose"].to_pylist(), "agreement": agreement}
 
 
 def _credit_columns(db: Database, credit: str | None) -> list[str]:

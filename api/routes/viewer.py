@@ -17,7 +17,7 @@ from tracedb.database import Database
 
 from .. import queries, runs
 from ..deps import CreditQuery, Reader, credit_of
-from ..errors import JSONBody, dumps, invalid, responses
+from ..errors import ApiError, JSONBody, dumps, invalid, not_found, responses
 from .traces import TraceId
 
 router = APIRouter(tags=["viewer"], default_response_class=HTMLResponse)
@@ -274,17 +274,28 @@ def group_page(
     group_id: Annotated[str, Path(max_length=500)],
     credit: CreditQuery = None,
     color: Annotated[Literal["advantage", "logprob"], Query(description="Colour the strips by this.")] = "advantage",
+    compare: Annotated[
+        str | None,
+        Query(
+            max_length=200,
+            description="Another credit set (empty: none): the page adds the dose-matched comparison of "
+            "credit and compare over the group's traces, and links each member's trace compare view.",
+        ),
+    ] = None,
 ) -> Any:
     """A group's members side by side: reward, credit status per credit set, a heat strip
-    of each member's branches."""
-    name, label = credit_of(db, credit)
+    of each member's branches; with ``compare``, the two sets' dose per set and agreement
+    over the group's traces (``tracedb.credit.dose.compare``)."""
+    name, label = _credit_set(db, "credit", credit)
+    other = _credit_set(db, "compare", compare)[1] if compare and compare.strip() else None
     group = runs.group_page(db, group_id, name)
     strips = group.pop("strips")
     tokenizer = request.app.state.backend.tokenizer
     if tokenizer is not None:
         for strip in strips:
             strip["pieces"] = _pieces(tokenizer, strip["token_ids"])
-    payload = {"group_id": group_id, "credit": label, "color": color, "nodes": strips}
+    figures = runs.group_compare(db, group_id, label, other) if other is not None else None
+    payload = {"group_id": group_id, "credit": label, "color": color, "nodes": strips, "compare": figures}
     return templates.TemplateResponse(
         request,
         "group.html",
@@ -292,7 +303,18 @@ def group_page(
             "group": group,
             "credit": label,
             "color": color,
+            "compare": other,
+            "figures": figures,
+            "all_sets": [s["name"] for s in queries.credit_sets(db)],
             "tokenizer": tokenizer is not None,
             "payload": _embed(payload),
         },
     )
+
+
+def _credit_set(db: Database, parameter: str, name: str | None) -> tuple[str | None, str]:
+    """:func:`credit_of`, its 404 naming the query ``parameter``."""
+    try:
+        return credit_of(db, name)
+    except ApiError as e:
+        raise not_found(f"{parameter}: {e.detail}") from None

@@ -19,6 +19,7 @@ from fastapi.testclient import TestClient
 
 import tracedb
 from tracedb.api import create_app
+from tracedb.credit import dose
 
 from support import REPO
 from support.run_db import Expected, build, write_late
@@ -406,6 +407,90 @@ def test_group_page_in_another_credit_set(client: TestClient, run: Run) -> None:
 def test_group_page_errors(client: TestClient, url: str, status: int) -> None:
     response = client.get(url)
     assert response.status_code == status and response.json()["detail"]
+
+
+@pytest.mark.parametrize(("a", "b"), [("default", "zeros"), ("some", "default"), ("some", "zeros")])
+def test_group_compare_figures_are_the_librarys_over_the_group(client: TestClient, run: Run, a: str, b: str) -> None:
+    _, expected, _ = run
+    members = sorted(t for t, g in expected.group.items() if g == "group-0")
+    html = client.get(f"/view/group/group-0?credit={a}&compare={b}").text
+    figures = group_payload(html)["compare"]
+    with client.app.state.backend.reader() as db:
+        want = dose.compare(db, [a, b], trace_ids=members)
+        per_trace = dose.dose(db, [a, b], per_trace=True).to_pylist()
+    assert figures["a"] == a and figures["b"] == b and figures["traces"] == members
+    assert figures["dose"] == [pytest.approx(row) for row in want["dose"].to_pylist()]
+    if want["agreement"].num_rows:
+        assert figures["agreement"] == pytest.approx(want["agreement"].to_pylist()[0])
+    else:  # the two share no token in the group
+        assert figures["agreement"] == {
+            "set_a": a,
+            "set_b": b,
+            "shared_tokens": 0,
+            "sign_agreement": None,
+            "correlation": None,
+        }
+        assert (a, b) == ("some", "zeros")
+    # the restriction is the group's: its members' per-trace figures add up to the set's
+    for row in figures["dose"]:
+        mine = [r for r in per_trace if r["credit_set"] == row["credit_set"] and r["trace_id"] in members]
+        assert row["traces"] == len(members)
+        for key in ("sampled_tokens", "assigned_tokens", "credited_tokens"):
+            assert row[key] == sum(r[key] for r in mine), key
+        masses = [r["abs_mass"] for r in mine if r["abs_mass"] is not None]
+        assert row["abs_mass"] == (pytest.approx(sum(masses)) if masses else None)
+    # the tables show those figures, per set and for the pair
+    section = re.search(r'<section id="group-compare">(.*?)</section>', html, re.S).group(1)
+    for row in figures["dose"]:
+        body = re.search(rf'<tr data-set="{row["credit_set"]}">(.*?)</tr>', section, re.S).group(1)
+        cells = dict(re.findall(r'data-figure="(\w+)">([^<]*)</td>', body))
+        for key in ("traces_assigned", "sampled_tokens", "assigned_tokens", "credited_tokens"):
+            assert cells[key] == str(row[key]), key
+        for key in ("coverage", "mass", "abs_mass", "sq_mass", "concentration"):
+            assert cells[key] == ("—" if row[key] is None else f"{row[key]:.4g}"), key
+    pair = dict(re.findall(r'data-figure="(\w+)">([^<]*)</td>', section.split('id="compare-agreement"')[1]))
+    agree = figures["agreement"]
+    assert pair["shared_tokens"] == str(agree["shared_tokens"])
+    for key in ("sign_agreement", "correlation"):
+        assert pair[key] == ("—" if agree[key] is None else f"{agree[key]:.4g}"), key
+    for tid in members:  # each member links its trace compare view
+        assert html.count(f'href="/view/{tid}?credit={a}&amp;compare={b}"') == 2
+    assert re.search(rf'<option value="{b}" selected>', html)
+
+
+def test_group_compare_of_different_credit(client: TestClient, run: Run) -> None:
+    """zeros assigns one member, all zero; the default set every member: the figures say so."""
+    _, expected, _ = run
+    members = sorted(t for t, g in expected.group.items() if g == "group-0")
+    figures = group_payload(client.get("/view/group/group-0?compare=zeros").text)["compare"]
+    default, zeros = figures["dose"]
+    assert default["credit_set"] == "default" and default["traces_assigned"] == len(members)
+    assert zeros["traces_assigned"] == 1 and zeros["credited_tokens"] == 0 and zeros["abs_mass"] == 0.0
+    assert zeros["concentration"] is None and 0 < zeros["coverage"] < 1
+    assert figures["agreement"]["shared_tokens"] == zeros["assigned_tokens"] > 0
+
+
+@pytest.mark.parametrize(
+    ("query", "status", "name"),
+    [
+        ("compare=nope", 404, "compare"),
+        ("credit=nope&compare=zeros", 404, "credit"),
+        ("compare=" + "x" * 201, 422, "compare"),
+    ],
+)
+def test_group_compare_errors_name_the_parameter(client: TestClient, query: str, status: int, name: str) -> None:
+    response = client.get(f"/view/group/group-0?{query}")
+    assert response.status_code == status
+    assert name in json.dumps(response.json()["detail"])
+    if status == 404:
+        assert response.json()["detail"].startswith(f"{name}: credit set 'nope' does not exist")
+
+
+def test_group_page_without_compare_has_no_figures(client: TestClient) -> None:
+    for url in ("/view/group/group-0", "/view/group/group-0?compare="):
+        html = client.get(url).text
+        assert group_payload(html)["compare"] is None and 'id="group-compare"' not in html
+        assert '<option value="" selected>' in html
 
 
 def test_strip_budget_bounds_the_page(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
