@@ -97,6 +97,17 @@ def emit(data: Any, as_json: bool, title: str | None = None) -> None:
     out.print(table)
 
 
+def key_value(text: str) -> tuple[str, Any]:
+    """``key=value`` of a ``--param``: the value as JSON, else as the text."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise typer.BadParameter(f"expected key=value, got {text!r}")
+    try:
+        return key.strip(), json.loads(value)
+    except ValueError:
+        return key.strip(), value
+
+
 def fail(e: Exception | str, code: int = 1) -> typer.Exit:
     """Report an error on stderr and return the Exit to raise (``raise fail(e) from None``):
     every command's error exit. Codes: 1 for a failed operation, 2 for bad usage."""

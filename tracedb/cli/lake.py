@@ -5,7 +5,6 @@ of the CLI works without it."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -13,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from tracedb.cli.common import AfterOption, DbOption, JsonOption, ThroughOption, emit, err, fail, out
+from tracedb.cli.common import AfterOption, DbOption, JsonOption, ThroughOption, emit, err, fail, key_value, out
 from tracedb.errors import TraceDBError
 
 app = typer.Typer(
@@ -202,17 +201,6 @@ def pack(
     emit({k: v for k, v in r.to_dict().items() if k != "rank_costs"}, False, title=line)
 
 
-def _key_value(text: str) -> tuple[str, object]:
-    """``key=value`` of a ``--param``: the value as JSON, else as the text."""
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip():
-        raise typer.BadParameter(f"expected key=value, got {text!r}")
-    try:
-        return key.strip(), json.loads(value)
-    except ValueError:
-        return key.strip(), value
-
-
 def _started_ray(ray_address: str | None, workers: int | None) -> bool:
     """Start Ray for a command unless it runs already; True when this call started it."""
     try:
@@ -245,7 +233,7 @@ def credit(
 ) -> None:
     """Compute group credit (grpo, rloo) over the lake in a Ray groupby and append it as a set."""
     opened = _open(lake)
-    params = dict(_key_value(p) for p in param or [])
+    params = dict(key_value(p) for p in param or [])
     started = _started_ray(ray_address, workers)
     try:
         result = opened.credit(algorithm, name, **params)  # type: ignore[attr-defined]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import pyarrow.compute as pc
 import typer
@@ -24,6 +24,7 @@ from tracedb.cli.common import (
     emit,
     err,
     fail,
+    key_value,
     live_selection,
     memory_limit,
     open_db,
@@ -343,16 +344,6 @@ def rejects(db: DbOption = Path("tracedb.duckdb"), as_json: JsonOption = False) 
     emit(rows, as_json, title="rejects")
 
 
-def _param(text: str) -> tuple[str, Any]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise typer.BadParameter(f"expected key=value, got {text!r}")
-    try:
-        return key.strip(), json.loads(value)
-    except ValueError:
-        return key.strip(), value
-
-
 @app.command()
 def credit(
     algorithm: Annotated[str | None, typer.Argument(help=f"Algorithm: {', '.join(credit_lib.ALGORITHMS)}.")] = None,
@@ -373,7 +364,7 @@ def credit(
         ]
         emit(rows, as_json, title="credit algorithms")
         return
-    params = dict(_param(p) for p in param or [])
+    params = dict(key_value(p) for p in param or [])
     with open_db(db) as database:
         try:
             result = credit_lib.run(database, algorithm, name, replace=replace, **params)
