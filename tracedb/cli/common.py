@@ -108,6 +108,19 @@ def key_value(text: str) -> tuple[str, Any]:
         return key.strip(), value
 
 
+def report_pack(plan: Any, manifest: dict[str, Any], out_dir: Path, as_json: bool) -> None:
+    """Print what a pack wrote: its manifest as JSON, or the report as a table."""
+    if as_json:
+        emit(manifest, True)
+        return
+    r = plan.report
+    line = (
+        f"packed {r.samples} samples into {r.micro_batches} micro-batches over {r.ranks} ranks "
+        f"({r.physical_tokens} tokens stored for {r.logical_tokens}, {r.padding_tokens} padding) in {out_dir}"
+    )
+    emit({k: v for k, v in r.to_dict().items() if k != "rank_costs"}, False, title=line)
+
+
 def fail(e: Exception | str, code: int = 1) -> typer.Exit:
     """Report an error on stderr and return the Exit to raise (``raise fail(e) from None``):
     every command's error exit. Codes: 1 for a failed operation, 2 for bad usage."""

@@ -12,7 +12,18 @@ from typing import Annotated
 
 import typer
 
-from tracedb.cli.common import AfterOption, DbOption, JsonOption, ThroughOption, emit, err, fail, key_value, out
+from tracedb.cli.common import (
+    AfterOption,
+    DbOption,
+    JsonOption,
+    ThroughOption,
+    emit,
+    err,
+    fail,
+    key_value,
+    out,
+    report_pack,
+)
 from tracedb.errors import TraceDBError
 
 app = typer.Typer(
@@ -189,16 +200,7 @@ def pack(
         raise fail(e, 2) from None
     except TraceDBError as e:
         raise fail(e) from None
-    manifest = write_step(plan, out_dir)
-    if as_json:
-        emit(manifest, True)
-        return
-    r = plan.report
-    line = (
-        f"packed {r.samples} samples into {r.micro_batches} micro-batches over {r.ranks} ranks "
-        f"({r.physical_tokens} tokens stored for {r.logical_tokens}, {r.padding_tokens} padding) in {out_dir}"
-    )
-    emit({k: v for k, v in r.to_dict().items() if k != "rank_costs"}, False, title=line)
+    report_pack(plan, write_step(plan, out_dir), out_dir, as_json)
 
 
 def _started_ray(ray_address: str | None, workers: int | None) -> bool:

@@ -30,6 +30,7 @@ from tracedb.cli.common import (
     open_db,
     out,
     report_ingest,
+    report_pack,
 )
 from tracedb.cli.follow import follow as run_follower
 from tracedb.cli.lake import app as lake_app
@@ -312,15 +313,7 @@ def pack(
         except TraceDBError as e:
             raise fail(e) from None
         manifest = write_step(plan, out)
-    if as_json:
-        emit(manifest, True)
-        return
-    r = plan.report
-    out_line = (
-        f"packed {r.samples} samples into {r.micro_batches} micro-batches over {r.ranks} ranks "
-        f"({r.physical_tokens} tokens stored for {r.logical_tokens}, {r.padding_tokens} padding) in {out}"
-    )
-    emit({k: v for k, v in r.to_dict().items() if k != "rank_costs"}, False, title=out_line)
+    report_pack(plan, manifest, out, as_json)
 
 
 @app.command()
