@@ -61,7 +61,7 @@ else:
     import ray
 
     import tracedb.lake as lakes
-    from tracedb.lake import distributed, write
+    from tracedb.lake import ingest, write
 
     def _only_loopback() -> bool:
         links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout.splitlines()
@@ -174,7 +174,7 @@ else:
                     os._exit(1)
 
                 write._commit_traces = die
-            return distributed.ingest_files(location, files, False)
+            return ingest.ingest_files(location, files, False)
 
         # defined here, so that Ray ships it by value (workers cannot import a test module)
         task = ray.remote(max_retries=2)(_dies_once)

@@ -27,6 +27,7 @@ from pyiceberg.expressions import AlwaysTrue
 from pyiceberg.io.pyarrow import ArrowScan
 
 from tracedb.lake import catalog, read
+from tracedb.lake.scan import scan_traces
 from tracedb.sqltext import quote_identifier
 
 GRACE_SECONDS = 3600.0
@@ -109,7 +110,7 @@ def compact(lake: catalog.Opened, *, grace: float = GRACE_SECONDS) -> CompactRep
             continue
         for attempt in range(1, ATTEMPTS + 1):
             cutoff = int((time.time() - grace) * 1000)
-            traces = read.scan_traces(lake.table("traces"), AlwaysTrue(), ["trace_id", "episode_id", catalog.BATCH])
+            traces = scan_traces(lake.table("traces"), AlwaysTrue(), ["trace_id", "episode_id", catalog.BATCH])
             con = duckdb.connect()
             con.register("raw_traces", traces)
             con.execute(

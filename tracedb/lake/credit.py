@@ -22,8 +22,9 @@ from pyiceberg.expressions import AlwaysTrue
 from tracedb import credit as credit_lib
 from tracedb.credit.outcome import trace_rewards
 from tracedb.errors import WriteError
-from tracedb.lake import catalog, read
-from tracedb.lake.distributed import running_ray
+from tracedb.lake import catalog
+from tracedb.lake.scan import scan_traces
+from tracedb.lake.workers import running_ray
 from tracedb.lake.write import lake_rows
 from tracedb.sqltext import quote_identifier
 
@@ -46,7 +47,7 @@ class _Traces:
 
 def _visible_traces(lake: catalog.Opened, columns: list[str]) -> pa.Table:
     """The visible traces rows (``columns`` and :data:`BATCH`), one per trace id."""
-    raw = read.scan_traces(lake.table("traces"), AlwaysTrue(), [*columns, catalog.BATCH])
+    raw = scan_traces(lake.table("traces"), AlwaysTrue(), [*columns, catalog.BATCH])
     con = duckdb.connect()
     con.register("raw", raw)
     picked = ", ".join(quote_identifier(c) for c in [*columns, catalog.BATCH])

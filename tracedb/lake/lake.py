@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
     from tracedb.batches import Plan
     from tracedb.lake.compact import CompactReport
-    from tracedb.lake.distributed import LakeIngestReport
+    from tracedb.lake.ingest import LakeIngestReport
 
 
 class Lake(catalog.Opened):
@@ -107,9 +107,9 @@ class Lake(catalog.Opened):
         view code; the arguments are :meth:`tracedb.Database.branches`' (``after`` /
         ``through`` compare with the lake's ``seq``). ``complete_groups`` and ``tags`` are
         refused for now. Needs Ray running in this process (``ray.init``)."""
-        from tracedb.lake import distributed
+        from tracedb.lake import views
 
-        return distributed.branches(
+        return views.branches(
             self,
             trace_ids=trace_ids,
             group=group,
@@ -216,12 +216,10 @@ class Lake(catalog.Opened):
         each task runs the file store's ingest (scanner, parser, validation, rejects kept)
         in memory and appends its traces as one write. Idempotent by trace id, also
         against other ingests running at the same time. Needs Ray running (``ray.init``)."""
-        from tracedb.lake import distributed
+        from tracedb.lake import ingest
 
         chosen = [paths] if isinstance(paths, str | Path) else list(paths)
-        return distributed.ingest(
-            self, chosen, workers=workers, files_per_task=files_per_task, allow_ragged=allow_ragged
-        )
+        return ingest.ingest(self, chosen, workers=workers, files_per_task=files_per_task, allow_ragged=allow_ragged)
 
     def sql(self, query: str, params: Sequence[Any] | dict[str, Any] | None = None) -> pa.Table:
         """Run SQL over the lake's visible rows with tracedb's macros (``branch_stats()``,

@@ -16,7 +16,7 @@ from typing import Any
 from tracedb.batches import Plan
 from tracedb.database import connect
 from tracedb.lake import catalog, move, read
-from tracedb.lake.distributed import select_ids
+from tracedb.lake.select import select_ids
 
 
 def unsupported(where: str, complete_groups: int | None, tags: Mapping[str, Any] | None) -> None:
