@@ -22,15 +22,15 @@ import pyarrow.compute as pc
 from pyiceberg.expressions import AlwaysTrue, BooleanExpression, In
 
 from tracedb.lake.catalog import BATCH, batched, lake_tables, per_trace
-from tracedb.lake.scan import scan_traces
+from tracedb.lake.scan import scan_keys, scan_traces
 from tracedb.sqltext import quote_identifier
 
 REJECT_KEY = ("source", "line", "trace_id", "node", "field", "reason", "record_sha256")
 """What makes two rejects one (a file pushed or ingested twice is rejected twice)."""
 
 
-def _scan(table: Any, row_filter: BooleanExpression) -> pa.Table:
-    return table.scan(row_filter=row_filter).to_arrow()
+def _scan(table: Any) -> pa.Table:
+    return table.scan().to_arrow()
 
 
 def _stored(name: str, table: pa.Table) -> pa.Table:
@@ -76,34 +76,32 @@ def visible(
         if name in ("traces", "segments"):
             continue
         if per_trace(name, schema):
-            raw = _scan(lake.table(name), In("trace_id", ids) if selected else AlwaysTrue())
+            raw = scan_keys(lake.table(name), "trace_id", ids) if selected else _scan(lake.table(name))
             query = f"SELECT r.* FROM raw r SEMI JOIN vis v ON r.trace_id = v.trace_id AND r.{BATCH} = v.{BATCH}"
         elif name == "episodes":
             episodes = [e for e in traces.column("episode_id").to_pylist() if e is not None]
-            raw = _scan(lake.table(name), In("episode_id", episodes) if selected else AlwaysTrue())
+            raw = scan_keys(lake.table(name), "episode_id", episodes) if selected else _scan(lake.table(name))
             query = (
                 f"SELECT r.* FROM raw r SEMI JOIN vis v ON r.episode_id = v.episode_id AND r.{BATCH} = v.{BATCH} "
                 f"QUALIFY row_number() OVER (PARTITION BY r.episode_id ORDER BY r.ingested_at, r.{BATCH}) = 1"
             )
         elif name == "rejects":
-            raw = _scan(lake.table(name), AlwaysTrue())
+            raw = _scan(lake.table(name))
             if selected:
                 raw = raw.filter(pc.is_in(raw.column("trace_id"), value_set=pa.array(ids, pa.string())))
             key = ", ".join(quote_identifier(c) for c in REJECT_KEY)
             query = f"SELECT * FROM raw QUALIFY row_number() OVER (PARTITION BY {key} ORDER BY rejected_at) = 1"
         elif name == "credit_sets":
-            raw = _scan(lake.table(name), AlwaysTrue())
+            raw = _scan(lake.table(name))
             query = "SELECT * FROM raw QUALIFY row_number() OVER (PARTITION BY name ORDER BY created_at) = 1"
         else:
-            raw = _scan(lake.table(name), AlwaysTrue())
+            raw = _scan(lake.table(name))
             query = "SELECT * FROM raw"
         con.register("raw", raw)
         out[name] = _stored(name, _arrow(con.sql(query)))
         con.unregister("raw")
     used = pc.unique(out["nodes"].column("segment_id")).to_pylist()
-    raw = _scan(lake.table("segments"), In("segment_id", used) if used else AlwaysTrue())
-    if not used:
-        raw = raw.slice(0, 0)
+    raw = scan_keys(lake.table("segments"), "segment_id", used) if selected else _scan(lake.table("segments"))
     con.register("raw", raw)
     con.register("used", pa.table({"segment_id": pa.array(used, pa.binary())}))
     out["segments"] = _stored(

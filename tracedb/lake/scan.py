@@ -1,25 +1,36 @@
 """Reading Iceberg files of a lake as Arrow: what every reader of a lake starts from.
 
 :func:`scan_traces` gives the ``traces`` rows with their ``seq`` (the data sequence
-number of the file that committed each row).
+number of the file that committed each row). :func:`scan_keys` gives the rows of a set
+of keys (trace ids, segment ids, ...) reading only the files of the keys' hash buckets:
+the buckets are computed as Iceberg computes them (pyiceberg's bucket transform, in
+Rust, over the whole key array) and the rows filtered in Arrow. A pyiceberg ``In`` row
+filter does the same pruning, but binds and projects every literal in Python, once per
+manifest entry: seconds for the thousands of segment ids a few traces use.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
+from pyiceberg.conversions import from_bytes
 from pyiceberg.expressions import AlwaysTrue, BooleanExpression
-from pyiceberg.io.pyarrow import ArrowScan
+from pyiceberg.io.pyarrow import ArrowScan, schema_to_pyarrow
+from pyiceberg.transforms import BucketTransform
 
 
 def scan_traces(
     table: Any, row_filter: BooleanExpression = AlwaysTrue(), columns: Sequence[str] | None = None
 ) -> pa.Table:
-    """The traces rows (with :data:`BATCH`) that ``row_filter`` keeps, ``seq`` set to the
-    data sequence number of the file each was committed in; ``columns`` (with ``seq``)
-    reads only those."""
+    """The traces rows (with :data:`BATCH`) that ``row_filter`` keeps, with their ``seq``:
+    the value stored in the row when there is one (a compaction of ``traces`` writes each
+    row's seq into it), else the data sequence number of the file holding the row (the
+    commit of a write, whose rows carry no seq); ``columns`` (with ``seq``) reads only
+    those."""
     fields = ("*",) if columns is None else tuple(dict.fromkeys([*columns, "seq"]))
     snapshot = table.current_snapshot()
     if snapshot is None:
@@ -34,11 +45,65 @@ def scan_traces(
     parts = []
     for task in table.scan(row_filter=row_filter).plan_files():
         part = scan.to_table([task])
-        seq = pa.array([seqs[task.file.file_path]] * part.num_rows, pa.int64())
-        parts.append(part.set_column(part.schema.get_field_index("seq"), "seq", seq))
+        at = part.schema.get_field_index("seq")
+        seq = pc.coalesce(part.column(at).cast(pa.int64()), pa.scalar(seqs[task.file.file_path], pa.int64()))
+        parts.append(part.set_column(at, "seq", seq))
     if not parts:
         return table.scan(row_filter=row_filter, selected_fields=fields, limit=0).to_arrow()
     return pa.concat_tables(parts, promote_options="permissive")  # files may differ in string vs large_string
 
 
-__all__ = ["scan_traces"]
+def bucket_of(table: Any, column: str) -> tuple[int, BucketTransform] | None:
+    """Where ``column``'s bucket sits in ``table``'s partition (its position in the
+    partition record, the transform); None when the table is not bucketed on it."""
+    field_id = table.schema().find_field(column).field_id
+    for position, part in enumerate(table.spec().fields):
+        if part.source_id == field_id and isinstance(part.transform, BucketTransform):
+            return position, part.transform
+    return None
+
+
+def _may_hold(data_file: Any, field_id: int, field_type: Any, ordered: list[Any]) -> bool:
+    """Whether a data file's bounds of the key column (its manifest metrics: the
+    smallest and largest key, truncated outward) admit one of the ``ordered`` keys."""
+    low, high = data_file.lower_bounds.get(field_id), data_file.upper_bounds.get(field_id)
+    if low is None or high is None:
+        return True
+    low, high = from_bytes(field_type, low), from_bytes(field_type, high)
+    at = bisect_left(ordered, low)
+    return at < len(ordered) and ordered[at] <= high
+
+
+def scan_keys(table: Any, column: str, keys: Sequence[Any], columns: Sequence[str] | None = None) -> pa.Table:
+    """The rows of ``table`` whose ``column`` is one of ``keys``, reading only the data
+    files of the keys' buckets (all files when the table is not bucketed on ``column``);
+    ``columns`` (with ``column``) reads only those. Files whose key bounds (manifest
+    metrics) admit none of the keys are skipped too. Rows keep the files' order."""
+    schema = table.schema()
+    projected = schema if columns is None else schema.select(*dict.fromkeys([*columns, column]))
+    wanted = pa.array(list(dict.fromkeys(keys)))
+    if not len(wanted) or table.current_snapshot() is None:
+        return schema_to_pyarrow(projected).empty_table()
+    field = schema.find_field(column)
+    tasks = list(table.scan().plan_files())
+    where = bucket_of(table, column)
+    if where is not None:
+        position, transform = where
+        buckets = set(pc.unique(transform.pyarrow_transform(field.field_type)(wanted)).to_pylist())
+        spec = table.spec().spec_id  # files of another (older) spec are not pruned by bucket
+        tasks = [t for t in tasks if t.file.spec_id != spec or t.file.partition[position] in buckets]
+    ordered = sorted(wanted.to_pylist())
+    tasks = [t for t in tasks if _may_hold(t.file, field.field_id, field.field_type, ordered)]
+    scan = ArrowScan(table.metadata, table.io, projected, AlwaysTrue())
+    parts = [
+        pa.Table.from_batches(
+            [batch.filter(pc.is_in(batch.column(column), value_set=wanted.cast(batch.schema.field(column).type)))]
+        )
+        for batch in scan.to_record_batches(tasks)
+    ]
+    if not parts:
+        return schema_to_pyarrow(projected).empty_table()
+    return pa.concat_tables(parts, promote_options="permissive")
+
+
+__all__ = ["bucket_of", "scan_keys", "scan_traces"]

@@ -1,0 +1,78 @@
+"""Scanning a lake by keys: only the keys' buckets are read, and the rows are pyiceberg's."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+
+import tracedb
+
+from support import FIXTURES
+
+pytest.importorskip("pyiceberg", reason="the lake extra is not installed (pip install '.[lake]')")
+pytest.importorskip("pyiceberg_core", reason="the lake extra is not installed (pip install '.[lake]')")
+
+from pyiceberg.expressions import In  # noqa: E402
+
+import tracedb.lake as lakes  # noqa: E402
+from tracedb.lake import scan  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def lake(tmp_path_factory):
+    """A lake holding every golden fixture, pushed in three writes (several files a bucket)."""
+    path = tmp_path_factory.mktemp("store") / "runs.duckdb"
+    with tracedb.connect(path) as db:
+        db.ingest(FIXTURES)
+    opened = lakes.init(tmp_path_factory.mktemp("lake") / "L")
+    opened.push(path, batch_traces=20)
+    return opened
+
+
+class _Counting(scan.ArrowScan):
+    """ArrowScan remembering the files it was asked to read."""
+
+    read: list[str] = []
+
+    def to_record_batches(self, tasks):
+        tasks = list(tasks)
+        _Counting.read.extend(t.file.file_path for t in tasks)
+        return super().to_record_batches(tasks)
+
+
+@pytest.mark.parametrize(
+    ("name", "column"), [("nodes", "trace_id"), ("segments", "segment_id"), ("episodes", "episode_id")]
+)
+def test_scan_keys_equals_an_in_filter_and_reads_only_the_keys_buckets(lake, monkeypatch, name, column):
+    table = lake.table(name)
+    everything = table.scan().to_arrow()
+    keys = sorted(set(everything.column(column).to_pylist()))[::5][:40]
+    monkeypatch.setattr(scan, "ArrowScan", _Counting)
+    _Counting.read = []
+    got = scan.scan_keys(table, column, keys)
+    want = table.scan(row_filter=In(column, keys)).to_arrow()
+    assert got.num_rows == want.num_rows > 0
+    assert set(got.column(column).to_pylist()) == set(keys)
+    cols = [c for c in want.column_names if not pa.types.is_list(want.schema.field(c).type)]
+    assert sorted(got.select(cols).to_pylist(), key=repr) == sorted(want.select(cols).to_pylist(), key=repr)
+    assert got.column_names == want.column_names
+    files = {t.file.file_path for t in table.scan().plan_files()}
+    assert len(files) > 1
+    wanted = {t.file.file_path for t in table.scan(row_filter=In(column, keys)).plan_files()}
+    assert set(_Counting.read) == wanted  # the same pruning as pyiceberg's own
+    one = scan.scan_keys(table, column, keys[:1])
+    assert set(one.column(column).to_pylist()) == {keys[0]}
+    assert len(set(_Counting.read[len(wanted) :])) < len(files)  # one key: not every file
+
+
+def test_scan_keys_edges(lake):
+    nodes = lake.table("nodes")
+    empty = scan.scan_keys(nodes, "trace_id", [])
+    assert empty.num_rows == 0 and "trace_id" in empty.column_names
+    assert scan.scan_keys(nodes, "trace_id", ["no-such-trace"]).num_rows == 0
+    some = nodes.scan().to_arrow().column("trace_id")[0].as_py()
+    picked = scan.scan_keys(nodes, "trace_id", [some, some], columns=["role"])
+    assert set(picked.column_names) == {"role", "trace_id"} and set(picked.column("trace_id").to_pylist()) == {some}
+    assert scan.bucket_of(nodes, "role") is None  # not bucketed on it: every file read, rows filtered
+    by_role = scan.scan_keys(nodes, "role", ["tool"])
+    assert by_role.num_rows >= 1 and set(by_role.column("role").to_pylist()) == {"tool"}
