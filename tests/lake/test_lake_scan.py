@@ -76,3 +76,18 @@ def test_scan_keys_edges(lake):
     assert scan.bucket_of(nodes, "role") is None  # not bucketed on it: every file read, rows filtered
     by_role = scan.scan_keys(nodes, "role", ["tool"])
     assert by_role.num_rows >= 1 and set(by_role.column("role").to_pylist()) == {"tool"}
+
+
+def test_bucket_order_groups_keys_by_bucket_keeping_their_order(lake):
+    nodes = lake.table("nodes")
+    ids = sorted(set(nodes.scan().to_arrow().column("trace_id").to_pylist()))
+    ordered = scan.bucket_order(nodes, "trace_id", ids)
+    assert sorted(ordered) == ids
+    position, transform = scan.bucket_of(nodes, "trace_id")
+    of = transform.transform(nodes.schema().find_field("trace_id").field_type)
+    buckets = [of(t) for t in ordered]
+    assert buckets == sorted(buckets) and len(set(buckets)) > 1
+    for b in set(buckets):  # stable within a bucket
+        assert [t for t in ordered if of(t) == b] == [t for t in ids if of(t) == b]
+    assert scan.bucket_order(nodes, "trace_id", []) == []
+    assert scan.bucket_order(nodes, "role", ["b", "a"]) == ["b", "a"]

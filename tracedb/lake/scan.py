@@ -63,6 +63,22 @@ def bucket_of(table: Any, column: str) -> tuple[int, BucketTransform] | None:
     return None
 
 
+def bucket_order(table: Any, column: str, keys: Sequence[Any]) -> list[Any]:
+    """``keys`` ordered by their bucket of ``column`` in ``table`` (stable: keys of one
+    bucket keep their order), so that consecutive chunks of it read few buckets' files;
+    ``keys`` unchanged when the table is not bucketed on ``column``."""
+    where = bucket_of(table, column)
+    if where is None or not keys:
+        return list(keys)
+    source = table.schema().find_field(column).field_type
+    values = pa.array(list(keys))
+    buckets = where[1].pyarrow_transform(source)(values)
+    order = pc.sort_indices(
+        pa.table({"b": buckets, "i": pa.array(range(len(values)))}), [("b", "ascending"), ("i", "ascending")]
+    )
+    return values.take(order).to_pylist()
+
+
 def _may_hold(data_file: Any, field_id: int, field_type: Any, ordered: list[Any]) -> bool:
     """Whether a data file's bounds of the key column (its manifest metrics: the
     smallest and largest key, truncated outward) admit one of the ``ordered`` keys."""
@@ -106,4 +122,4 @@ def scan_keys(table: Any, column: str, keys: Sequence[Any], columns: Sequence[st
     return pa.concat_tables(parts, promote_options="permissive")
 
 
-__all__ = ["bucket_of", "scan_keys", "scan_traces"]
+__all__ = ["bucket_of", "bucket_order", "scan_keys", "scan_traces"]
