@@ -77,8 +77,6 @@ def test_plan_of_a_selection(lake, store):
     with tracedb.connect(store, read_only=True) as db:
         ids = db.sql("SELECT trace_id FROM traces ORDER BY seq, trace_id").column("trace_id").to_pylist()[20:]
     assert {s for mb in later[0] for s in mb.samples.column("trace_id").to_pylist()} <= set(ids)
-    with pytest.raises(ValueError, match="lake.micro_batches: complete_groups= and tags= are not supported"):
-        lake.micro_batches(512, complete_groups=2)
 
 
 def test_lake_pack_writes_the_file_stores_step(lake, store, tmp_path):

@@ -14,13 +14,16 @@ import typer
 
 from tracedb.cli.common import (
     AfterOption,
+    CompleteGroupsOption,
     DbOption,
     JsonOption,
+    TagFilterOption,
     ThroughOption,
     emit,
     err,
     fail,
     key_value,
+    live_selection,
     out,
     report_pack,
 )
@@ -168,14 +171,17 @@ def pack(
     share_prefixes: Annotated[bool, typer.Option(help="Store a prefix shared in a bin once (spans).")] = False,
     drop_zero_advantages: Annotated[bool, typer.Option(help="Leave out samples whose advantages are all 0.")] = False,
     after: AfterOption = None,
+    complete_groups: CompleteGroupsOption = None,
     through: ThroughOption = None,
+    tag: TagFilterOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Pack micro-batches of the lake's visible traces into a step directory, as
-    ``tracedb pack`` does for a file (the same files; the report's watermark is the lake's:
-    the --after of the next step)."""
+    ``tracedb pack`` does for a file (the same files and selection options; the report's
+    watermark is the lake's: the --after of the next step)."""
     from tracedb.batches import write_step
 
+    live = live_selection(after, complete_groups, through, tag)
     opened = _open(lake)
     try:
         plan = opened.micro_batches(  # type: ignore[attr-defined]
@@ -184,8 +190,7 @@ def pack(
             trace_ids=trace_id or None,
             group=group or None,
             episode=episode or None,
-            after=after,
-            through=through,
+            **live,
             trainable=None if all_branches else True,
             credit=credit,
             train_once=train_once,

@@ -104,9 +104,10 @@ class Lake(catalog.Opened):
         """The branch views of the selected visible traces as a ``ray.data.Dataset`` in
         the :meth:`tracedb.Database.branches` schema, computed in Ray workers
         (``traces_per_task`` traces each, groups kept together) by the file store's own
-        view code; the arguments are :meth:`tracedb.Database.branches`' (``after`` /
-        ``through`` compare with the lake's ``seq``). ``complete_groups`` and ``tags`` are
-        refused for now. Needs Ray running in this process (``ray.init``)."""
+        view code; the arguments are :meth:`tracedb.Database.branches`', selecting what the
+        file store's selection does (``after`` / ``through`` / ``complete_groups`` compare
+        with the lake's ``seq``; ``tags`` filter on the lake's ``trace_tags``; see
+        :mod:`tracedb.lake.select`). Needs Ray running in this process (``ray.init``)."""
         from tracedb.lake import views
 
         return views.branches(
@@ -151,10 +152,10 @@ class Lake(catalog.Opened):
     ) -> Plan:
         """Packed, rank-balanced micro-batches of the selected visible traces: the plan
         :meth:`tracedb.Database.micro_batches` makes of the same traces (the same
-        arguments; ``after`` / ``through`` compare with the lake's ``seq``, and
-        ``plan.report.watermark`` is the lake's). The driver pulls the selection into an
-        in-memory tracedb and packs it there (no Ray needed); ``complete_groups`` and
-        ``tags`` are refused for now. Write it with :func:`tracedb.batches.write_step`."""
+        arguments and selection; ``after`` / ``through`` / ``complete_groups`` compare with
+        the lake's ``seq``, and ``plan.report.watermark`` is the lake's, the ``after`` of the
+        next step). The driver pulls the selection into an in-memory tracedb and packs it
+        there (no Ray needed). Write it with :func:`tracedb.batches.write_step`."""
         from tracedb.lake import train
 
         return train.micro_batches(

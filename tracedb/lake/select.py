@@ -1,14 +1,117 @@
-"""Which visible traces a selection of the lake takes (ids, group, episode, ``seq``)."""
+"""Which visible traces a selection of the lake takes: the file store's own selection SQL
+(:func:`tracedb.views.resolve`) run over the lake's scanned ``traces`` and ``trace_tags``.
+
+The scans read what the selection can need: ``traces`` by trace id, group and episode
+(pushed down as row filters, so other buckets are not read), except that a
+``complete_groups`` selection reads every member of the groups it may take (a group's
+completeness counts all its members, selected or not); ``trace_tags`` by the filtered
+tag names (and the trace ids, when given), only the rows of the write that committed
+each trace's row. The scanned rows go into a DuckDB connection of their own as tables
+``traces`` (``seq`` the lake's) and ``trace_tags``, and the file store's resolver selects
+from them, so ``after`` / ``through`` / ``complete_groups`` / ``tags`` mean exactly what
+they mean in the file store, with its errors for bad values.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
+import duckdb
+import pyarrow as pa
 import pyarrow.compute as pc
-from pyiceberg.expressions import AlwaysTrue, In
+from pyiceberg.expressions import AlwaysTrue, BooleanExpression, In
 
+from tracedb.handle import Handle
 from tracedb.lake import catalog
 from tracedb.lake.scan import scan_traces
+from tracedb.views import Selection, resolve
+
+TRACE_COLUMNS = ["trace_id", "group_id", "episode_id", "n_tokens", catalog.BATCH]
+"""What a selection reads of ``traces`` (with ``seq``)."""
+TAG_COLUMNS = ["trace_id", "name", "value", "number", "text", catalog.BATCH]
+
+
+class _Scanned(Handle):
+    """A handle on scanned lake rows in a DuckDB connection of their own, whose watermark
+    is the lake's: what :func:`tracedb.views.resolve` runs on."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection, mark: int) -> None:
+        super().__init__(con, path=":lake:", catalog=None, instance_key=None, read_only=True, release=con.close)
+        self.mark = mark
+
+    def watermark(self, con: Any = None) -> int:
+        return self.mark
+
+
+def _values(value: str | Sequence[str]) -> list[str]:
+    return [value] if isinstance(value, str) else list(value)
+
+
+def _filter(
+    trace_ids: Sequence[str] | None, group: str | Sequence[str] | None, episode: str | Sequence[str] | None
+) -> BooleanExpression:
+    """The row filter of ``traces`` rows of these trace ids, groups and episodes."""
+    row_filter: BooleanExpression = AlwaysTrue()
+    for column, values in (("trace_id", trace_ids), ("group_id", group), ("episode_id", episode)):
+        if values is not None:
+            row_filter = row_filter & In(column, _values(values))
+    return row_filter
+
+
+def _traces(table: Any, selection: Selection) -> pa.Table:
+    """The ``traces`` rows ``selection`` may need (see the module's docstring)."""
+    narrow = _filter(selection.trace_ids, selection.group, selection.episode)
+    if selection.complete_groups is None:
+        return scan_traces(table, narrow, TRACE_COLUMNS)
+    if selection.trace_ids is None and selection.episode is None:
+        return scan_traces(table, _filter(None, selection.group, None), TRACE_COLUMNS)
+    chosen = scan_traces(table, narrow, ["group_id"]).column("group_id")  # the groups it may take, all their members
+    groups = pc.unique(chosen.filter(pc.is_valid(chosen))).to_pylist()
+    return scan_traces(table, In("group_id", groups), TRACE_COLUMNS)
+
+
+def _tags(lake: catalog.Opened, selection: Selection) -> pa.Table:
+    """The ``trace_tags`` rows of the filtered names (of the selected trace ids, if any)."""
+    row_filter: BooleanExpression = AlwaysTrue()
+    tags = selection.tags
+    if isinstance(tags, Mapping) and all(isinstance(name, str) for name in tags):
+        row_filter = In("name", list(tags))
+    if selection.trace_ids is not None:
+        row_filter = row_filter & In("trace_id", _values(selection.trace_ids))
+    return lake.table("trace_tags").scan(row_filter=row_filter, selected_fields=tuple(TAG_COLUMNS)).to_arrow()
+
+
+def resolve_lake(lake: catalog.Opened, selection: Selection) -> tuple[list[str], int]:
+    """The visible traces ``selection`` takes, ordered by group then trace id (so that
+    chunks of it keep groups whole), and the watermark they were selected at (the
+    lake's, or ``through`` when lower: the ``after`` of the next call). ValueError
+    (the file store's) for a bad ``after``, ``through``, ``complete_groups`` or tag filter."""
+    table = lake.table("traces")
+    snapshot = table.current_snapshot()
+    mark = 0 if snapshot is None else snapshot.sequence_number
+    con = duckdb.connect()
+    try:
+        con.register("lake_traces", _traces(table, selection).select([*TRACE_COLUMNS, "seq"]))
+        con.execute(
+            "CREATE TEMP TABLE traces AS SELECT * FROM lake_traces WHERE seq IS NOT NULL AND seq <= ? "
+            f"QUALIFY row_number() OVER (PARTITION BY trace_id ORDER BY seq, {catalog.BATCH}) = 1",
+            [mark],
+        )
+        if selection.tags is not None:
+            con.register("lake_tags", _tags(lake, selection))
+            con.execute(
+                "CREATE TEMP TABLE trace_tags AS SELECT t.trace_id, t.name, t.value::JSON AS value, t.number, t.text "
+                f"FROM lake_tags t SEMI JOIN traces v USING (trace_id, {catalog.BATCH})"
+            )
+        selected = resolve(_Scanned(con, mark), selection)
+        con.register("chosen", pa.table({"trace_id": pa.array([t for t, _ in selected.traces], pa.string())}))
+        ordered = con.execute(
+            "SELECT trace_id FROM traces SEMI JOIN chosen USING (trace_id) ORDER BY group_id, trace_id"
+        ).fetchall()
+    finally:
+        con.close()
+    return [row[0] for row in ordered], selected.watermark
 
 
 def select_ids(
@@ -18,27 +121,15 @@ def select_ids(
     group: str | Sequence[str] | None = None,
     episode: str | Sequence[str] | None = None,
     after: int | None = None,
+    complete_groups: int | None = None,
+    tags: Mapping[str, Any] | None = None,
     through: int | None = None,
 ) -> list[str]:
-    """The visible traces a selection takes, ordered by group then trace id (so that
-    chunks of it keep groups whole)."""
-    row_filter = AlwaysTrue()
-    if trace_ids is not None:
-        row_filter = In("trace_id", list(trace_ids)) if trace_ids else None
-    if row_filter is None:
-        return []
-    for column, values in (("group_id", group), ("episode_id", episode)):
-        if values is not None:
-            row_filter = row_filter & In(column, [values] if isinstance(values, str) else list(values))
-    traces = scan_traces(lake.table("traces"), row_filter, ["trace_id", "group_id", catalog.BATCH])
-    keep = pc.is_valid(traces.column("seq"))
-    if after is not None:
-        keep = pc.and_(keep, pc.greater(traces.column("seq"), after))
-    if through is not None:
-        keep = pc.and_(keep, pc.less_equal(traces.column("seq"), through))
-    chosen = traces.filter(keep).group_by(["trace_id", "group_id"]).aggregate([])
-    ordered = chosen.sort_by([("group_id", "ascending"), ("trace_id", "ascending")])
-    return ordered.column("trace_id").to_pylist()
+    """The visible traces a selection takes (the arguments of
+    :meth:`tracedb.Database.branches`, ``seq`` the lake's), ordered by group then trace id;
+    see :func:`resolve_lake`."""
+    selection = Selection(trace_ids, group, episode, after, complete_groups, tags, through)
+    return resolve_lake(lake, selection)[0]
 
 
-__all__ = ["select_ids"]
+__all__ = ["resolve_lake", "select_ids"]

@@ -16,13 +16,8 @@ from typing import Any
 from tracedb.batches import Plan
 from tracedb.database import connect
 from tracedb.lake import catalog, move, read
-from tracedb.lake.select import select_ids
-
-
-def unsupported(where: str, complete_groups: int | None, tags: Mapping[str, Any] | None) -> None:
-    """Refuse the selections the lake does not have yet, naming the call."""
-    if complete_groups is not None or tags is not None:
-        raise ValueError(f"{where}: complete_groups= and tags= are not supported on a lake yet (select by ids/group)")
+from tracedb.lake.select import resolve_lake
+from tracedb.views import Selection
 
 
 def micro_batches(
@@ -40,11 +35,8 @@ def micro_batches(
 ) -> Plan:
     """See :meth:`tracedb.lake.Lake.micro_batches`; ``options`` are
     :meth:`tracedb.Database.micro_batches`' packing arguments."""
-    unsupported("lake.micro_batches", complete_groups, tags)
-    snapshot = lake.table("traces").current_snapshot()
-    mark = 0 if snapshot is None else snapshot.sequence_number
-    upto = mark if through is None else min(through, mark)
-    ids = select_ids(lake, trace_ids=trace_ids, group=group, episode=episode, after=after, through=upto)
+    selection = Selection(trace_ids, group, episode, after, complete_groups, tags, through)
+    ids, mark = resolve_lake(lake, selection)
     with connect(":memory:") as db:
         move.write_into(db, read.visible(lake, trace_ids=ids))
         plan = db.micro_batches(seq_len, **options)
@@ -53,10 +45,12 @@ def micro_batches(
         group=group,
         episode=episode,
         after=after,
+        complete_groups=complete_groups,
         through=through,
+        tags=None if tags is None else {name: list(v) if isinstance(v, tuple) else v for name, v in tags.items()},
     )
-    plan.report.watermark = upto
+    plan.report.watermark = mark
     return plan
 
 
-__all__ = ["micro_batches", "unsupported"]
+__all__ = ["micro_batches"]

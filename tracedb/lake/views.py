@@ -7,7 +7,7 @@ A view task pulls its chunk of traces into an in-memory tracedb
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -50,7 +50,7 @@ def branches(
     episode: str | Sequence[str] | None = None,
     after: int | None = None,
     complete_groups: int | None = None,
-    tags: Any = None,
+    tags: Mapping[str, Any] | None = None,
     through: int | None = None,
     trainable: bool | None = None,
     branch_index: int | Sequence[int] | None = None,
@@ -60,14 +60,19 @@ def branches(
     traces_per_task: int = VIEW_TRACES,
 ) -> ray.data.Dataset:
     """See :meth:`tracedb.lake.Lake.branches`."""
-    if complete_groups is not None or tags is not None:
-        raise ValueError(
-            "lake.branches: complete_groups= and tags= are not supported on a lake yet (select by ids/group)"
-        )
     if not isinstance(traces_per_task, int) or traces_per_task < 1:
         raise ValueError(f"traces_per_task is a number of traces (an int >= 1), not {traces_per_task!r}")
     ray = running_ray()
-    ids = select_ids(lake, trace_ids=trace_ids, group=group, episode=episode, after=after, through=through)
+    ids = select_ids(
+        lake,
+        trace_ids=trace_ids,
+        group=group,
+        episode=episode,
+        after=after,
+        complete_groups=complete_groups,
+        tags=tags,
+        through=through,
+    )
     options = dict(
         trainable=trainable, branch_index=branch_index, columns=columns, train_once=train_once, credit=credit
     )
