@@ -112,8 +112,31 @@ else:
             expected = db.branches(group=group).replace_schema_metadata(None)
         assert _collect(pushed.branches(group=group)).equals(expected)
         assert pushed.branches(trace_ids=[]).count() == 0
-        with pytest.raises(ValueError, match="complete_groups= and tags= are not supported"):
-            pushed.branches(complete_groups=2)
+
+    def test_views_of_complete_groups_and_tags_equal_the_file_stores(local_ray, tmp_path):
+        """Groups whose members arrived in three tagged ingests, pushed in several writes:
+        complete_groups / tags / after views equal db.branches' (after in each's seq)."""
+        lines = [line for line in (FIXTURES / "groups.traces.jsonl").read_text().splitlines() if line.strip()]
+        with tracedb.connect(tmp_path / "runs.duckdb") as db:
+            ingests = [(lines[:10], ["step=1"]), (lines[10:20], ["step=2"]), (lines[20:30], [])]  # group-3 has 6
+            for k, (part, tags) in enumerate(ingests):
+                (tmp_path / f"{k}.jsonl").write_text("".join(line + "\n" for line in part))
+                db.ingest(tmp_path / f"{k}.jsonl", tags=tags)
+            lake = lakes.init(tmp_path / "L")
+            lake.push(db, batch_traces=10)  # write w holds the file's seq 10(w-1)+1 .. 10w
+            cases = [
+                (dict(complete_groups=8), {}),
+                (dict(complete_groups=4, tags={"step": (None, 2)}), {}),
+                (dict(complete_groups=8, after=1, train_once=True), {"after": 10}),
+                (dict(tags={"step": 2}, trainable=True), {}),
+            ]
+            for options, file_marks in cases:
+                expected = db.branches(**{**options, **file_marks}).replace_schema_metadata(None)
+                got = _collect(lake.branches(traces_per_task=3, **options))
+                assert got.num_rows == expected.num_rows > 0, options
+                assert got.equals(expected), options
+        with pytest.raises(ValueError, match="tag 'step': a range's ends"):
+            lake.branches(tags={"step": (1, "z")})
 
     def _runs(tmp_path: Path) -> tuple[Path, Path]:
         """Two run directories that overlap in three files; the second holds a bad line."""
