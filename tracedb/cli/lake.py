@@ -260,16 +260,25 @@ def compact(
     grace: Annotated[
         float, typer.Option("--grace", min=0, help="Keep uncommitted rows in files younger than this (seconds).")
     ] = 3600.0,
+    expire_older_than: Annotated[
+        float | None,
+        typer.Option(
+            "--expire-older-than",
+            min=0,
+            help="Also expire snapshots replaced longer ago than this (seconds) and delete the files only they held.",
+        ),
+    ] = None,
     as_json: JsonOption = False,
 ) -> None:
     """Remove what readers never see (a killed writer's rows, duplicate segments) and
-    rewrite small files, table by table (traces excepted); readers' answers are unchanged."""
+    rewrite small files, table by table; readers' answers are unchanged (traces keep
+    their seq). --expire-older-than also drops old snapshots and their files."""
     opened = _open(lake)
     try:
-        report = opened.compact(grace=grace)  # type: ignore[attr-defined]
+        report = opened.compact(grace=grace, expire_older_than=expire_older_than)  # type: ignore[attr-defined]
     except (TraceDBError, ValueError) as e:
         raise fail(e) from None
-    rows = [{"table": name, **entry} for name, entry in report.tables.items()]
+    rows = [{"table": name, **entry, **report.expired.get(name, {})} for name, entry in report.tables.items()]
     emit(rows if not as_json else report.to_dict(), as_json, title="compacted")
 
 

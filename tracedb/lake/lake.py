@@ -6,13 +6,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import duckdb
 import pyarrow as pa
 
 from tracedb.database import Database, connect
 from tracedb.lake import catalog, move, read
 from tracedb.lake.write import AppendReport, append
-from tracedb.sqltext import load_sql
 
 if TYPE_CHECKING:
     import ray.data
@@ -43,12 +41,11 @@ class Lake(catalog.Opened):
     def push(self, db: str | Path | Database, *, batch_traces: int = move.PUSH_TRACES) -> AppendReport:
         """Push a file store's traces (with their episodes, nodes, segments, branches,
         tags and credit; its credit sets and rejects) into the lake, ``batch_traces`` per
-        write. Idempotent by trace id: traces the lake shows already are skipped."""
-        report = AppendReport()
+        write. Idempotent by trace id: traces the lake shows already are skipped, but the
+        credit sets the lake lacks are added for them too; a set the lake holds with other
+        values is refused, naming it (see :func:`tracedb.lake.move.push`)."""
         with _opened(db, read_only=True) as database:
-            for rows in move.file_chunks(database, batch_traces):
-                report.merge(self.append(rows))
-        return report
+            return move.push(self, database, batch_traces)
 
     # ----------------------------------------------------------------- reading
 
@@ -192,17 +189,19 @@ class Lake(catalog.Opened):
 
         return credit.run(self, algorithm, name, **params)
 
-    def compact(self, *, grace: float = 3600.0) -> CompactReport:
-        """Rewrite every table but ``traces`` holding only what readers see (removing rows
-        of writes that never committed their traces row, rows of writes that lost the race
-        for a trace id, duplicate segments, rejects and credit sets), one file set per
-        table: readers' answers are unchanged. Rows of an uncommitted write in a file added
-        less than ``grace`` seconds ago are kept (its writer may still be at work).
-        ``traces`` is not rewritten (its files' sequence numbers are the traces' ``seq``).
-        See :mod:`tracedb.lake.compact`."""
+    def compact(self, *, grace: float = 3600.0, expire_older_than: float | None = None) -> CompactReport:
+        """Rewrite every table holding only what readers see (removing rows of writes that
+        never committed their traces row, rows of writes that lost the race for a trace
+        id, duplicate segments, rejects and credit sets), one file per partition: readers'
+        answers are unchanged (``traces`` rows keep their ``seq``, stored in the row; the
+        rewrite is a traces commit, so the watermark moves past it). Rows of an uncommitted
+        write in a file added less than ``grace`` seconds ago are kept (its writer may
+        still be at work). With ``expire_older_than`` (seconds), snapshots replaced longer
+        ago than that are expired and the files no snapshot refers to that are older than
+        ``grace`` are deleted. See :mod:`tracedb.lake.compact`."""
         from tracedb.lake import compact
 
-        return compact.compact(self, grace=grace)
+        return compact.compact(self, grace=grace, expire_older_than=expire_older_than)
 
     def ingest(
         self,
@@ -226,18 +225,14 @@ class Lake(catalog.Opened):
         """Run SQL over the lake's visible rows with tracedb's macros (``branch_stats()``,
         ``node_credit()``, ...), as :meth:`tracedb.Database.sql` does over a file.
 
-        Every table is scanned (pyiceberg, as Arrow) and registered under its name in a
-        DuckDB connection of its own; the macros of ``schema/macros.sql`` are created
-        over them."""
-        con = duckdb.connect()
-        try:
-            for name, table in self.tables().items():
-                con.register(name, table)
-            con.execute(load_sql("macros.sql"))
-            result = con.sql(query, params=params)
-            return pa.table({}) if result is None else result.to_arrow_table()
-        finally:
-            con.close()
+        Only what the query needs is read: the filters and columns DuckDB's plan pushes
+        into each table's scans (and the trace or segment ids its joins carry) become
+        pyiceberg row filters and projections; the visible rows read are registered
+        under the tables' names, the macros created over them (see
+        :mod:`tracedb.lake.sqlscan`)."""
+        from tracedb.lake import sqlscan
+
+        return sqlscan.run(self, query, params)[0]
 
 
 class _opened:

@@ -67,11 +67,17 @@ def _in(column: pa.ChunkedArray | pa.Array, values: list) -> pa.Array:
 
 
 def lake_rows(name: str, rows: pa.Table, batch: str) -> pa.Table:
-    """``rows`` (stored schema of table ``name``) in the lake's schema, carrying write ``batch``."""
+    """``rows`` (stored schema of table ``name``) in the lake's schema, carrying write
+    ``batch``; a traces row's ``seq`` is left empty (the file store's numbering means
+    nothing in the lake: readers take the commit's sequence number)."""
     schema = lake_tables()[name]
     target = lake_schema(name, schema)
+    blank = {"seq"} if name == "traces" else set()  # a write's seq is its commit (readers take the file's)
     columns = {
-        f.name: rows.column(f.name) if f.name in rows.column_names else pa.nulls(rows.num_rows, f.type) for f in schema
+        f.name: rows.column(f.name)
+        if f.name in rows.column_names and f.name not in blank
+        else pa.nulls(rows.num_rows, f.type)
+        for f in schema
     }
     table = pa.table(columns).cast(pa.schema([f for f in target if f.name != BATCH]))
     if batched(name, schema):
@@ -82,7 +88,8 @@ def lake_rows(name: str, rows: pa.Table, batch: str) -> pa.Table:
 def append(lake: object, rows: Mapping[str, pa.Table]) -> AppendReport:
     """Append the traces of ``rows`` (tables by name in the stored schemas, as a file
     store holds them: the traces and everything of theirs) that the lake does not show
-    yet. ``seq`` is not stored: readers take it from the traces commit."""
+    yet. ``seq`` is not stored: readers take it from the traces commit (see
+    :func:`tracedb.lake.scan.scan_traces`)."""
     report = AppendReport()
     traces = rows.get("traces")
     if traces is None or traces.num_rows == 0:
@@ -98,7 +105,8 @@ def append(lake: object, rows: Mapping[str, pa.Table]) -> AppendReport:
     schemas = lake_tables()
     keep = traces.filter(_in(traces.column("trace_id"), new))
     episodes = [e for e in keep.column("episode_id").to_pylist() if e is not None]
-    order = [n for n in schemas if n not in ("traces", "rejects")]
+    # credit_sets after the values (a reader that sees a set sees its values), traces last.
+    order = [n for n in schemas if n not in ("traces", "rejects", "credit_sets")] + ["credit_sets"]
     for name in order:
         table = rows.get(name)
         if table is None or table.num_rows == 0:
