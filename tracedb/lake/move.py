@@ -1,15 +1,26 @@
 """Moving traces between a file store and a lake: rows of a file store handed to the
 lake's writer (``push``; also what a Ray ingest task hands over), and a lake's visible
-rows written into a file store (``pull``; also what a Ray view worker computes on)."""
+rows written into a file store (``pull``; also what a Ray view worker computes on).
+
+A push also brings the credit a file store holds for traces the lake shows already (a
+credit set written after its traces were pushed): see :func:`push`.
+"""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
+from pyiceberg.expressions import AlwaysTrue, In
 
 from tracedb.database import Database
-from tracedb.lake.catalog import lake_tables, per_trace
+from tracedb.errors import WriteError
+from tracedb.lake.catalog import BATCH, lake_tables, per_trace
+from tracedb.lake.scan import scan_traces
+from tracedb.lake.write import AppendReport, append, lake_rows
 from tracedb.sqltext import quote_identifier
 
 PUSH_TRACES = 5_000
@@ -57,6 +68,132 @@ def file_chunks(db: Database, size: int = PUSH_TRACES) -> Iterator[dict[str, pa.
         return
     for start in range(0, len(ids), size):
         yield file_rows(db, ids[start : start + size], rejects=start == 0)
+
+
+CREDIT_TABLES = {"credit": ("credit_set", "trace_id", "node_index"), "trace_credit": ("credit_set", "trace_id")}
+"""The tables holding a credit set's values, by the key of one value."""
+
+_SET_FIELDS = ("algorithm", "params", "layout")
+"""What two credit sets of one name must agree on (besides their values) to be one."""
+
+
+def push(lake: Any, db: Database, size: int = PUSH_TRACES) -> AppendReport:
+    """Push ``db``'s traces into ``lake`` (``size`` per write, see :func:`file_chunks`) and
+    the credit sets the lake lacks, also for traces it shows already.
+
+    Before anything is written, every credit set of ``db`` that the lake holds already is
+    compared with the lake's over the traces both hold: another algorithm, parameters or
+    layout, or other values (a value more, less or different) refuse the push with a
+    :class:`~tracedb.errors.WriteError` naming the set (a lake's set is not changed by a
+    push). Then the values of the sets the lake lacks are appended for the traces it
+    shows (each row carrying the :data:`BATCH` of its trace's visible row, as
+    :func:`tracedb.lake.credit.run` does; values already there from an interrupted push
+    are not written twice), then the traces the lake lacks, each write with its values,
+    and last the ``credit_sets`` rows, so a reader that sees a set sees all its values.
+    Pushing twice adds nothing."""
+    report = AppendReport()
+    handle = db.handle
+    present = handle.table_names()
+    sets = handle.sql("SELECT * FROM credit_sets") if "credit_sets" in present else None
+    if sets is not None and sets.num_rows:
+        held = _held(lake, db)
+        lake_sets = _lake_sets(lake)
+        new = [n for n in sets.column("name").to_pylist() if n not in lake_sets]
+        _refuse_other_sets(sets, lake_sets)
+        additions = {}
+        with handle.registered("_tdb_held", held):
+            for name in CREDIT_TABLES:
+                if name in present:
+                    additions[name] = _credit_rows(lake, db, name, sets.column("name").to_pylist(), new)
+        for name, rows in additions.items():
+            if rows.num_rows:
+                stamped = lake_rows(name, rows, "")
+                stamped = stamped.set_column(stamped.schema.get_field_index(BATCH), BATCH, rows.column(BATCH))
+                lake.table(name).append(stamped)
+                report.rows[name] = rows.num_rows
+    for rows in file_chunks(db, size):
+        report.merge(append(lake, {k: v for k, v in rows.items() if k != "credit_sets"}))
+    if sets is not None and sets.num_rows:
+        lacking = set(sets.column("name").to_pylist()) - set(_lake_sets(lake))
+        if lacking:
+            rows = sets.filter(pc.is_in(sets.column("name"), value_set=pa.array(sorted(lacking), pa.string())))
+            lake.table("credit_sets").append(lake_rows("credit_sets", rows, ""))
+            report.rows["credit_sets"] = rows.num_rows
+    return report
+
+
+def _held(lake: Any, db: Database) -> pa.Table:
+    """``(trace_id, lake_batch)`` of the traces of ``db`` the lake shows (their visible row's batch)."""
+    raw = scan_traces(lake.table("traces"), AlwaysTrue(), ["trace_id", BATCH])
+    with db.handle.registered("_tdb_lake_traces", raw):
+        return db.handle.sql(
+            f"SELECT l.trace_id, l.{BATCH} FROM _tdb_lake_traces l SEMI JOIN traces t USING (trace_id) "
+            f"QUALIFY row_number() OVER (PARTITION BY l.trace_id ORDER BY l.seq, l.{BATCH}) = 1"
+        )
+
+
+def _lake_sets(lake: Any) -> dict[str, dict[str, Any]]:
+    """The lake's credit sets by name (the first row of each, as readers show it)."""
+    rows = lake.table("credit_sets").scan().to_arrow().sort_by([("created_at", "ascending")]).to_pylist()
+    out: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        out.setdefault(row["name"], row)
+    return out
+
+
+def _params(text: Any) -> Any:
+    return json.loads(text) if isinstance(text, str) else text
+
+
+def _refuse_other_sets(sets: pa.Table, lake_sets: dict[str, dict[str, Any]]) -> None:
+    for row in sets.to_pylist():
+        theirs = lake_sets.get(row["name"])
+        if theirs is None:
+            continue
+        for key in _SET_FIELDS:
+            mine, other = (_params(row[key]), _params(theirs[key])) if key == "params" else (row[key], theirs[key])
+            if mine != other:
+                raise WriteError(
+                    f"credit set {row['name']!r}: the lake holds a set of that name with {key} {other!r}, "
+                    f"this file's has {mine!r}; a push does not change a lake's set (rename or drop it here)"
+                )
+
+
+def _credit_rows(lake: Any, db: Database, name: str, names: list[str], new: list[str]) -> pa.Table:
+    """The rows of table ``name`` (credit or trace_credit) to append for the traces the
+    lake shows (``_tdb_held``): the values of the sets the lake lacks (``new``) it does not
+    hold yet, with :data:`BATCH`. A set the lake holds must have the same values over
+    those traces (else :class:`WriteError`)."""
+    handle = db.handle
+    key = CREDIT_TABLES[name]
+    columns = ", ".join(quote_identifier(c) for c in lake_tables()[name].names)
+    raw = lake.table(name).scan(row_filter=In("credit_set", names)).to_arrow()
+    with (
+        handle.registered("_tdb_lake_credit", raw),
+        handle.registered("_tdb_new_sets", pa.table({"name": pa.array(new, pa.string())})),
+    ):
+        theirs = (
+            f"SELECT {columns} FROM _tdb_lake_credit c SEMI JOIN _tdb_held h "
+            f"ON c.trace_id = h.trace_id AND c.{BATCH} = h.{BATCH}"
+        )
+        mine = f"SELECT {columns} FROM {quote_identifier(name)} SEMI JOIN _tdb_held USING (trace_id)"
+        other = handle.sql(
+            f"SELECT credit_set, trace_id FROM (({mine}) EXCEPT ALL ({theirs}) UNION ALL "
+            f"({theirs}) EXCEPT ALL ({mine})) WHERE credit_set NOT IN (SELECT name FROM _tdb_new_sets) "
+            "ORDER BY ALL LIMIT 1"
+        )
+        if other.num_rows:
+            found = other.to_pylist()[0]
+            raise WriteError(
+                f"credit set {found['credit_set']!r}: the lake holds it with other values than this file "
+                f"(e.g. for trace {found['trace_id']!r}); a push does not change a lake's set (rename or drop it here)"
+            )
+        match = " AND ".join(f"x.{c} = m.{c}" for c in key)
+        return handle.sql(
+            f"SELECT m.*, h.{BATCH} FROM ({mine}) m JOIN _tdb_held h USING (trace_id) "
+            "WHERE m.credit_set IN (SELECT name FROM _tdb_new_sets) "
+            f"AND NOT EXISTS (SELECT 1 FROM ({theirs}) x WHERE {match}) ORDER BY ALL"
+        )
 
 
 _SAME = {
