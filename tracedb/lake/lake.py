@@ -6,13 +6,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import duckdb
 import pyarrow as pa
 
 from tracedb.database import Database, connect
 from tracedb.lake import catalog, move, read
 from tracedb.lake.write import AppendReport, append
-from tracedb.sqltext import load_sql
 
 if TYPE_CHECKING:
     import ray.data
@@ -227,18 +225,14 @@ class Lake(catalog.Opened):
         """Run SQL over the lake's visible rows with tracedb's macros (``branch_stats()``,
         ``node_credit()``, ...), as :meth:`tracedb.Database.sql` does over a file.
 
-        Every table is scanned (pyiceberg, as Arrow) and registered under its name in a
-        DuckDB connection of its own; the macros of ``schema/macros.sql`` are created
-        over them."""
-        con = duckdb.connect()
-        try:
-            for name, table in self.tables().items():
-                con.register(name, table)
-            con.execute(load_sql("macros.sql"))
-            result = con.sql(query, params=params)
-            return pa.table({}) if result is None else result.to_arrow_table()
-        finally:
-            con.close()
+        Only what the query needs is read: the filters and columns DuckDB's plan pushes
+        into each table's scans (and the trace or segment ids its joins carry) become
+        pyiceberg row filters and projections; the visible rows read are registered
+        under the tables' names, the macros created over them (see
+        :mod:`tracedb.lake.sqlscan`)."""
+        from tracedb.lake import sqlscan
+
+        return sqlscan.run(self, query, params)[0]
 
 
 class _opened:

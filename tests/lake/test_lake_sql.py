@@ -1,0 +1,181 @@
+"""``lake.sql`` reads only what a query needs: its answers are those over every visible
+row (and the file store's), and a query about one trace reads a file per table."""
+
+from __future__ import annotations
+
+import duckdb
+import pyarrow as pa
+import pytest
+
+import tracedb
+import tracedb.credit
+
+from support import FIXTURES
+
+pytest.importorskip("pyiceberg_core", reason="the lake extra is not installed (pip install '.[lake]')")
+
+from pyiceberg.io.pyarrow import PyArrowFileIO  # noqa: E402
+
+import tracedb.lake as lakes  # noqa: E402
+from tracedb.lake import read, sqlscan  # noqa: E402
+from tracedb.sqltext import load_sql  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """The golden fixtures with a per-trace credit set (grpo)."""
+    path = tmp_path_factory.mktemp("store") / "runs.duckdb"
+    with tracedb.connect(path) as db:
+        db.ingest(FIXTURES)
+        tracedb.credit.run(db, "grpo")
+    return path
+
+
+@pytest.fixture(scope="module")
+def lake(store, tmp_path_factory):
+    """The store pushed in writes of 8 traces (several files per bucket)."""
+    lake = lakes.init(tmp_path_factory.mktemp("lake") / "L")
+    lake.push(store, batch_traces=8)
+    return lake
+
+
+@pytest.fixture(scope="module")
+def picks(store):
+    with tracedb.connect(store, read_only=True) as db:
+        ids = db.sql("SELECT trace_id FROM traces ORDER BY trace_id").column("trace_id").to_pylist()
+        group = db.sql("SELECT min(group_id) AS g FROM traces").column("g")[0].as_py()
+    return {"one": ids[len(ids) // 2], "two": ids[3:5], "group": group}
+
+
+def _full(lake, query, params=None):
+    """The query over every visible row (what lake.sql did before pushdown)."""
+    con = duckdb.connect()
+    for name, table in read.visible(lake).items():
+        con.register(name, table)
+    con.execute(load_sql("macros.sql"))
+    return con.sql(query, params=params).to_arrow_table()
+
+
+QUERIES = [
+    ("SELECT * FROM nodes WHERE trace_id = $one ORDER BY ALL", None),
+    ("SELECT trace_id, reward FROM traces WHERE trace_id IN $two ORDER BY ALL", None),
+    ("SELECT trace_id, n_tokens FROM traces WHERE group_id = $group ORDER BY ALL", None),
+    (
+        "SELECT t.trace_id, n.node_index, n.role FROM traces t JOIN nodes n USING (trace_id) "
+        "WHERE t.group_id = $group ORDER BY ALL",
+        None,
+    ),
+    (
+        "SELECT b.trace_id, count(*) AS n FROM branches b LEFT JOIN nodes n ON n.trace_id = b.trace_id "
+        "WHERE b.trace_id IN $two GROUP BY ALL ORDER BY ALL",
+        None,
+    ),
+    ("SELECT * FROM branch_stats() WHERE trace_id = $one ORDER BY ALL", None),
+    ("SELECT * FROM branch_stats() ORDER BY ALL", None),
+    ("SELECT * FROM node_tokens() WHERE trace_id = $one ORDER BY ALL", None),
+    (
+        "SELECT trace_id, branch_index, token_ids, advantages FROM branch_tokens(credit := 'grpo') "
+        "WHERE trace_id = $one ORDER BY ALL",
+        None,
+    ),
+    ("SELECT * FROM node_credit(credit := 'grpo') WHERE trace_id IN $two ORDER BY ALL", None),
+    ("SELECT * FROM credit_dose(credit := 'grpo') WHERE trace_id = $one ORDER BY ALL", None),
+    ("SELECT * FROM trace_summary() WHERE trace_id = $one ORDER BY ALL", None),
+    ("SELECT count(*) AS n, sum(length(token_ids)) AS tokens FROM segments", None),
+    ("SELECT credit_set, trace_id, value FROM trace_credit WHERE trace_id = ? ORDER BY ALL", "one"),
+    ("SELECT trace_id FROM traces WHERE trace_id = ? OR reward > ? ORDER BY ALL", "one+"),
+]
+
+
+def _bind(query, params, picks):
+    literal = {"$one": f"'{picks['one']}'", "$group": f"'{picks['group']}'"}
+    literal["$two"] = "(" + ", ".join(f"'{t}'" for t in picks["two"]) + ")"
+    for key, text in literal.items():
+        query = query.replace(key, text)  # test data only (fixture ids): the queries stay readable
+    bound = {None: None, "one": [picks["one"]], "one+": [picks["one"], 0.5]}[params]
+    return query, bound
+
+
+@pytest.mark.parametrize("query, params", QUERIES)
+def test_answers_equal_full_reads_and_the_file_store(lake, store, picks, query, params):
+    query, bound = _bind(query, params, picks)
+    got, report = sqlscan.run(lake, query, bound)
+    assert report.pushed
+    with tracedb.connect(store, read_only=True) as db:
+        expected = db.sql(query, params=bound)
+    assert got.num_rows == expected.num_rows > 0
+    assert got.equals(expected)
+    assert got.equals(_full(lake, query, bound))
+    assert lake.sql(query, bound).equals(got)
+
+
+def test_seq_filters_are_the_lakes(lake, picks):
+    query = "SELECT trace_id, seq FROM traces WHERE seq > 3 AND trace_id <> ? ORDER BY ALL"
+    got, report = sqlscan.run(lake, query, [picks["one"]])
+    assert got.num_rows > 0 and got.equals(_full(lake, query, [picks["one"]]))
+    assert report.filters["traces"] == "AlwaysTrue()"  # seq is the commit's, never pushed to Iceberg
+
+
+def _opened(monkeypatch):
+    """Every data file pyiceberg opens, by table (counted beside the code under test)."""
+    opened: list[str] = []
+    real = PyArrowFileIO.new_input
+
+    def counting(self, location):
+        if location.endswith(".parquet") and "/data/" in location:
+            opened.append(location.split("/warehouse/")[1].split("/")[1])
+        return real(self, location)
+
+    monkeypatch.setattr(PyArrowFileIO, "new_input", counting)
+    return opened
+
+
+def _data_files(lake, name):
+    return sum(1 for _ in lake.table(name).scan().plan_files())
+
+
+@pytest.mark.parametrize(
+    "query, tables",
+    [
+        ("SELECT * FROM nodes WHERE trace_id = $one", {"traces", "nodes"}),
+        ("SELECT * FROM node_tokens() WHERE trace_id = $one", {"traces", "nodes", "segments"}),
+        ("SELECT * FROM branch_tokens() WHERE trace_id = $one", {"traces", "nodes", "segments", "branches"}),
+        ("SELECT * FROM credit_dose(credit := 'grpo') WHERE trace_id = $one", {"traces", "nodes", "trace_credit"}),
+    ],
+)
+def test_a_one_trace_query_reads_a_file_per_table(lake, picks, monkeypatch, query, tables):
+    query, _ = _bind(query, None, picks)
+    opened = _opened(monkeypatch)
+    _, report = sqlscan.run(lake, query)
+    assert set(opened) == tables
+    for name in tables - {"segments"}:  # a trace's segments are bucketed by their own ids
+        assert opened.count(name) == 1 < _data_files(lake, name), name
+    assert opened.count("segments") < _data_files(lake, "segments") / 2
+    visible = read.visible(lake)
+    assert report.rows["nodes"] < visible["nodes"].num_rows / 10
+
+
+def test_projections_and_joins_narrow_the_reads(lake, picks, monkeypatch):
+    opened = _opened(monkeypatch)
+    query, _ = _bind("SELECT * FROM branch_stats()", None, picks)
+    sqlscan.run(lake, query)
+    assert "segments" not in opened  # branch_stats reads branches and nodes only
+    opened.clear()
+    query, _ = _bind("SELECT n.* FROM traces t JOIN nodes n USING (trace_id) WHERE t.group_id = $group", None, picks)
+    _, report = sqlscan.run(lake, query)
+    group_size = report.rows["traces"]
+    assert opened.count("nodes") <= group_size < _data_files(lake, "nodes")  # the group's trace ids reach nodes
+    scans = sqlscan.plan("SELECT * FROM node_credit() WHERE trace_id IN ('a', 'b')")
+    assert [s.table for s in scans] == ["nodes", "nodes"]  # DuckDB pins one scan, the join pins the other
+    assert sqlscan.read_for(lake, scans)[1].rows["nodes"] == 0
+
+
+def test_what_cannot_be_planned_reads_everything_and_errors_are_duckdbs(lake):
+    described, report = sqlscan.run(lake, "DESCRIBE traces")
+    assert not report.pushed and "trace_id" in described.column("column_name").to_pylist()
+    counted = lake.sql("SELECT count(*) AS n FROM query_table('nodes')").column("n")[0].as_py()
+    assert counted == read.visible(lake)["nodes"].num_rows  # a table function's scan is a scan too
+    with pytest.raises(duckdb.CatalogException, match="no_such_table"):
+        lake.sql("SELECT * FROM no_such_table")
+    empty = lake.sql("SELECT * FROM traces WHERE trace_id = 'no-such-trace'")
+    assert empty.num_rows == 0 and empty.schema.names == pa.schema(lake.tables()["traces"].schema).names
