@@ -1,0 +1,126 @@
+"""Pushing credit written after its traces were pushed: the lake gets the sets it lacks,
+a set it holds with other values is refused, pushing twice adds nothing."""
+
+from __future__ import annotations
+
+import shutil
+
+import pyarrow as pa
+import pytest
+
+import tracedb
+import tracedb.credit
+from tracedb.errors import WriteError
+
+from support import FIXTURES
+
+pytest.importorskip("pyiceberg_core", reason="the lake extra is not installed (pip install '.[lake]')")
+
+import tracedb.lake as lakes  # noqa: E402
+
+CREDIT = ("credit", "trace_credit")
+
+
+@pytest.fixture(scope="module")
+def ingested(tmp_path_factory):
+    path = tmp_path_factory.mktemp("store") / "runs.duckdb"
+    with tracedb.connect(path) as db:
+        db.ingest(FIXTURES)
+    return path
+
+
+@pytest.fixture
+def store(ingested, tmp_path):
+    path = tmp_path / "runs.duckdb"
+    shutil.copy(ingested, path)
+    return path
+
+
+def _ids(db):
+    return db.sql("SELECT trace_id FROM traces ORDER BY trace_id").column("trace_id").to_pylist()
+
+
+def _per_trace(db, name, scale=1.0):
+    """A node-layout set ``name``: one value per trace broadcast over its sampled nodes."""
+    ids = _ids(db)
+    db.create_credit_set(name, description="written after the push")
+    db.write_traces(pa.table({"trace_id": ids, "value": [scale * i / len(ids) for i in range(len(ids))]}), credit=name)
+
+
+def _lake_credit(lake):
+    tables = lake.tables()
+    return {t: sorted(map(str, tables[t].to_pylist())) for t in (*CREDIT, "credit_sets")}
+
+
+def _credit(db, table):
+    return db.sql(f"SELECT * FROM {table} ORDER BY ALL")
+
+
+def test_credit_written_after_the_push_reaches_the_lake(store, tmp_path):
+    lake = lakes.init(tmp_path / "L")
+    with tracedb.connect(store) as db:
+        lake.push(db, batch_traces=20)  # the traces first, no credit set yet
+        tracedb.credit.run(db, "grpo", "g2")  # a per-trace set
+        _per_trace(db, "n2")  # a per-node set
+        n_trace = db.sql("SELECT count(*) AS n FROM trace_credit").column("n")[0].as_py()
+        n_node = db.sql("SELECT count(*) AS n FROM credit").column("n")[0].as_py()
+        assert n_trace > 0 and n_node > 0
+    assert lake.tables()["credit_sets"].num_rows == 0
+
+    report = lake.push(store, batch_traces=20)
+    assert report.traces == 0 and report.skipped > 0
+    assert report.rows == {"credit": n_node, "trace_credit": n_trace, "credit_sets": 2}
+    again = lake.push(store)
+    assert again.traces == 0 and again.rows == {}  # pushing twice adds nothing
+    assert lake.tables()["credit"].num_rows == n_node
+
+    pulled = tmp_path / "pulled.duckdb"
+    lake.pull(pulled)
+    with tracedb.connect(store, read_only=True) as a, tracedb.connect(pulled, read_only=True) as b:
+        for trace_id in _ids(a):
+            assert b.trace(trace_id) == a.trace(trace_id), trace_id
+        for table in CREDIT:
+            assert _credit(b, table).equals(_credit(a, table)), table
+        assert b.credit_sets().equals(a.credit_sets())
+        for name in ("g2", "n2"):
+            assert b.branches(credit=name).equals(a.branches(credit=name)), name
+
+
+def test_a_push_with_new_traces_and_a_set_for_old_and_new_ones(store, tmp_path):
+    with tracedb.connect(store) as db:
+        ids = _ids(db)
+        half = tmp_path / "half.duckdb"
+        shutil.copy(store, half)
+    with tracedb.connect(half) as db:
+        db.sql(f"DELETE FROM traces WHERE trace_id IN {tuple(ids[len(ids) // 2 :])}")
+    lake = lakes.init(tmp_path / "L")
+    lake.push(half)
+    with tracedb.connect(store) as db:
+        _per_trace(db, "n2")
+    report = lake.push(store, batch_traces=7)
+    assert report.traces == len(ids) - len(ids) // 2 and report.rows["credit_sets"] == 1
+    pulled = tmp_path / "pulled.duckdb"
+    lake.pull(pulled)
+    with tracedb.connect(store, read_only=True) as a, tracedb.connect(pulled, read_only=True) as b:
+        assert _credit(b, "credit").equals(_credit(a, "credit"))
+        assert b.credit_sets().equals(a.credit_sets())
+
+
+def test_a_set_the_lake_holds_with_other_values_is_refused(store, tmp_path):
+    lake = lakes.init(tmp_path / "L")
+    with tracedb.connect(store) as db:
+        tracedb.credit.run(db, "grpo", "g2")
+        _per_trace(db, "n2")
+    lake.push(store)
+    with tracedb.connect(store) as db:
+        tracedb.credit.run(db, "grpo", "g2", replace=True, scale_std=True)
+    with pytest.raises(WriteError, match="credit set 'g2'.*params"):
+        lake.push(store)
+    with tracedb.connect(store) as db:
+        tracedb.credit.run(db, "grpo", "g2", replace=True)
+        db.drop_credit_set("n2")
+        _per_trace(db, "n2", scale=2.0)  # the same set, other values
+    before = _lake_credit(lake)
+    with pytest.raises(WriteError, match="credit set 'n2': the lake holds it with other values .*trace"):
+        lake.push(store)
+    assert _lake_credit(lake) == before  # refused before anything was written
