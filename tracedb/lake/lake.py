@@ -100,7 +100,7 @@ class Lake(catalog.Opened):
     ) -> ray.data.Dataset:
         """The branch views of the selected visible traces as a ``ray.data.Dataset`` in
         the :meth:`tracedb.Database.branches` schema, computed in Ray workers
-        (``traces_per_task`` traces each, groups kept together) by the file store's own
+        (``traces_per_task`` traces each, taken by trace-id bucket) by the file store's own
         view code; the arguments are :meth:`tracedb.Database.branches`', selecting what the
         file store's selection does (``after`` / ``through`` / ``complete_groups`` compare
         with the lake's ``seq``; ``tags`` filter on the lake's ``trace_tags``; see

@@ -2,7 +2,11 @@
 
 A view task pulls its chunk of traces into an in-memory tracedb
 (:func:`tracedb.lake.move.write_into` of :func:`tracedb.lake.read.visible`) and calls
-:meth:`tracedb.Database.branches` there (the same kernels).
+:meth:`tracedb.Database.branches` there (the same kernels). Tasks take the traces in
+the order of their ``trace_id`` hash bucket (:func:`tracedb.lake.scan.bucket_order`), so
+a task reads the per-trace files of its own buckets only; the segments its nodes use
+are content-addressed, bucketed by segment id, and read from every bucket that holds
+one (see ``docs/scale.md``).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import pyarrow as pa
 
 from tracedb.database import connect
 from tracedb.lake import catalog, move, read
+from tracedb.lake.scan import bucket_order
 from tracedb.lake.select import select_ids
 from tracedb.lake.workers import chunks, running_ray
 
@@ -22,7 +27,7 @@ if TYPE_CHECKING:
 
 
 VIEW_TRACES = 256
-"""Traces per view task (whole groups are kept in one task where the selection allows)."""
+"""Traces per view task."""
 
 
 class _Views:
@@ -76,7 +81,7 @@ def branches(
     options = dict(
         trainable=trainable, branch_index=branch_index, columns=columns, train_once=train_once, credit=credit
     )
-    parts = chunks(ids, traces_per_task)
+    parts = chunks(bucket_order(lake.table("traces"), "trace_id", ids), traces_per_task)
     items = pa.table({"trace_ids": pa.array(parts, pa.list_(pa.string()))})
     if not parts:
         with connect(":memory:") as db:
