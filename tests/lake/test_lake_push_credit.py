@@ -124,3 +124,28 @@ def test_a_set_the_lake_holds_with_other_values_is_refused(store, tmp_path):
     with pytest.raises(WriteError, match="credit set 'n2': the lake holds it with other values .*trace"):
         lake.push(store)
     assert _lake_credit(lake) == before  # refused before anything was written
+
+
+def test_credit_values_show_only_with_their_sets_row(store, tmp_path):
+    """A set whose credit_sets row is not committed (a writer died between the values and
+    the set) shows no values, neither in lake.tables() nor in lake.sql."""
+    from pyiceberg.expressions import EqualTo
+
+    with tracedb.connect(store) as db:
+        _per_trace(db, "half")
+        _per_trace(db, "whole", scale=2.0)
+    lake = lakes.init(tmp_path / "L")
+    lake.push(store)
+    counts = "SELECT credit_set, count(*) AS n FROM {} GROUP BY ALL ORDER BY ALL"
+    before = {t: lake.sql(counts.format(t)).to_pylist() for t in CREDIT}
+    assert {r["credit_set"] for t in CREDIT for r in before[t]} >= {"half", "whole"}
+    lake.table("credit_sets").delete(EqualTo("name", "half"))  # the set's row never committed
+    tables = lake.tables()
+    for t in CREDIT:
+        assert "half" not in tables[t].column("credit_set").to_pylist(), t
+        assert lake.sql(counts.format(t)).to_pylist() == [r for r in before[t] if r["credit_set"] != "half"], t
+        raw = lake.table(t).scan().to_arrow().column("credit_set").to_pylist()
+        assert ("half" in raw) == any(r["credit_set"] == "half" for r in before[t])  # stored, not shown
+    assigned = "SELECT count(*) FILTER (WHERE assigned) AS n FROM node_credit(credit := ?)"
+    assert lake.sql(assigned, ["whole"]).column("n")[0].as_py() > 0
+    assert lake.sql(assigned, ["half"]).column("n")[0].as_py() == 0

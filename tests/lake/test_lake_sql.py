@@ -140,7 +140,10 @@ def _data_files(lake, name):
         ("SELECT * FROM nodes WHERE trace_id = $one", {"traces", "nodes"}),
         ("SELECT * FROM node_tokens() WHERE trace_id = $one", {"traces", "nodes", "segments"}),
         ("SELECT * FROM branch_tokens() WHERE trace_id = $one", {"traces", "nodes", "segments", "branches"}),
-        ("SELECT * FROM credit_dose(credit := 'grpo') WHERE trace_id = $one", {"traces", "nodes", "trace_credit"}),
+        (  # credit values show with their set's row: credit_sets is read too (small, whole)
+            "SELECT * FROM credit_dose(credit := 'grpo') WHERE trace_id = $one",
+            {"traces", "nodes", "trace_credit", "credit_sets"},
+        ),
     ],
 )
 def test_a_one_trace_query_reads_a_file_per_table(lake, picks, monkeypatch, query, tables):
@@ -148,7 +151,7 @@ def test_a_one_trace_query_reads_a_file_per_table(lake, picks, monkeypatch, quer
     opened = _opened(monkeypatch)
     _, report = sqlscan.run(lake, query)
     assert set(opened) == tables
-    for name in tables - {"segments"}:  # a trace's segments are bucketed by their own ids
+    for name in tables - {"segments", "credit_sets"}:  # a trace's segments are bucketed by their own ids
         assert opened.count(name) == 1 < _data_files(lake, name), name
     assert opened.count("segments") < _data_files(lake, "segments") / 2
     visible = read.visible(lake)

@@ -8,7 +8,9 @@ trace's ``seq`` is the sequence number of the snapshot that committed its traces
 (the data sequence number of the file holding it), so ``after=`` / the watermark mean
 here what they mean in the file store. Segments are shown once each (concurrent writers
 may store one twice) and only those a visible node uses; rejects once each; credit
-sets once per name (the first written).
+sets once per name (the first written); credit values only of a set whose ``credit_sets``
+row is visible (it is committed after them). The rule is :func:`visible_rows`, which
+:mod:`tracedb.lake.sqlscan` applies too.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from tracedb.lake.catalog import BATCH, batched, lake_tables, per_trace
 from tracedb.lake.scan import scan_keys, scan_traces
 from tracedb.sqltext import quote_identifier
 
+VISIBLE_SETS = "vis_sets"
+"""The name :func:`visible_rows` reads the visible credit set names under."""
 REJECT_KEY = ("source", "line", "trace_id", "node", "field", "reason", "record_sha256")
 """What makes two rejects one (a file pushed or ingested twice is rejected twice)."""
 
@@ -77,29 +81,16 @@ def visible(
             continue
         if per_trace(name, schema):
             raw = scan_keys(lake.table(name), "trace_id", ids) if selected else _scan(lake.table(name))
-            query = f"SELECT r.* FROM raw r SEMI JOIN vis v ON r.trace_id = v.trace_id AND r.{BATCH} = v.{BATCH}"
         elif name == "episodes":
             episodes = [e for e in traces.column("episode_id").to_pylist() if e is not None]
             raw = scan_keys(lake.table(name), "episode_id", episodes) if selected else _scan(lake.table(name))
-            query = (
-                f"SELECT r.* FROM raw r SEMI JOIN vis v ON r.episode_id = v.episode_id AND r.{BATCH} = v.{BATCH} "
-                f"QUALIFY row_number() OVER (PARTITION BY r.episode_id ORDER BY r.ingested_at, r.{BATCH}) = 1"
-            )
-        elif name == "rejects":
-            raw = _scan(lake.table(name))
-            if selected:
-                raw = raw.filter(pc.is_in(raw.column("trace_id"), value_set=pa.array(ids, pa.string())))
-            key = ", ".join(quote_identifier(c) for c in REJECT_KEY)
-            query = f"SELECT * FROM raw QUALIFY row_number() OVER (PARTITION BY {key} ORDER BY rejected_at) = 1"
-        elif name == "credit_sets":
-            raw = _scan(lake.table(name))
-            query = "SELECT * FROM raw QUALIFY row_number() OVER (PARTITION BY name ORDER BY created_at) = 1"
         else:
             raw = _scan(lake.table(name))
-            query = "SELECT * FROM raw"
-        con.register("raw", raw)
-        out[name] = _stored(name, _arrow(con.sql(query)))
-        con.unregister("raw")
+            if name == "rejects" and selected:
+                raw = raw.filter(pc.is_in(raw.column("trace_id"), value_set=pa.array(ids, pa.string())))
+        out[name] = _stored(name, visible_rows(con, name, raw))
+        if name == "credit_sets":
+            con.register(VISIBLE_SETS, out[name].select(["name"]))
     used = pc.unique(out["nodes"].column("segment_id")).to_pylist()
     raw = scan_keys(lake.table("segments"), "segment_id", used) if selected else _scan(lake.table("segments"))
     con.register("raw", raw)
@@ -117,8 +108,40 @@ def visible(
     return {name: out[name] for name in schemas}
 
 
+def visible_rows(con: duckdb.DuckDBPyConnection, name: str, raw: pa.Table) -> pa.Table:
+    """The visibility rule on rows ``raw`` read of table ``name`` (not ``traces`` or
+    ``segments``): rows of a trace are those written with its visible traces row (``vis``,
+    registered in ``con``, with :data:`BATCH`); an episode once, from a write of one of its
+    visible traces; rejects and credit sets once each (the first); credit values only of
+    sets whose ``credit_sets`` row is visible (:data:`VISIBLE_SETS`, registered in
+    ``con``): a set being written, or whose writer died, shows nothing."""
+    schema = lake_tables()[name]
+    con.register("raw", raw)
+    try:
+        if per_trace(name, schema):
+            query = f"SELECT r.* FROM raw r SEMI JOIN vis v ON r.trace_id = v.trace_id AND r.{BATCH} = v.{BATCH}"
+            if "credit_set" in schema.names:
+                query += f" SEMI JOIN {VISIBLE_SETS} s ON r.credit_set = s.name"
+        elif name == "episodes":
+            order = "r.ingested_at, " if "ingested_at" in raw.column_names else ""
+            query = (
+                f"SELECT r.* FROM raw r SEMI JOIN vis v ON r.episode_id = v.episode_id AND r.{BATCH} = v.{BATCH} "
+                f"QUALIFY row_number() OVER (PARTITION BY r.episode_id ORDER BY {order}r.{BATCH}) = 1"
+            )
+        elif name == "rejects":
+            key = ", ".join(quote_identifier(c) for c in REJECT_KEY)
+            query = f"SELECT * FROM raw QUALIFY row_number() OVER (PARTITION BY {key} ORDER BY rejected_at) = 1"
+        elif name == "credit_sets":
+            query = "SELECT * FROM raw QUALIFY row_number() OVER (PARTITION BY name ORDER BY created_at) = 1"
+        else:
+            query = "SELECT * FROM raw"
+        return con.sql(query).to_arrow_table()
+    finally:
+        con.unregister("raw")
+
+
 def _arrow(relation: Any) -> pa.Table:
     return relation.to_arrow_table()
 
 
-__all__ = ["BATCH", "batched", "visible"]
+__all__ = ["BATCH", "VISIBLE_SETS", "batched", "visible", "visible_rows"]

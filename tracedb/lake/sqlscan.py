@@ -357,7 +357,7 @@ def _all(terms: Iterable[BooleanExpression]) -> BooleanExpression:
 
 def _order(name: str) -> int:
     """Which tables are read before which (a reduction by data needs the other read first)."""
-    return {"traces": 0, "episodes": 1, "segments": 3, "rejects": 4, "credit_sets": 4}.get(name, 2)
+    return {"traces": 0, "episodes": 1, "credit_sets": 1, "segments": 3, "rejects": 4}.get(name, 2)
 
 
 class _Reader:
@@ -451,6 +451,8 @@ def read_for(lake: Any, scans: list[Scan]) -> tuple[dict[str, pa.Table], ScanRep
         con.register("vis", vis)
         reader.read["traces"] = vis
         out["traces"] = vis
+        if used & {"credit", "trace_credit"}:
+            used = used | {"credit_sets"}  # credit values show only with their set's row
         for name in sorted(used - {"traces"}, key=_order):
             if name == "segments":
                 continue
@@ -458,39 +460,19 @@ def read_for(lake: Any, scans: list[Scan]) -> tuple[dict[str, pa.Table], ScanRep
             if name in ("rejects", "credit_sets"):
                 row_filter = AlwaysTrue()  # deduplicated over all their columns: read whole (small)
             keys = {"trace_id", BATCH} if per_trace(name, schemas[name]) else {"episode_id", BATCH}
-            need = columns[name] | (keys if name not in ("rejects", "credit_sets") else set(schemas[name].names))
+            need = columns.get(name, set()) | (
+                keys if name not in ("rejects", "credit_sets") else set(schemas[name].names)
+            )
             raw = reader.scan(name, row_filter, need)
-            out[name] = _visible(con, name, raw, schemas)
+            out[name] = read.visible_rows(con, name, raw)
+            if name == "credit_sets":
+                con.register(read.VISIBLE_SETS, out[name].select(["name"]))
             reader.read[name] = out[name]
         if "segments" in used:
             out["segments"] = _segments(con, reader, columns["segments"])
     finally:
         con.close()
     return {name: _stored(name, out.get(name), schemas[name]) for name in schemas}, reader.report
-
-
-def _visible(con: duckdb.DuckDBPyConnection, name: str, raw: pa.Table, schemas: dict[str, pa.Schema]) -> pa.Table:
-    """The visibility rule of :func:`tracedb.lake.read.visible` on rows read of ``name``."""
-    con.register("raw", raw)
-    try:
-        if per_trace(name, schemas[name]):
-            query = f"SELECT r.* FROM raw r SEMI JOIN vis v ON r.trace_id = v.trace_id AND r.{BATCH} = v.{BATCH}"
-        elif name == "episodes":
-            order = "r.ingested_at, " if "ingested_at" in raw.column_names else ""
-            query = (
-                f"SELECT r.* FROM raw r SEMI JOIN vis v ON r.episode_id = v.episode_id AND r.{BATCH} = v.{BATCH} "
-                f"QUALIFY row_number() OVER (PARTITION BY r.episode_id ORDER BY {order}r.{BATCH}) = 1"
-            )
-        elif name == "rejects":
-            key = ", ".join(quote_identifier(c) for c in read.REJECT_KEY)
-            query = f"SELECT * FROM raw QUALIFY row_number() OVER (PARTITION BY {key} ORDER BY rejected_at) = 1"
-        elif name == "credit_sets":
-            query = "SELECT * FROM raw QUALIFY row_number() OVER (PARTITION BY name ORDER BY created_at) = 1"
-        else:
-            query = "SELECT * FROM raw"
-        return con.sql(query).to_arrow_table()
-    finally:
-        con.unregister("raw")
 
 
 def _segments(con: duckdb.DuckDBPyConnection, reader: _Reader, columns: set[str]) -> pa.Table:
