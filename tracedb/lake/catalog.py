@@ -27,9 +27,13 @@ from pyiceberg.transforms import BucketTransform
 from tracedb import tables
 from tracedb.errors import DatabaseError
 
-LAKE_SCHEMA_VERSION = 1
-"""The version of the lake's layout (its tables, :data:`BATCH`, the partitioning);
-stored in the lake's ``tracedb_meta`` as ``lake_schema_version``."""
+LAKE_SCHEMA_VERSION = 2
+"""The version of the lake's layout (its tables, :data:`BATCH`, the partitioning, what
+a ``traces`` row's ``seq`` holds); stored in the lake's ``tracedb_meta`` as
+``lake_schema_version``. 1: writers stored the file store's seq in the row, readers
+took the file's sequence number; 2: a stored seq is the lake's (written by a
+compaction or by the upgrade from 1, :mod:`tracedb.lake.upgrade`), else the file's."""
+VERSION_KEY = "lake_schema_version"
 BATCH = "lake_batch"
 """The lake's own column: the id of the write that put a row in. A trace's rows are the
 ones written with the traces row that made it visible (the same ``lake_batch``)."""
@@ -161,11 +165,26 @@ def create(location: Location) -> dict[str, Table]:
                 update.add_field(key, BucketTransform(BUCKETS), f"{key}_bucket")
         made[name] = catalog.load_table(ident)
     meta = made[META]
-    present = meta.scan().to_arrow().column("key").to_pylist()
-    if "lake_schema_version" not in present:
-        row = {"key": ["lake_schema_version"], "value": [str(LAKE_SCHEMA_VERSION)]}
-        meta.append(pa.table(row, schema=lake_schema(META, tables.META)))
+    if VERSION_KEY not in meta_rows(meta):
+        set_meta(meta, VERSION_KEY, str(LAKE_SCHEMA_VERSION))
     return made
+
+
+def meta_rows(meta: Table) -> dict[str, str]:
+    """The rows of a lake's ``tracedb_meta`` table, key to value."""
+    rows = meta.scan().to_arrow().select(["key", "value"]).to_pydict()
+    return dict(zip(rows["key"], rows["value"], strict=True))
+
+
+def set_meta(meta: Table, key: str, value: str) -> None:
+    """Set ``key`` to ``value`` in a lake's ``tracedb_meta`` table, in one commit."""
+    held = meta_rows(meta)
+    rows = {**held, key: value}
+    table = pa.table({"key": list(rows), "value": list(rows.values())}, schema=lake_schema(META, tables.META))
+    if held:
+        meta.overwrite(table)
+    else:
+        meta.append(table)
 
 
 def load(location: Location) -> dict[str, Table]:
@@ -189,15 +208,25 @@ def load(location: Location) -> dict[str, Table]:
         raise LakeError(
             f"lake {location.where}: namespace {location.namespace!r} holds no tracedb lake (no {META} table)"
         )
-    rows = dict(zip(*found[META].scan().to_arrow().select(["key", "value"]).to_pydict().values(), strict=True))
-    version = rows.get("lake_schema_version")
+    version = meta_rows(found[META]).get(VERSION_KEY)
     if version != str(LAKE_SCHEMA_VERSION):
-        raise LakeError(
-            f"lake {location.where}: lake schema version {version}, this tracedb reads {LAKE_SCHEMA_VERSION}"
-        )
+        raise LakeError(f"lake {location.where}: {version_problem(version, location.where)}")
     if missing:
         raise LakeError(f"lake {location.where}: tables {missing} are missing; `tracedb lake init` adds them")
     return found
+
+
+def version_problem(version: str | None, where: str) -> str:
+    """Why a lake of layout ``version`` (None: not recorded) is not opened, and what to do."""
+    found = f"lake schema version {version}, this tracedb reads {LAKE_SCHEMA_VERSION}"
+    if version is not None and version.isdigit() and int(version) < LAKE_SCHEMA_VERSION:
+        return (
+            f"{found}; upgrade it with `tracedb lake init --warehouse {where}` (or tracedb.lake.init): "
+            "it rewrites traces with each trace's lake seq (stop the lake's writers first)"
+        )
+    if version is not None and version.isdigit():
+        return f"{found}; a newer tracedb made it: upgrade tracedb"
+    return f"{found}; not a version this tracedb knows"
 
 
 class Opened:

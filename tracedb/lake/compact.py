@@ -33,6 +33,7 @@ pyiceberg's ``expire_snapshots`` only edits the metadata; deleting files is done
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,11 +70,11 @@ class CompactReport:
         return {"tables": self.tables, "expired": self.expired}
 
 
-def _own_tables(lake: catalog.Opened) -> Any:
-    """A loader of table objects of this compaction's own: the lake's are refreshed by
-    every call on it (another thread's write would move them between a read and a commit)."""
-    where = lake.location.catalog()
-    return lambda name: where.load_table(f"{lake.location.namespace}.{name}")
+def own_tables(location: catalog.Location) -> Any:
+    """A loader of table objects of a compaction's own (by name): a lake's are refreshed
+    by every call on it (another thread's write would move them between a read and a commit)."""
+    where = location.catalog()
+    return lambda name: where.load_table(f"{location.namespace}.{name}")
 
 
 def _scan_with_age(table: Any) -> tuple[pa.Table, list[Any]]:
@@ -142,21 +143,32 @@ _VISIBLE = (
 """The visible traces rows of ``raw_traces`` (as readers choose them)."""
 
 
-def _compact_traces(load: Any) -> dict[str, int]:
-    """Rewrite ``traces``: the visible row per trace id, its ``seq`` stored in the row."""
+def rewrite_traces(
+    load: Any,
+    *,
+    stored_from: Collection[int] | None = None,
+    properties: dict[str, str] | None = None,
+    force: bool = False,
+) -> dict[str, int]:
+    """Rewrite ``traces`` (tables from ``load(name)``): the visible row per trace id, each
+    with its ``seq`` (as :func:`~tracedb.lake.scan.scan_traces` reads it, with
+    ``stored_from``) stored in the row, in one overwrite commit carrying ``properties``
+    in its snapshot summary; retried when another traces commit lands meanwhile. Left
+    alone (unless ``force``) when it holds one row per trace and one file per partition.
+    Returns rows and files before and after."""
     for attempt in range(1, ATTEMPTS + 1):
         table = load("traces")
         tasks = list(table.scan().plan_files())
-        raw = scan_traces(table)
+        raw = scan_traces(table, stored_from=stored_from)
         con = duckdb.connect()
         con.register("raw_traces", raw)
         kept = con.sql(f"{_VISIBLE} ORDER BY seq, trace_id").to_arrow_table()
         con.close()
         entry = {"rows_before": raw.num_rows, "rows_after": kept.num_rows, "files_before": len(tasks)}
-        if kept.num_rows == raw.num_rows and _compacted(tasks):
+        if not force and kept.num_rows == raw.num_rows and _compacted(tasks):
             return {**entry, "files_after": len(tasks)}
         try:
-            table.overwrite(kept.cast(table.schema().as_arrow()))
+            table.overwrite(kept.cast(table.schema().as_arrow()), snapshot_properties=properties or {})
         except CommitFailedException:
             if attempt == ATTEMPTS:
                 raise
@@ -173,11 +185,11 @@ def compact(
         raise ValueError(f"grace is a number of seconds >= 0, not {grace!r}")
     if expire_older_than is not None and expire_older_than < 0:
         raise ValueError(f"expire_older_than is a number of seconds >= 0, not {expire_older_than!r}")
-    load = _own_tables(lake)
+    load = own_tables(lake.location)
     report = CompactReport()
     for name, schema in catalog.lake_tables().items():
         if name == "traces":
-            report.tables[name] = _compact_traces(load)
+            report.tables[name] = rewrite_traces(load)
             continue
         for attempt in range(1, ATTEMPTS + 1):
             cutoff = int((time.time() - grace) * 1000)
@@ -282,7 +294,7 @@ def expire(lake: catalog.Opened, *, older_than: float, grace: float = GRACE_SECO
     the snapshots expired and the files and bytes deleted."""
     if older_than < 0 or grace < 0:
         raise ValueError(f"older_than and grace are numbers of seconds >= 0, not {older_than!r}, {grace!r}")
-    load = _own_tables(lake)
+    load = own_tables(lake.location)
     out: dict[str, dict[str, int]] = {}
     for name in (catalog.META, *catalog.lake_tables()):
         expired: list[int] = []
@@ -304,4 +316,4 @@ def expire(lake: catalog.Opened, *, older_than: float, grace: float = GRACE_SECO
     return out
 
 
-__all__ = ["ATTEMPTS", "GRACE_SECONDS", "CompactReport", "compact", "expire"]
+__all__ = ["ATTEMPTS", "GRACE_SECONDS", "CompactReport", "compact", "expire", "own_tables", "rewrite_traces"]

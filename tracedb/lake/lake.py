@@ -259,13 +259,17 @@ class _opened:
 
 
 def init(lake: str | Path) -> Lake:
-    """Make a lake (idempotent: an existing one gets the tables it lacks) and open it.
-    ``lake`` is a directory (created; a SQLite catalog and the warehouse go inside) or a
-    ``.yaml``/``.json`` file of pyiceberg catalog properties."""
+    """Make a lake (idempotent: an existing one gets the tables it lacks, and a lake of
+    an older layout version is upgraded to this one, see :mod:`tracedb.lake.upgrade`)
+    and open it. ``lake`` is a directory (created; a SQLite catalog and the warehouse go
+    inside) or a ``.yaml``/``.json`` file of pyiceberg catalog properties."""
+    from tracedb.lake.upgrade import upgrade
+
     location = catalog.locate(lake)
     if Path(lake).suffix not in catalog.PROPERTY_FILES:
         Path(lake).mkdir(parents=True, exist_ok=True)
     catalog.create(location)
+    upgrade(location)
     return open_lake(lake)
 
 

@@ -1,7 +1,7 @@
 """Reading Iceberg files of a lake as Arrow: what every reader of a lake starts from.
 
-:func:`scan_traces` gives the ``traces`` rows with their ``seq`` (the data sequence
-number of the file that committed each row). :func:`scan_keys` gives the rows of a set
+:func:`scan_traces` gives the ``traces`` rows with their ``seq`` (stored in the row by a
+compaction, else the data sequence number of the file that committed it). :func:`scan_keys` gives the rows of a set
 of keys (trace ids, segment ids, ...) reading only the files of the keys' hash buckets:
 the buckets are computed as Iceberg computes them (pyiceberg's bucket transform, in
 Rust, over the whole key array) and the rows filtered in Arrow. A pyiceberg ``In`` row
@@ -12,7 +12,7 @@ manifest entry: seconds for the thousands of segment ids a few traces use.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -24,19 +24,25 @@ from pyiceberg.transforms import BucketTransform
 
 
 def scan_traces(
-    table: Any, row_filter: BooleanExpression = AlwaysTrue(), columns: Sequence[str] | None = None
+    table: Any,
+    row_filter: BooleanExpression = AlwaysTrue(),
+    columns: Sequence[str] | None = None,
+    *,
+    stored_from: Collection[int] | None = None,
 ) -> pa.Table:
     """The traces rows (with :data:`BATCH`) that ``row_filter`` keeps, with their ``seq``:
     the value stored in the row when there is one (a compaction of ``traces`` writes each
     row's seq into it), else the data sequence number of the file holding the row (the
     commit of a write, whose rows carry no seq); ``columns`` (with ``seq``) reads only
-    those."""
+    those. ``stored_from`` (snapshot ids) takes the stored value only in files those
+    snapshots added, the file's number in every other (what upgrading a version-1 lake,
+    whose writers stored the file store's seq, reads: see :mod:`tracedb.lake.upgrade`)."""
     fields = ("*",) if columns is None else tuple(dict.fromkeys([*columns, "seq"]))
     snapshot = table.current_snapshot()
     if snapshot is None:
         return table.scan(selected_fields=fields).to_arrow()
-    seqs = {
-        entry.data_file.file_path: entry.sequence_number
+    files = {
+        entry.data_file.file_path: (entry.sequence_number, entry.snapshot_id)
         for manifest in snapshot.manifests(table.io)
         for entry in manifest.fetch_manifest_entry(table.io, discard_deleted=True)
     }
@@ -46,7 +52,12 @@ def scan_traces(
     for task in table.scan(row_filter=row_filter).plan_files():
         part = scan.to_table([task])
         at = part.schema.get_field_index("seq")
-        seq = pc.coalesce(part.column(at).cast(pa.int64()), pa.scalar(seqs[task.file.file_path], pa.int64()))
+        number, added_by = files[task.file.file_path]
+        file_seq = pa.scalar(number, pa.int64())
+        if stored_from is None or added_by in stored_from:
+            seq = pc.coalesce(part.column(at).cast(pa.int64()), file_seq)
+        else:
+            seq = pa.repeat(file_seq, part.num_rows)
         parts.append(part.set_column(at, "seq", seq))
     if not parts:
         return table.scan(row_filter=row_filter, selected_fields=fields, limit=0).to_arrow()
