@@ -8,11 +8,12 @@ passes or fails with that run; where no namespace can be made it is skipped, say
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
-import threading
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -151,38 +152,135 @@ else:
         (b / "bad.traces.jsonl").write_text('{"not": "a trace"\n')
         return a, b
 
-    def test_concurrent_overlapping_ingests_lose_and_duplicate_nothing(local_ray, tmp_path):
-        a, b = _runs(tmp_path)
-        lake = lakes.init(tmp_path / "L")
-        reports, errors = [], []
+    REJECT_KEY = ("source", "line", "trace_id", "node", "field", "reason", "record_sha256")
 
-        def run(paths):
-            try:
-                reports.append(lakes.open(tmp_path / "L").ingest(paths, workers=2))
-            except Exception as e:  # asserted below
-                errors.append(e)
+    def _rejects(table: pa.Table) -> list[tuple]:
+        """Rejects as readers compare them (what makes one reject), sorted."""
+        return sorted((tuple(r[k] for k in REJECT_KEY) for r in table.select(list(REJECT_KEY)).to_pylist()), key=str)
 
-        threads = [threading.Thread(target=run, args=(p,)) for p in ([a], [a, b])]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
-        assert not errors
-        with tracedb.connect(tmp_path / "file.duckdb") as db:  # the file store's ingest of the same inputs
-            db.ingest([a, b])
+    def _file_store(paths: list[Path], where: Path) -> tuple[list[str], dict, list[tuple], int]:
+        """The file store's ingest of ``paths``: its trace ids, records, rejects and lines."""
+        with tracedb.connect(where) as db:
+            report = db.ingest(paths)
             ids = sorted(db.sql("SELECT trace_id FROM traces").column("trace_id").to_pylist())
-            records = {t: db.trace(t) for t in ids}
-            reasons = sorted(db.sql("SELECT reason FROM rejects").column("reason").to_pylist())
+            rejects = _rejects(db.sql("SELECT * FROM rejects"))
+            return ids, {t: db.trace(t) for t in ids}, rejects, report.lines
+
+    def _records(lake, ids: list[str], where: Path) -> dict:
+        lake.pull(where)
+        with tracedb.connect(where, read_only=True) as pulled:
+            return {t: pulled.trace(t) for t in ids}
+
+    PROCESSES = 4
+
+    def _ingest_processes(lake_dir: Path, jobs: list[list[str]], timeout: float = 240) -> list[dict]:
+        """``tracedb lake ingest`` in one process per job at once, each a driver of the
+        module's Ray; their JSON reports."""
+        address = ray.get_runtime_context().gcs_address
+        command = [sys.executable, "-m", "tracedb", "lake", "ingest", "--lake", str(lake_dir), "--ray-address", address]
+        env = {**os.environ, **ENV}
+        procs = [
+            subprocess.Popen(
+                [*command, "--json", *job], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+            )
+            for job in jobs
+        ]
+        deadline = time.monotonic() + timeout
+        reports = []
+        try:
+            for p in procs:
+                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                assert p.returncode in (0, 1), err[-3000:]  # 1: lines were rejected
+                reports.append(json.loads(out))
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        return reports
+
+    def _process_inputs(tmp_path: Path) -> list[Path]:
+        """Six small fixtures, a file of one bad line, and a larger file of distinct traces
+        with a bad line in its middle (cut into byte ranges by the ingests)."""
+        from tracedb.sample import write_sample
+
+        run = tmp_path / "runs"
+        run.mkdir()
+        for f in sorted(FIXTURES.glob("*.traces.jsonl"))[:7]:
+            if f.name != "groups.traces.jsonl":
+                shutil.copy(f, run / f.name)
+        (run / "bad.traces.jsonl").write_text('{"not": "a trace"\n')
+        big = write_sample(tmp_path / "sample.jsonl", groups=3, group_size=3, tokens_per_trace=1_500, seed=5)
+        lines = big.read_bytes().splitlines(keepends=True)
+        (run / "big.traces.jsonl").write_bytes(b"".join([*lines[:4], b'{"traces": [}\n', *lines[4:]]))
+        return sorted(p.resolve() for p in run.iterdir())
+
+    @pytest.mark.parametrize("layout", ["disjoint", "overlapping"])
+    def test_concurrent_ingest_processes_lose_and_duplicate_nothing(local_ray, tmp_path, layout):
+        """Four ``lake ingest`` processes at once into one lake, on disjoint files, or on
+        overlapping ones (every file in two processes; the large one cut into ranges of two
+        sizes): the lake shows each trace once, as the file store's ingest of them all."""
+        from tracedb.lake.ingest import cut
+
+        files = _process_inputs(tmp_path)
+        sets = [files[k::PROCESSES] for k in range(PROCESSES)]
+        if layout == "overlapping":
+            sets = [sets[k] + sets[(k + 1) % PROCESSES] for k in range(PROCESSES)]
+        sizes = [50_000 + 30_000 * (k % 2) for k in range(PROCESSES)]
+        jobs = [
+            [*map(str, s), "--range-bytes", str(n), "--files-per-task", "4", "--workers", "1"]
+            for s, n in zip(sets, sizes)
+        ]
+        lake = lakes.init(tmp_path / "L")
+        reports = _ingest_processes(tmp_path / "L", jobs)
+        ids, records, rejects, lines = _file_store(files, tmp_path / "file.duckdb")
         visible = lake.tables()
-        assert sorted(visible["traces"].column("trace_id").to_pylist()) == ids
-        assert sum(r.traces for r in reports) == len(ids)
-        assert sorted(visible["rejects"].column("reason").to_pylist()) == reasons and reasons
-        lake.pull(tmp_path / "pulled.duckdb")
-        with tracedb.connect(tmp_path / "pulled.duckdb", read_only=True) as pulled:
-            assert {t: pulled.trace(t) for t in ids} == records
-        again = lake.ingest([a, b])
+        assert sorted(visible["traces"].column("trace_id").to_pylist()) == ids  # each trace once
+        assert sum(r["traces"] for r in reports) == len(ids)  # committed by one writer each
+        copies = 1 if layout == "disjoint" else 2
+        assert sum(r["lines"] for r in reports) == copies * lines
+        big = next(f for f in files if f.name == "big.traces.jsonl")  # 214 kB, the others < 12 kB
+        assert [r["ranges"] for r in reports] == [len(cut(big, n)) if big in s else 0 for s, n in zip(sets, sizes)]
+        cut_by = sorted(n for s, n in zip(sets, sizes) if big in s)  # overlapping: in ranges of two sizes
+        assert cut_by == ([80_000] if layout == "disjoint" else [50_000, 80_000])
+        assert _rejects(visible["rejects"]) == rejects and len(rejects) == 2
+        assert lake.table("rejects").scan().to_arrow().num_rows == copies * len(rejects)  # shown once
+        assert _records(lake, ids, tmp_path / "pulled.duckdb") == records
+        if layout == "disjoint":
+            return
+        again = lake.ingest(files, files_per_task=len(files))  # one more writer, after them
         assert again.traces == 0 and again.skipped == again.lines - again.rejected  # every good line seen again
-        assert sorted(lake.tables()["rejects"].column("reason").to_pylist()) == reasons  # a reject shown once
+        assert _rejects(lake.tables()["rejects"]) == rejects
+
+    def test_large_files_cut_into_byte_ranges_equal_the_file_store(local_ray, tmp_path):
+        """A large file in many ranges (bad lines at and around the cuts, the last one
+        without its line break) next to a small file and a compressed one, never cut."""
+        import zstandard
+
+        from tracedb.lake.ingest import cut
+
+        from support.cut_files import write_cut_file
+
+        run = (tmp_path / "run").resolve()
+        run.mkdir()
+        range_bytes = 32_768
+        big = write_cut_file(run / "big.traces.jsonl", range_bytes, last="bad", goods=20)
+        shutil.copy(FIXTURES / "linear.traces.jsonl", run / "linear.traces.jsonl")
+        groups = (FIXTURES / "groups.traces.jsonl").read_bytes()
+        assert len(groups) > range_bytes
+        (run / "groups.traces.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(groups))
+        lake = lakes.init(tmp_path / "L")
+        report = lake.ingest([run], workers=2, range_bytes=range_bytes)
+        ids, records, rejects, lines = _file_store([run], tmp_path / "file.duckdb")
+        ranges = len(cut(big, range_bytes))
+        assert ranges >= 8
+        assert (report.files, report.ranges, report.tasks) == (3, ranges, ranges + 2)
+        assert (report.lines, report.traces, report.rejected) == (lines, len(ids), len(rejects))
+        assert len(rejects) == 8  # the seven placed and the last line
+        assert sorted(lake.tables()["traces"].column("trace_id").to_pylist()) == ids
+        assert _rejects(lake.tables()["rejects"]) == rejects
+        assert {r[0] for r in rejects} == {str(big)}
+        assert _records(lake, ids, tmp_path / "pulled.duckdb") == records
 
     def test_a_killed_worker_is_retried_without_duplicates(local_ray, tmp_path, store):
         lake = lakes.init(tmp_path / "L")

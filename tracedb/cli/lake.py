@@ -122,6 +122,15 @@ def ingest(
         int | None, typer.Option("--workers", min=1, help="Ingest tasks at once (default: Ray's CPUs).")
     ] = None,
     files_per_task: Annotated[int, typer.Option("--files-per-task", min=1, help="Files each Ray task ingests.")] = 1,
+    range_bytes: Annotated[
+        int | None,
+        typer.Option(
+            "--range-bytes",
+            min=1,
+            help="Cut plain .jsonl files larger than this into byte ranges at line starts, a task each"
+            " (default 134217728: 128 MiB; .jsonl.zst and .json files are not cut).",
+        ),
+    ] = None,
     allow_ragged: Annotated[
         bool, typer.Option(help="Accept compact streams longer/shorter than the sampled count.")
     ] = False,
@@ -129,12 +138,15 @@ def ingest(
 ) -> None:
     """Ingest files into the lake in Ray tasks (the file store's scanner and checks; rejects kept).
 
-    Idempotent by trace id, also against other ingests running at the same time. Exits 1
-    when anything was rejected."""
+    Large plain .jsonl files are cut into byte ranges (--range-bytes), their rejects named
+    by the file and its true line numbers. Idempotent by trace id, also against other
+    ingests running at the same time. Exits 1 when anything was rejected."""
     opened = _open(lake)
     started = _started_ray(ray_address, workers)
     try:
-        report = opened.ingest(paths, workers=workers, files_per_task=files_per_task, allow_ragged=allow_ragged)  # type: ignore[attr-defined]
+        report = opened.ingest(  # type: ignore[attr-defined]
+            paths, workers=workers, files_per_task=files_per_task, allow_ragged=allow_ragged, range_bytes=range_bytes
+        )
     except (TraceDBError, FileNotFoundError) as e:
         raise fail(e) from None
     finally:

@@ -248,6 +248,33 @@ def read_chunks(path: Path, chunk_bytes: int | None = None) -> Iterator[Chunk | 
         raise InputError(e.error.file, e.error.reason, lines.number, e.partial[: knobs.reject_record_bytes]) from None
 
 
+@dataclass(frozen=True)
+class ByteRange:
+    """The lines of a plain ``.jsonl`` file that start in bytes ``[start, stop)``,
+    numbered from ``first_line`` (the file's line number of the first of them). ``start``
+    and ``stop`` are line starts: 0, just after a line break, or the file's size."""
+
+    path: Path
+    start: int
+    stop: int
+    first_line: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+def read_range(part: ByteRange, chunk_bytes: int | None = None) -> Iterator[Chunk | LongLine]:
+    """:func:`read_chunks` of the lines of ``part`` alone, numbered as in the whole file."""
+    if part.path.name.endswith(".zst") or part.path.suffix == ".json":
+        raise ValueError(f"{part.path}: only a plain .jsonl file is read in byte ranges")
+    lines = _Lines(chunk_bytes, part.first_line)
+    with open(part.path, "rb", buffering=0) as raw:
+        raw.seek(part.start)
+        f = io.BufferedReader(_Bounded(raw, part.size), 1 << 20)
+        yield from _blocks(f, max(lines.size, 1 << 16), lines.knobs.max_line_bytes, lines.cut, lines.long_line)
+
+
 class Appended:
     """The whole lines appended to a plain ``.jsonl`` file since a position: iterate for
     the chunks (numbered on from the position's line), then :attr:`offset` and

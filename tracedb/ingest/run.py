@@ -26,7 +26,7 @@ import simdjson
 from tracedb import jitcache, runtime
 from tracedb.errors import IngestAborted, InputError, Location, RecordError
 from tracedb.handle import Handle
-from tracedb.ingest.files import Chunk, LongLine, find_files, read_chunks
+from tracedb.ingest.files import ByteRange, Chunk, LongLine, find_files, read_chunks, read_range
 from tracedb.ingest.parse import ParsedLine, parse_line
 from tracedb.ingest.rejects import Raw, Reject, Report, record_rejects, storable_text
 from tracedb.ingest.rows import Batch
@@ -184,7 +184,7 @@ class IngestRun:
         self.reader: Any = None
         self.writer: Writer | None = None
 
-    def start(self, files: list[Path], progress: bool) -> None:
+    def start(self, files: Sequence[Path | ByteRange], progress: bool) -> None:
         """Inside the transaction: the reader, the writer thread, the progress bar, and
         which parser reads the lines (``scanner`` setting)."""
         self.reader = self.handle.cursor()
@@ -194,7 +194,7 @@ class IngestRun:
         self.bar = _progress(files) if progress else None
         compiled = jitcache.is_compiled(SCANNER_SOURCE)
         mode = self.knobs.scanner
-        size = sum(p.stat().st_size for p in files) if mode == "auto" and not compiled else 0
+        size = sum(_size(p) for p in files) if mode == "auto" and not compiled else 0
         if mode == "always" or (mode == "auto" and (compiled or size >= self.knobs.scanner_min_bytes)):
             # The scanner is numba: imported by the first ingest that uses it, not with tracedb.
             from tracedb.ingest import scanned
@@ -216,6 +216,10 @@ class IngestRun:
     def read_file(self, path: Path) -> None:
         """Every line of one file into the batch (flushed at chunk ends once it is full)."""
         self.read(str(path), read_chunks(path, self.knobs.chunk_bytes))
+
+    def read_range(self, part: ByteRange) -> None:
+        """The lines of a byte range of a file, named and numbered as in the whole file."""
+        self.read(str(part.path), read_range(part, self.knobs.chunk_bytes))
 
     def read(self, source: str, chunks: Iterable[Chunk | LongLine]) -> None:
         """The lines of ``chunks`` (of the file ``source``) into the batch."""
@@ -348,8 +352,13 @@ def ingest_files(
     progress: bool = False,
     whole_files: bool = False,
     tags: Iterable[str | Tag] = (),
+    ranges: Sequence[ByteRange] = (),
 ) -> IngestReport:
     """Ingest files or directories; see :meth:`tracedb.Database.ingest`.
+
+    ``ranges`` are byte ranges of plain ``.jsonl`` files ingested after ``paths`` in the
+    same transaction, their lines (and rejects) named and numbered as in the whole file:
+    the lake's ingest cuts a large file into ranges at line starts, one per Ray task.
 
     A file that cannot be read to its end (corrupt or cut-short compression) keeps the
     lines read before the damage and is reported (a reject naming the file and the first
@@ -360,11 +369,11 @@ def ingest_files(
     (:mod:`tracedb.ingest.tags`)."""
     started = time.perf_counter()
     files = find_files([paths] if isinstance(paths, (str, Path)) else paths)
-    report = IngestReport(files=len(files))
+    report = IngestReport(files=len(files) + len({r.path for r in ranges}))
     run = IngestRun(handle, report, strict=strict, allow_ragged=allow_ragged, tags=parse_tags(tags))
     with transaction_for_ingest(handle):
         try:
-            run.start(files, progress)
+            run.start([*files, *ranges], progress)
             for path in files:
                 try:
                     run.read_file(path)
@@ -372,6 +381,8 @@ def ingest_files(
                     if whole_files:
                         raise
                     run.unreadable(e)
+            for part in ranges:
+                run.read_range(part)
             run.finish()
         except BaseException:
             run.abort()
@@ -404,5 +415,9 @@ class _Bar:
         self.progress.stop()
 
 
-def _progress(files: list[Path]) -> _Bar:
-    return _Bar(sum(p.stat().st_size for p in files))
+def _size(file: Path | ByteRange) -> int:
+    return file.size if isinstance(file, ByteRange) else file.stat().st_size
+
+
+def _progress(files: Sequence[Path | ByteRange]) -> _Bar:
+    return _Bar(sum(_size(p) for p in files))

@@ -4,17 +4,26 @@ An ingest task ingests its files into an in-memory tracedb (the same scanner, pa
 and validation, rejects kept) and appends the result to the lake as one write
 (:mod:`tracedb.lake.write`: idempotent by trace id whatever else writes at the same
 time, so a task Ray retries after its worker died adds nothing twice).
+
+A plain ``.jsonl`` file larger than ``range_bytes`` is cut into byte ranges, one task
+each: a range holds the lines that *start* in its span of ``range_bytes`` bytes (a line
+straddling a cut belongs to the range it starts in), so every line is in exactly one.
+Its lines are numbered as in the whole file, for which a first round of tasks counts
+the line breaks of each range (the driver adds them up: no process reads a whole file).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
 from tracedb.database import connect
-from tracedb.ingest.files import find_files
+from tracedb.ingest.files import ByteRange, find_files
+from tracedb.ingest.run import ingest_files as ingest_into
 from tracedb.lake import catalog, move
 from tracedb.lake.workers import chunks, running_ray
 from tracedb.lake.write import AppendReport, append
@@ -32,24 +41,92 @@ class LakeIngestReport:
     rejected: int = 0
     rows: dict[str, int] = field(default_factory=dict)
     tasks: int = 0
+    """Ingest tasks (each one write); the counting tasks of large files are not counted."""
+    ranges: int = 0
+    """Byte ranges the large files were cut into (each an ingest task of its own)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("files", "lines", "traces", "skipped", "rejected", "rows", "tasks")}
+        keys = ("files", "lines", "traces", "skipped", "rejected", "rows", "tasks", "ranges")
+        return {k: getattr(self, k) for k in keys}
 
     def __str__(self) -> str:
+        cut = f", {self.ranges} of them byte ranges of large files" if self.ranges else ""
         return (
-            f"ingested {self.traces} traces from {self.files} files in {self.tasks} Ray tasks"
+            f"ingested {self.traces} traces from {self.files} files in {self.tasks} Ray tasks{cut}"
             f" ({self.skipped} already in the lake, {self.rejected} rejected)"
         )
 
 
-def ingest_files(location: catalog.Location, files: list[str], allow_ragged: bool) -> dict[str, Any]:
-    """One ingest task: ``files`` into an in-memory tracedb (its scanner, parser and
-    checks), then appended to the lake as one write. Returns the counts."""
+RANGE_BYTES = 128 << 20
+"""Plain ``.jsonl`` files larger than this are cut into byte ranges of about this size."""
+
+
+def splittable(path: Path) -> bool:
+    """Whether ``path`` can be cut into byte ranges: a plain ``.jsonl`` file (a compressed
+    stream has no byte offsets of lines, and a ``.json`` file is one record)."""
+    return path.name.endswith(".jsonl")
+
+
+def spans(size: int, range_bytes: int) -> list[tuple[int, int]]:
+    """The spans ``[at, to)`` of ``range_bytes`` bytes that cover a file of ``size`` bytes."""
+    return [(at, min(at + range_bytes, size)) for at in range(0, size, range_bytes)]
+
+
+def _line_start(f: Any, at: int, size: int) -> int:
+    """The first line start at or after byte ``at`` of the open file ``f`` (``size`` when none)."""
+    if at <= 0:
+        return 0
+    if at >= size:
+        return size
+    where = at - 1  # a line starts at ``at`` when the byte before it is a line break
+    f.seek(where)
+    while where < size and (block := f.read(min(1 << 16, size - where))):
+        found = block.find(b"\n")
+        if found >= 0:
+            return where + found + 1
+        where += len(block)
+    return size
+
+
+def measure(path: str, at: int, to: int, size: int) -> tuple[int, int, int]:
+    """One counting task: the range of ``path`` holding the lines that start in bytes
+    ``[at, to)`` of its first ``size``: (start, stop, line breaks in it). Its lines are
+    as many as its line breaks (it ends just after one), unless it ends the file."""
+    with open(path, "rb") as f:
+        start, stop = _line_start(f, at, size), _line_start(f, to, size)
+        f.seek(start)
+        breaks, left = 0, stop - start
+        while left > 0 and (block := f.read(min(left, 16 << 20))):
+            breaks += block.count(b"\n")
+            left -= len(block)
+    return start, stop, breaks
+
+
+def numbered(path: str, measured: Sequence[tuple[int, int, int]]) -> list[ByteRange]:
+    """One file's ranges from its spans' :func:`measure` (in file order), each numbered on
+    from the line breaks before it; an empty one (a span inside one long line) left out."""
+    firsts = accumulate((breaks for _, _, breaks in measured), initial=1)
+    return [
+        ByteRange(Path(path), start, stop, first) for (start, stop, _), first in zip(measured, firsts) if stop > start
+    ]
+
+
+def cut(path: str | Path, range_bytes: int = RANGE_BYTES) -> list[ByteRange]:
+    """The byte ranges of a plain ``.jsonl`` file, measured here one after the other (the
+    lake's ingest measures them in Ray tasks at once)."""
+    size = os.path.getsize(path)
+    return numbered(str(path), [measure(str(path), at, to, size) for at, to in spans(size, range_bytes)])
+
+
+def ingest_files(location: catalog.Location, files: Sequence[str | ByteRange], allow_ragged: bool) -> dict[str, Any]:
+    """One ingest task: ``files`` (paths, or byte ranges of files) into an in-memory tracedb
+    (its scanner, parser and checks), then appended to the lake as one write. Returns the counts."""
 
     lake = catalog.Opened.at(location)
+    paths = [f for f in files if not isinstance(f, ByteRange)]
+    ranges = [f for f in files if isinstance(f, ByteRange)]
     with connect(":memory:") as db:
-        report = db.ingest(files, allow_ragged=allow_ragged)
+        report = ingest_into(db.handle, paths, ranges=ranges, allow_ragged=allow_ragged)
         ids = db.sql("SELECT trace_id FROM traces ORDER BY seq").column("trace_id").to_pylist()
         appended: AppendReport = append(lake, move.file_rows(db, ids))
     return {
@@ -68,24 +145,26 @@ def ingest(
     workers: int | None = None,
     files_per_task: int = 1,
     allow_ragged: bool = False,
+    range_bytes: int = RANGE_BYTES,
 ) -> LakeIngestReport:
     """See :meth:`tracedb.lake.Lake.ingest`."""
-    if workers is not None and (not isinstance(workers, int) or workers < 1):
-        raise ValueError(f"workers is a number of tasks at once (an int >= 1), not {workers!r}")
+    for name, value in (("workers", workers), ("files_per_task", files_per_task), ("range_bytes", range_bytes)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{name} must be an int >= 1, not {value!r}")
     ray = running_ray()
-    files = [str(p.resolve()) for p in find_files(paths)]
-    task = ray.remote(max_retries=3, retry_exceptions=False)(ingest_files)
-    groups = chunks(files, max(1, files_per_task))
+    files = [p.resolve() for p in find_files(paths)]
     limit = workers or max(1, int(ray.available_resources().get("CPU", 1)))
-    report = LakeIngestReport(files=len(files), tasks=len(groups))
-    pending: list[Any] = []
-    results: list[dict[str, Any]] = []
-    for group in groups:
-        if len(pending) >= limit:
-            done, pending = ray.wait(pending, num_returns=1)
-            results.extend(ray.get(done))
-        pending.append(task.remote(lake.location, group, allow_ragged))
-    results.extend(ray.get(pending))
+    sizes = {p: p.stat().st_size for p in files}
+    large = [p for p in files if splittable(p) and sizes[p] > range_bytes]
+    counting = ray.remote(max_retries=3)(measure)
+    calls = [(counting, (str(p), at, to, sizes[p])) for p in large for at, to in spans(sizes[p], range_bytes)]
+    measured = iter(_run(ray, calls, limit))
+    ranges = [r for p in large for r in numbered(str(p), [next(measured) for _ in spans(sizes[p], range_bytes)])]
+    groups: list[list[str | ByteRange]] = [*chunks([str(p) for p in files if p not in large], files_per_task)]
+    groups += [[r] for r in ranges]
+    task = ray.remote(max_retries=3, retry_exceptions=False)(ingest_files)
+    results = _run(ray, [(task, (lake.location, group, allow_ragged)) for group in groups], limit)
+    report = LakeIngestReport(files=len(files), tasks=len(groups), ranges=len(ranges))
     for r in results:
         report.lines += r["lines"]
         report.traces += r["traces"]
@@ -96,4 +175,17 @@ def ingest(
     return report
 
 
-__all__ = ["LakeIngestReport", "ingest", "ingest_files"]
+def _run(ray: Any, calls: list[tuple[Any, tuple]], limit: int) -> list[Any]:
+    """Run remote ``(function, arguments)`` calls with at most ``limit`` at once; their results in order."""
+    pending: list[Any] = []
+    refs: list[Any] = []
+    for function, arguments in calls:
+        if len(pending) >= limit:
+            _, pending = ray.wait(pending, num_returns=1)
+        ref = function.remote(*arguments)
+        refs.append(ref)
+        pending.append(ref)
+    return ray.get(refs)
+
+
+__all__ = ["RANGE_BYTES", "LakeIngestReport", "cut", "ingest", "ingest_files", "measure", "numbered", "spans"]

@@ -210,16 +210,27 @@ class Lake(catalog.Opened):
         workers: int | None = None,
         files_per_task: int = 1,
         allow_ragged: bool = False,
+        range_bytes: int | None = None,
     ) -> LakeIngestReport:
         """Ingest ``traces.jsonl`` files or directories into the lake in Ray tasks
         (``files_per_task`` files each, at most ``workers`` at once; default: Ray's CPUs):
         each task runs the file store's ingest (scanner, parser, validation, rejects kept)
-        in memory and appends its traces as one write. Idempotent by trace id, also
+        in memory and appends its traces as one write. A plain ``.jsonl`` file larger than
+        ``range_bytes`` (default 128 MiB) is cut at line starts into byte ranges of about
+        that size, a task each, its lines and rejects numbered as in the whole file
+        (compressed and ``.json`` files are never cut). Idempotent by trace id, also
         against other ingests running at the same time. Needs Ray running (``ray.init``)."""
         from tracedb.lake import ingest
 
         chosen = [paths] if isinstance(paths, str | Path) else list(paths)
-        return ingest.ingest(self, chosen, workers=workers, files_per_task=files_per_task, allow_ragged=allow_ragged)
+        return ingest.ingest(
+            self,
+            chosen,
+            workers=workers,
+            files_per_task=files_per_task,
+            allow_ragged=allow_ragged,
+            range_bytes=ingest.RANGE_BYTES if range_bytes is None else range_bytes,
+        )
 
     def sql(self, query: str, params: Sequence[Any] | dict[str, Any] | None = None) -> pa.Table:
         """Run SQL over the lake's visible rows with tracedb's macros (``branch_stats()``,
