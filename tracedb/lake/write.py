@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyiceberg.exceptions import CommitFailedException
-from pyiceberg.expressions import In
 
 from tracedb.lake.catalog import BATCH, batched, lake_schema, lake_tables, per_trace
+from tracedb.lake.scan import scan_keys
 
 COMMIT_ATTEMPTS = 20
 """How often the traces commit is tried (each time after reloading the table and checking
@@ -58,7 +58,7 @@ def visible_ids(table: object, ids: list[str]) -> set[str]:
     """The ones of ``ids`` that have a traces row in ``table`` (the traces table as loaded)."""
     if not ids:
         return set()
-    found = table.scan(row_filter=In("trace_id", ids), selected_fields=("trace_id",)).to_arrow()  # type: ignore[attr-defined]
+    found = scan_keys(table, "trace_id", ids, columns=["trace_id"])
     return set(found.column("trace_id").to_pylist())
 
 
@@ -136,7 +136,7 @@ def _segments_present(lake: object, segments: pa.Table) -> list[bytes]:
     ids = pc.unique(segments.column("segment_id")).to_pylist()
     if not ids:
         return []
-    found = lake.table("segments").scan(row_filter=In("segment_id", ids), selected_fields=("segment_id",)).to_arrow()  # type: ignore[attr-defined]
+    found = scan_keys(lake.table("segments"), "segment_id", ids, columns=["segment_id"])  # type: ignore[attr-defined]
     return pc.unique(found.column("segment_id")).to_pylist()
 
 
