@@ -45,7 +45,7 @@ from pyiceberg.expressions import AlwaysTrue
 from pyiceberg.io.pyarrow import ArrowScan, PyArrowFileIO
 
 from tracedb.lake import catalog, read
-from tracedb.lake.scan import scan_traces
+from tracedb.lake.scan import visible_traces
 from tracedb.sqltext import quote_identifier
 
 GRACE_SECONDS = 3600.0
@@ -136,13 +136,6 @@ def _kept_query(name: str, schema: pa.Schema, cutoff_ms: int) -> str:
     return "SELECT r.* FROM raw r"
 
 
-_VISIBLE = (
-    "SELECT * FROM raw_traces WHERE seq IS NOT NULL "
-    f"QUALIFY row_number() OVER (PARTITION BY trace_id ORDER BY seq, {catalog.BATCH}) = 1"
-)
-"""The visible traces rows of ``raw_traces`` (as readers choose them)."""
-
-
 def rewrite_traces(
     load: Any,
     *,
@@ -159,13 +152,10 @@ def rewrite_traces(
     for attempt in range(1, ATTEMPTS + 1):
         table = load("traces")
         tasks = list(table.scan().plan_files())
-        raw = scan_traces(table, stored_from=stored_from)
-        con = duckdb.connect()
-        con.register("raw_traces", raw)
-        kept = con.sql(f"{_VISIBLE} ORDER BY seq, trace_id").to_arrow_table()
-        con.close()
-        entry = {"rows_before": raw.num_rows, "rows_after": kept.num_rows, "files_before": len(tasks)}
-        if not force and kept.num_rows == raw.num_rows and _compacted(tasks):
+        kept = visible_traces(table, stored_from=stored_from)
+        rows = sum(t.file.record_count for t in tasks)  # traces has no delete files
+        entry = {"rows_before": rows, "rows_after": kept.num_rows, "files_before": len(tasks)}
+        if not force and kept.num_rows == rows and _compacted(tasks):
             return {**entry, "files_after": len(tasks)}
         try:
             table.overwrite(kept.cast(table.schema().as_arrow()), snapshot_properties=properties or {})
@@ -193,10 +183,8 @@ def compact(
             continue
         for attempt in range(1, ATTEMPTS + 1):
             cutoff = int((time.time() - grace) * 1000)
-            traces = scan_traces(load("traces"), AlwaysTrue(), ["trace_id", "episode_id", catalog.BATCH])
             con = duckdb.connect()
-            con.register("raw_traces", traces)
-            con.execute(f"CREATE TEMP TABLE vis AS {_VISIBLE}")
+            con.register("vis", visible_traces(load("traces"), columns=["episode_id"]))
             if name == "segments":
                 nodes, _ = _scan_with_age(load("nodes"))
                 con.register("nodes_raw", nodes)

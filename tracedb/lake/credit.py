@@ -17,16 +17,14 @@ from typing import Any
 
 import duckdb
 import pyarrow as pa
-from pyiceberg.expressions import AlwaysTrue
 
 from tracedb import credit as credit_lib
 from tracedb.credit.outcome import trace_rewards
 from tracedb.errors import WriteError
 from tracedb.lake import catalog
-from tracedb.lake.scan import scan_traces
+from tracedb.lake.scan import visible_traces
 from tracedb.lake.workers import running_ray
 from tracedb.lake.write import lake_rows
-from tracedb.sqltext import quote_identifier
 
 GROUP_ALGORITHMS = ("grpo", "rloo")
 """The algorithms a lake computes: one value per trace from its group's rewards."""
@@ -47,14 +45,7 @@ class _Traces:
 
 def _visible_traces(lake: catalog.Opened, columns: list[str]) -> pa.Table:
     """The visible traces rows (``columns`` and :data:`BATCH`), one per trace id."""
-    raw = scan_traces(lake.table("traces"), AlwaysTrue(), [*columns, catalog.BATCH])
-    con = duckdb.connect()
-    con.register("raw", raw)
-    picked = ", ".join(quote_identifier(c) for c in [*columns, catalog.BATCH])
-    return con.sql(
-        f"SELECT {picked} FROM raw WHERE seq IS NOT NULL "
-        f"QUALIFY row_number() OVER (PARTITION BY trace_id ORDER BY seq, {catalog.BATCH}) = 1"
-    ).to_arrow_table()
+    return visible_traces(lake.table("traces"), columns=columns).select([*columns, catalog.BATCH])
 
 
 def _group_credit(group: pa.Table, algorithm: str, params: dict[str, Any]) -> pa.Table:

@@ -14,12 +14,12 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from pyiceberg.expressions import AlwaysTrue, In
+from pyiceberg.expressions import In
 
 from tracedb.database import Database
 from tracedb.errors import WriteError
 from tracedb.lake.catalog import BATCH, lake_tables, per_trace
-from tracedb.lake.scan import scan_traces
+from tracedb.lake.scan import visible_traces
 from tracedb.lake.write import AppendReport, append, lake_rows
 from tracedb.sqltext import quote_identifier
 
@@ -124,11 +124,10 @@ def push(lake: Any, db: Database, size: int = PUSH_TRACES) -> AppendReport:
 
 def _held(lake: Any, db: Database) -> pa.Table:
     """``(trace_id, lake_batch)`` of the traces of ``db`` the lake shows (their visible row's batch)."""
-    raw = scan_traces(lake.table("traces"), AlwaysTrue(), ["trace_id", BATCH])
-    with db.handle.registered("_tdb_lake_traces", raw):
+    shown = visible_traces(lake.table("traces"), columns=["trace_id"])
+    with db.handle.registered("_tdb_lake_traces", shown):
         return db.handle.sql(
-            f"SELECT l.trace_id, l.{BATCH} FROM _tdb_lake_traces l SEMI JOIN traces t USING (trace_id) "
-            f"QUALIFY row_number() OVER (PARTITION BY l.trace_id ORDER BY l.seq, l.{BATCH}) = 1"
+            f"SELECT l.trace_id, l.{BATCH} FROM _tdb_lake_traces l SEMI JOIN traces t USING (trace_id)"
         )
 
 

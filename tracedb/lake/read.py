@@ -24,7 +24,7 @@ import pyarrow.compute as pc
 from pyiceberg.expressions import AlwaysTrue, BooleanExpression, In
 
 from tracedb.lake.catalog import BATCH, batched, lake_tables, per_trace
-from tracedb.lake.scan import scan_keys, scan_traces
+from tracedb.lake.scan import scan_keys, visible_traces
 from tracedb.sqltext import quote_identifier
 
 VISIBLE_SETS = "vis_sets"
@@ -61,17 +61,12 @@ def visible(
     if group is not None:
         groups = [group] if isinstance(group, str) else list(group)
         row_filter = In("group_id", groups) if trace_ids is None else row_filter & In("group_id", groups)
+    traces = visible_traces(lake.table("traces"), row_filter)
     if trace_ids is not None and not trace_ids:
-        selected_traces = scan_traces(lake.table("traces"), row_filter).slice(0, 0)
-    else:
-        selected_traces = scan_traces(lake.table("traces"), row_filter)
+        traces = traces.slice(0, 0)
+    if after is not None:  # on the visible rows: a trace committed at or before `after` is not taken
+        traces = traces.filter(pc.greater(traces.column("seq"), int(after)))
     con = duckdb.connect()
-    con.register("raw_traces", selected_traces)
-    where = "" if after is None else f"WHERE seq > {int(after)}"
-    traces = con.sql(
-        f"SELECT * FROM raw_traces {where} QUALIFY row_number() OVER (PARTITION BY trace_id ORDER BY seq, {BATCH}) = 1 "
-        "ORDER BY seq, trace_id"
-    ).to_arrow_table()
     con.register("vis", traces)
     ids = traces.column("trace_id").to_pylist()
     out: dict[str, pa.Table] = {"traces": _stored("traces", traces)}

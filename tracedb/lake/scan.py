@@ -1,12 +1,13 @@
 """Reading Iceberg files of a lake as Arrow: what every reader of a lake starts from.
 
 :func:`scan_traces` gives the ``traces`` rows with their ``seq`` (stored in the row by a
-compaction, else the data sequence number of the file that committed it). :func:`scan_keys` gives the rows of a set
-of keys (trace ids, segment ids, ...) reading only the files of the keys' hash buckets:
-the buckets are computed as Iceberg computes them (pyiceberg's bucket transform, in
-Rust, over the whole key array) and the rows filtered in Arrow. A pyiceberg ``In`` row
-filter does the same pruning, but binds and projects every literal in Python, once per
-manifest entry: seconds for the thousands of segment ids a few traces use.
+compaction, else the data sequence number of the file that committed it), and
+:func:`visible_traces` the visible ones of them (one per trace id: every reader's rule).
+:func:`scan_keys` gives the rows of a set of keys (trace ids, segment ids, ...) reading
+only the files of the keys' hash buckets: the buckets are computed as Iceberg computes
+them (pyiceberg's bucket transform, in Rust, over the whole key array) and the rows
+filtered in Arrow. A pyiceberg ``In`` row filter does the same pruning, but binds and
+projects every literal in Python, once per manifest entry: seconds for the thousands of segment ids a few traces use.
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ from bisect import bisect_left
 from collections.abc import Collection, Sequence
 from typing import Any
 
+import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyiceberg.conversions import from_bytes
 from pyiceberg.expressions import AlwaysTrue, BooleanExpression
 from pyiceberg.io.pyarrow import ArrowScan, schema_to_pyarrow
 from pyiceberg.transforms import BucketTransform
+
+from tracedb.lake.catalog import BATCH
 
 
 def scan_traces(
@@ -62,6 +66,31 @@ def scan_traces(
     if not parts:
         return table.scan(row_filter=row_filter, selected_fields=fields, limit=0).to_arrow()
     return pa.concat_tables(parts, promote_options="permissive")  # files may differ in string vs large_string
+
+
+def visible_traces(
+    table: Any,
+    row_filter: BooleanExpression = AlwaysTrue(),
+    columns: Sequence[str] | None = None,
+    *,
+    stored_from: Collection[int] | None = None,
+) -> pa.Table:
+    """The visible ``traces`` rows among those ``row_filter`` keeps: one per trace id,
+    the first by ``seq`` then :data:`BATCH` (a trace id two racing writers committed
+    shows its first commit), ordered by ``seq`` then trace id; ``columns`` reads only
+    those (with ``trace_id``, :data:`BATCH` and ``seq``). ``seq`` and ``stored_from`` are
+    :func:`scan_traces`'."""
+    picked = None if columns is None else [*columns, "trace_id", BATCH]
+    raw = scan_traces(table, row_filter, picked, stored_from=stored_from)
+    con = duckdb.connect()
+    try:
+        con.register("raw_traces", raw)
+        return con.sql(
+            f"SELECT * FROM raw_traces QUALIFY row_number() OVER (PARTITION BY trace_id ORDER BY seq, {BATCH}) = 1 "
+            "ORDER BY seq, trace_id"
+        ).to_arrow_table()
+    finally:
+        con.close()
 
 
 def bucket_of(table: Any, column: str) -> tuple[int, BucketTransform] | None:
@@ -133,4 +162,4 @@ def scan_keys(table: Any, column: str, keys: Sequence[Any], columns: Sequence[st
     return pa.concat_tables(parts, promote_options="permissive")
 
 
-__all__ = ["bucket_of", "bucket_order", "scan_keys", "scan_traces"]
+__all__ = ["bucket_of", "bucket_order", "scan_keys", "scan_traces", "visible_traces"]

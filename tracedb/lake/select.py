@@ -24,7 +24,7 @@ from pyiceberg.expressions import AlwaysTrue, BooleanExpression, In
 
 from tracedb.handle import Handle
 from tracedb.lake import catalog
-from tracedb.lake.scan import scan_traces
+from tracedb.lake.scan import scan_traces, visible_traces
 from tracedb.views import Selection, resolve
 
 TRACE_COLUMNS = ["trace_id", "group_id", "episode_id", "n_tokens", catalog.BATCH]
@@ -60,15 +60,15 @@ def _filter(
 
 
 def _traces(table: Any, selection: Selection) -> pa.Table:
-    """The ``traces`` rows ``selection`` may need (see the module's docstring)."""
+    """The visible ``traces`` rows ``selection`` may need (see the module's docstring)."""
     narrow = _filter(selection.trace_ids, selection.group, selection.episode)
     if selection.complete_groups is None:
-        return scan_traces(table, narrow, TRACE_COLUMNS)
+        return visible_traces(table, narrow, TRACE_COLUMNS)
     if selection.trace_ids is None and selection.episode is None:
-        return scan_traces(table, _filter(None, selection.group, None), TRACE_COLUMNS)
+        return visible_traces(table, _filter(None, selection.group, None), TRACE_COLUMNS)
     chosen = scan_traces(table, narrow, ["group_id"]).column("group_id")  # the groups it may take, all their members
     groups = pc.unique(chosen.filter(pc.is_valid(chosen))).to_pylist()
-    return scan_traces(table, In("group_id", groups), TRACE_COLUMNS)
+    return visible_traces(table, In("group_id", groups), TRACE_COLUMNS)
 
 
 def _tags(lake: catalog.Opened, selection: Selection) -> pa.Table:
@@ -94,8 +94,7 @@ def resolve_lake(lake: catalog.Opened, selection: Selection) -> tuple[list[str],
     try:
         con.register("lake_traces", _traces(table, selection).select([*TRACE_COLUMNS, "seq"]))
         con.execute(
-            "CREATE TEMP TABLE traces AS SELECT * FROM lake_traces WHERE seq IS NOT NULL AND seq <= ? "
-            f"QUALIFY row_number() OVER (PARTITION BY trace_id ORDER BY seq, {catalog.BATCH}) = 1",
+            "CREATE TEMP TABLE traces AS SELECT * FROM lake_traces WHERE seq <= ?",
             [mark],
         )
         if selection.tags is not None:

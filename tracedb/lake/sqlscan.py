@@ -66,7 +66,7 @@ from pyiceberg.expressions import (
 
 from tracedb.lake import read
 from tracedb.lake.catalog import BATCH, lake_tables, per_trace
-from tracedb.lake.scan import scan_traces
+from tracedb.lake.scan import visible_traces
 from tracedb.sqltext import load_sql, quote_identifier
 
 KEYS = ("trace_id", "segment_id", "episode_id", "group_id")
@@ -120,7 +120,7 @@ class ScanReport:
     files: dict[str, int] = field(default_factory=dict)
     """Data files scanned per table."""
     rows: dict[str, int] = field(default_factory=dict)
-    """Rows scanned per table (before the visibility rule)."""
+    """Rows scanned per table (before the visibility rule; of ``traces``, the visible ones)."""
     filters: dict[str, str] = field(default_factory=dict)
     """The row filter each table was scanned with."""
 
@@ -404,7 +404,7 @@ class _Reader:
         tasks = list(scan.plan_files())
         self.report.files[name] = self.report.files.get(name, 0) + len(tasks)
         if name == "traces":
-            got = scan_traces(table, row_filter, [c for c in fields if c != "seq"])
+            got = visible_traces(table, row_filter, [c for c in fields if c != "seq"])
         else:
             got = scan.to_arrow() if tasks else pa.Table.from_batches([], table.schema().select(*fields).as_arrow())
         self.report.rows[name] = self.report.rows.get(name, 0) + got.num_rows
@@ -443,11 +443,7 @@ def read_for(lake: Any, scans: list[Scan]) -> tuple[dict[str, pa.Table], ScanRep
         else:
             trace_filter = Or(own, In("trace_id", sorted(wanted))) if wanted else own
         trace_columns = {"trace_id", BATCH, "episode_id", "seq", *columns.get("traces", ())}
-        raw = reader.scan("traces", trace_filter, trace_columns)
-        con.register("raw_traces", raw)
-        vis = con.sql(
-            f"SELECT * FROM raw_traces QUALIFY row_number() OVER (PARTITION BY trace_id ORDER BY seq, {BATCH}) = 1"
-        ).to_arrow_table()
+        vis = reader.scan("traces", trace_filter, trace_columns)  # the visible rows
         con.register("vis", vis)
         reader.read["traces"] = vis
         out["traces"] = vis
