@@ -61,8 +61,11 @@ class Lake(catalog.Opened):
         return read.visible(self, trace_ids=trace_ids, group=group, after=after)
 
     def watermark(self) -> int:
-        """The highest ``seq`` of a visible trace (0 before the first): the sequence
-        number of the latest traces commit."""
+        """The sequence number of the latest ``traces`` commit (0 before the first): at
+        least the highest ``seq`` of a visible trace, higher after a compaction or upgrade
+        rewrote ``traces`` (the rewrite is a commit, its rows keep their ``seq``). Every
+        trace committed later gets a ``seq`` above it, so it is the ``after`` that selects
+        exactly those."""
         snapshot = self.table("traces").current_snapshot()
         return 0 if snapshot is None else snapshot.sequence_number
 
