@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate
+from itertools import accumulate, islice
 from pathlib import Path
 from typing import Any
 
@@ -155,11 +155,10 @@ def ingest(
     files = [p.resolve() for p in find_files(paths)]
     limit = workers or max(1, int(ray.available_resources().get("CPU", 1)))
     sizes = {p: p.stat().st_size for p in files}
-    large = [p for p in files if splittable(p) and sizes[p] > range_bytes]
-    counting = ray.remote(max_retries=3)(measure)
-    calls = [(counting, (str(p), at, to, sizes[p])) for p in large for at, to in spans(sizes[p], range_bytes)]
-    measured = iter(_run(ray, calls, limit))
-    ranges = [r for p in large for r in numbered(str(p), [next(measured) for _ in spans(sizes[p], range_bytes)])]
+    large = {p: spans(sizes[p], range_bytes) for p in files if splittable(p) and sizes[p] > range_bytes}
+    counting = ray.remote(max_retries=3)(measure)  # first round: every span of every large file at once
+    measured = iter(_run(ray, [(counting, (str(p), *s, sizes[p])) for p, cut in large.items() for s in cut], limit))
+    ranges = [r for p, cut in large.items() for r in numbered(str(p), list(islice(measured, len(cut))))]
     groups: list[list[str | ByteRange]] = [*chunks([str(p) for p in files if p not in large], files_per_task)]
     groups += [[r] for r in ranges]
     task = ray.remote(max_retries=3, retry_exceptions=False)(ingest_files)
