@@ -123,6 +123,14 @@ def measure(jsonl: Path, workdir: Path, shards: int) -> dict[str, Any]:
             out["lake_compact_s"] = time.perf_counter() - started
             out["lake_files_before_compact"] = sum(e["files_before"] for e in compacted.tables.values())
             out["lake_files_after_compact"] = sum(e["files_after"] for e in compacted.tables.values())
+            started = time.perf_counter()  # the same views over one file per partition
+            parts = ray.get(lake.branches(train_once=True, traces_per_task=max(1, n_traces // 4)).to_arrow_refs())
+            out["lake_views_compacted_s"] = time.perf_counter() - started
+            if not pa.concat_tables(parts).sort_by(key).equals(views.sort_by(key)):
+                raise CorrectnessError("lake.branches after compaction differs from db.branches")
+            started = time.perf_counter()
+            lake.micro_batches(32_768, ranks=8)
+            out["lake_micro_batches_compacted_s"] = time.perf_counter() - started
         finally:
             ray.shutdown()
         return out
@@ -211,6 +219,14 @@ def render(results: dict[str, Any]) -> str:
         ("micro_batches (file)", m["file_micro_batches_s"], _rate(t, m["file_micro_batches_s"]), ""),
         ("micro_batches (lake)", m["lake_micro_batches_s"], _rate(t, m["lake_micro_batches_s"]), ""),
         ("lake compact", m["lake_compact_s"], "", ""),
+        *(
+            (label, m[k], _rate(t, m[k]), "")
+            for label, k in (
+                ("views (lake, after compact)", "lake_views_compacted_s"),
+                ("micro_batches (lake, after compact)", "lake_micro_batches_compacted_s"),
+            )
+            if k in m
+        ),
     ]
     lines = [f"measured: {t} traces, {k:,} tokens, {m['shards']} shard files (2 cores, driver included)"]
     lines += [f"  {name:<34} {s:8.2f} s  {a:>12} traces  {b:>14} tokens" for name, s, a, b in rows]
