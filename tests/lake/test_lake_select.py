@@ -272,3 +272,37 @@ def test_lake_pack_takes_complete_groups_and_tags(stores, tmp_path):
     assert bad.exit_code == 2 and "both numbers or both strings" in bad.output
     bad = run(app, [*short, "--complete-groups", "0"])
     assert bad.exit_code == 2 and "complete_groups is a group size" in bad.output
+
+
+@pytest.mark.parametrize(
+    "selection",
+    [
+        {"complete_groups": 8},
+        {"tags": {"step": (2, None)}},
+        {"complete_groups": 8, "tags": {"name": "gamma"}, "after": 1},
+        {"through": 2},
+    ],
+)
+def test_pull_takes_the_selections_of_branches(stores, tmp_path, selection):
+    db, lake, bound = stores
+    want = sorted(_expected(db, bound, **selection))
+    assert lake.pull(tmp_path / "local.duckdb", **selection) == len(want) > 0
+    with tracedb.connect(tmp_path / "local.duckdb", read_only=True) as local:
+        got = local.sql("SELECT trace_id FROM traces ORDER BY trace_id").column("trace_id").to_pylist()
+        assert got == want
+        assert all(local.trace(t) == db.trace(t) for t in got[:3])
+
+
+def test_lake_pull_cli_selects_and_refuses_bad_filters(stores, tmp_path):
+    db, lake, bound = stores
+    runner = CliRunner()
+    local = tmp_path / "pulled.duckdb"
+    args = ["lake", "pull", "--lake", lake.where, "--db", str(local), "--json"]
+    done = runner.invoke(app, [*args, "--complete-groups", "8", "--tag", "step=2.."])
+    assert done.exit_code == 0, done.output
+    want = _expected(db, bound, complete_groups=8, tags={"step": (2, None)})
+    assert json.loads(done.output)["traces"] == len(want) > 0
+    bad = runner.invoke(app, [*args, "--tag", "step=1..z"])
+    assert bad.exit_code == 2 and "both numbers or both strings" in bad.output
+    worse = runner.invoke(app, [*args, "--complete-groups", "0"])
+    assert worse.exit_code == 2 and "complete_groups is a group size" in worse.output

@@ -97,14 +97,22 @@ def pull(
     db: DbOption = Path("tracedb.duckdb"),
     trace_ids: Annotated[str | None, typer.Option("--trace-ids", help="Comma-separated trace ids.")] = None,
     group: Annotated[list[str] | None, typer.Option("--group", help="A group id (repeatable).")] = None,
-    after: Annotated[int | None, typer.Option("--after", help="Only traces committed after this seq.")] = None,
+    episode: Annotated[list[str] | None, typer.Option("--episode", help="An episode id (repeatable).")] = None,
+    after: AfterOption = None,
+    complete_groups: CompleteGroupsOption = None,
+    through: ThroughOption = None,
+    tag: TagFilterOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Pull the selected traces (all by default) from the lake into a local file."""
+    """Pull the selected traces (all by default) from the lake into a local file (the
+    selection options of ``tracedb lake pack``)."""
+    live = live_selection(after, complete_groups, through, tag)
     opened = _open(lake)
     ids = None if trace_ids is None else [t.strip() for t in trace_ids.split(",") if t.strip()]
     try:
-        added = opened.pull(db, trace_ids=ids, group=group or None, after=after)  # type: ignore[attr-defined]
+        added = opened.pull(db, trace_ids=ids, group=group or None, episode=episode or None, **live)  # type: ignore[attr-defined]
+    except ValueError as e:  # a bad selection (the file store's message)
+        raise fail(e, 2) from None
     except TraceDBError as e:
         raise fail(e) from None
     emit({"db": str(db), "traces": added}, as_json)

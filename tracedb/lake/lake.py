@@ -75,12 +75,33 @@ class Lake(catalog.Opened):
         *,
         trace_ids: Sequence[str] | None = None,
         group: str | Sequence[str] | None = None,
+        episode: str | Sequence[str] | None = None,
         after: int | None = None,
+        complete_groups: int | None = None,
+        tags: Mapping[str, Any] | None = None,
+        through: int | None = None,
     ) -> int:
         """Write the selected visible traces (all by default) into a file store (created
-        if missing), skipping those it holds; returns how many were added. ``db.trace()``
-        of a pulled trace equals what the pushed file store returned."""
-        rows = self.tables(trace_ids=trace_ids, group=group, after=after)
+        if missing), skipping those it holds; returns how many were added. The selection
+        is :meth:`branches`' (``after`` / ``through`` / ``complete_groups`` on the lake's
+        ``seq``, ``tags`` on its ``trace_tags``). ``db.trace()`` of a pulled trace equals
+        what the pushed file store returned."""
+        if episode is None and complete_groups is None and tags is None and through is None:
+            rows = self.tables(trace_ids=trace_ids, group=group, after=after)
+        else:
+            from tracedb.lake.select import select_ids
+
+            chosen = select_ids(
+                self,
+                trace_ids=trace_ids,
+                group=group,
+                episode=episode,
+                after=after,
+                complete_groups=complete_groups,
+                tags=tags,
+                through=through,
+            )
+            rows = self.tables(trace_ids=chosen)
         with _opened(db, read_only=False) as database:
             return move.write_into(database, rows)
 
