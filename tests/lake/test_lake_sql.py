@@ -182,3 +182,17 @@ def test_what_cannot_be_planned_reads_everything_and_errors_are_duckdbs(lake):
         lake.sql("SELECT * FROM no_such_table")
     empty = lake.sql("SELECT * FROM traces WHERE trace_id = 'no-such-trace'")
     assert empty.num_rows == 0 and empty.schema.names == pa.schema(lake.tables()["traces"].schema).names
+
+
+def test_large_key_sets_are_read_by_key(lake, store, monkeypatch):
+    """Every visible node's segments (thousands of ids) are read by key, not through a
+    pyiceberg In filter of every id, and give the file store's answers."""
+    monkeypatch.setattr(sqlscan, "KEY_SCAN_MIN", 8)  # the golden fixtures hold a few hundred segments
+    query = "SELECT count(*) AS n, sum(len(token_ids)) AS tokens FROM node_tokens()"
+    got, report = sqlscan.run(lake, query)
+    assert "scan_keys" in report.filters["segments"] and report.files["segments"] >= 1
+    with tracedb.connect(store, read_only=True) as db:
+        assert got.to_pylist() == db.sql(query).to_pylist()
+    monkeypatch.setattr(sqlscan, "KEY_SCAN_MIN", 10**9)  # the In filter path: the same answer
+    again, report = sqlscan.run(lake, query)
+    assert "scan_keys" not in report.filters["segments"] and again.equals(got)

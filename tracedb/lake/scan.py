@@ -130,11 +130,14 @@ def _may_hold(data_file: Any, field_id: int, field_type: Any, ordered: list[Any]
     return at < len(ordered) and ordered[at] <= high
 
 
-def scan_keys(table: Any, column: str, keys: Sequence[Any], columns: Sequence[str] | None = None) -> pa.Table:
+def scan_keys(
+    table: Any, column: str, keys: Sequence[Any], columns: Sequence[str] | None = None, files: list[str] | None = None
+) -> pa.Table:
     """The rows of ``table`` whose ``column`` is one of ``keys``, reading only the data
     files of the keys' buckets (all files when the table is not bucketed on ``column``);
     ``columns`` (with ``column``) reads only those. Files whose key bounds (manifest
-    metrics) admit none of the keys are skipped too. Rows keep the files' order."""
+    metrics) admit none of the keys are skipped too; ``files`` (a list) gets the paths of
+    the data files read. Rows keep the files' order."""
     schema = table.schema()
     projected = schema if columns is None else schema.select(*dict.fromkeys([*columns, column]))
     wanted = pa.array(list(dict.fromkeys(keys)))
@@ -150,6 +153,8 @@ def scan_keys(table: Any, column: str, keys: Sequence[Any], columns: Sequence[st
         tasks = [t for t in tasks if t.file.spec_id != spec or t.file.partition[position] in buckets]
     ordered = sorted(wanted.to_pylist())
     tasks = [t for t in tasks if _may_hold(t.file, field.field_id, field.field_type, ordered)]
+    if files is not None:  # the data files read, for a caller's report
+        files.extend(t.file.file_path for t in tasks)
     scan = ArrowScan(table.metadata, table.io, projected, AlwaysTrue())
     parts = [
         pa.Table.from_batches(

@@ -66,12 +66,15 @@ from pyiceberg.expressions import (
 
 from tracedb.lake import read
 from tracedb.lake.catalog import BATCH, lake_tables, per_trace
-from tracedb.lake.scan import visible_traces
+from tracedb.lake.scan import scan_keys, visible_traces
 from tracedb.sqltext import load_sql, quote_identifier
 
 KEYS = ("trace_id", "segment_id", "episode_id", "group_id")
 """The columns a join may carry a reduction on (the lake's keys)."""
 REDUCTION_LIMIT = 20_000
+KEY_SCAN_MIN = 256
+"""Key sets larger than this are read by key (:func:`tracedb.lake.scan.scan_keys`), not
+as a pyiceberg ``In`` row filter."""
 """The most key values one reduction sends to a scan as an ``IN`` list (more: not reduced)."""
 UNSTORED = {"traces": {"seq"}}
 """Columns a reader computes (never pushed to Iceberg)."""
@@ -397,9 +400,30 @@ class _Reader:
                     keys[key] = None if key not in held else (keys.get(key) or set()) | held[key]
         return (reduce(Or, terms) if terms else AlwaysFalse()), keys
 
-    def scan(self, name: str, row_filter: BooleanExpression, columns: Iterable[str]) -> pa.Table:
+    def scan(
+        self,
+        name: str,
+        row_filter: BooleanExpression,
+        columns: Iterable[str],
+        keys: tuple[str, set[Any]] | None = None,
+    ) -> pa.Table:
+        """The rows of ``name`` that ``row_filter`` keeps (``columns`` of them). With
+        ``keys`` (a column the table is bucketed on and the values ``row_filter`` holds
+        it to) of more than :data:`KEY_SCAN_MIN` values, the rows of those keys are read
+        by :func:`~tracedb.lake.scan.scan_keys` instead (pyiceberg binds an ``In`` filter
+        literal by literal: a minute for every segment id of a 256-trace lake); the rest
+        of ``row_filter`` is then not pushed, which reads a superset: the query applies
+        every filter again."""
         table = self.lake.table(name)
         fields = tuple(dict.fromkeys(c for c in columns if c in table.schema().column_names))
+        if keys is not None and len(keys[1]) > KEY_SCAN_MIN and name != "traces":
+            files: list[str] = []
+            got = scan_keys(table, keys[0], sorted(keys[1]), [c for c in fields if c != keys[0]], files=files)
+            got = got.select([c for c in fields if c in got.column_names])
+            self.report.files[name] = self.report.files.get(name, 0) + len(files)
+            self.report.rows[name] = self.report.rows.get(name, 0) + got.num_rows
+            self.report.filters[name] = f"{keys[0]} in {len(keys[1])} keys (scan_keys)"
+            return got
         scan = table.scan(row_filter=row_filter, selected_fields=fields)
         tasks = list(scan.plan_files())
         self.report.files[name] = self.report.files.get(name, 0) + len(tasks)
@@ -452,14 +476,15 @@ def read_for(lake: Any, scans: list[Scan]) -> tuple[dict[str, pa.Table], ScanRep
         for name in sorted(used - {"traces"}, key=_order):
             if name == "segments":
                 continue
-            row_filter, _ = reader.restriction(name)
+            row_filter, keys_of = reader.restriction(name)
             if name in ("rejects", "credit_sets"):
                 row_filter = AlwaysTrue()  # deduplicated over all their columns: read whole (small)
             keys = {"trace_id", BATCH} if per_trace(name, schemas[name]) else {"episode_id", BATCH}
             need = columns.get(name, set()) | (
                 keys if name not in ("rejects", "credit_sets") else set(schemas[name].names)
             )
-            raw = reader.scan(name, row_filter, need)
+            held = keys_of.get("trace_id") if per_trace(name, schemas[name]) else None
+            raw = reader.scan(name, row_filter, need, keys=None if held is None else ("trace_id", held))
             out[name] = read.visible_rows(con, name, raw)
             if name == "credit_sets":
                 con.register(read.VISIBLE_SETS, out[name].select(["name"]))
@@ -489,7 +514,7 @@ def _segments(con: duckdb.DuckDBPyConnection, reader: _Reader, columns: set[str]
         row_filter = And(row_filter, In("segment_id", sorted(used))) if used else AlwaysFalse()
     if not used:
         row_filter = AlwaysFalse()
-    raw = reader.scan("segments", row_filter, columns | {"segment_id"})
+    raw = reader.scan("segments", row_filter, columns | {"segment_id"}, keys=("segment_id", used))
     con.register("raw", raw)
     con.register("used", pa.table({"segment_id": pa.array(sorted(used), pa.binary())}))
     try:
