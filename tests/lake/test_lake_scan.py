@@ -91,3 +91,17 @@ def test_bucket_order_groups_keys_by_bucket_keeping_their_order(lake):
         assert [t for t in ordered if of(t) == b] == [t for t in ids if of(t) == b]
     assert scan.bucket_order(nodes, "trace_id", []) == []
     assert scan.bucket_order(nodes, "role", ["b", "a"]) == ["b", "a"]
+
+
+def test_traces_by_key_equal_an_in_filter_with_their_seq(lake):
+    traces = lake.table("traces")
+    ids = sorted(set(traces.scan().to_arrow().column("trace_id").to_pylist()))[::3]
+    by_key = scan.scan_traces(traces, trace_ids=ids)
+    by_filter = scan.scan_traces(traces, In("trace_id", ids))
+    key = [("trace_id", "ascending"), ("seq", "ascending")]
+    assert by_key.num_rows == len(ids) and by_key.sort_by(key).equals(by_filter.sort_by(key))
+    assert scan.visible_traces(traces, trace_ids=ids).column("trace_id").to_pylist() == (
+        scan.visible_traces(traces, In("trace_id", ids)).column("trace_id").to_pylist()
+    )
+    assert scan.scan_traces(traces, trace_ids=[]).num_rows == 0
+    assert scan.scan_traces(traces, trace_ids=["no-such-trace"]).num_rows == 0

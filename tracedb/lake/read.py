@@ -52,18 +52,15 @@ def visible(
 ) -> dict[str, pa.Table]:
     """Every lake table, by name, holding the visible rows of the selected traces (all
     when nothing is selected), in the stored schemas, ``traces`` ordered by ``seq`` then
-    trace id. ``trace_ids`` and ``group`` filter the scans (pushed down as row filters:
-    the buckets of other trace ids are not read); ``after`` keeps traces of ``seq > after``."""
+    trace id. ``trace_ids`` and ``group`` filter the scans (the files of other trace ids'
+    buckets are not read: :func:`~tracedb.lake.scan.scan_keys`; ``group`` a row filter);
+    ``after`` keeps traces of ``seq > after``."""
     selected = trace_ids is not None or group is not None
     row_filter: BooleanExpression = AlwaysTrue()
-    if trace_ids is not None:
-        row_filter = In("trace_id", list(trace_ids))
     if group is not None:
-        groups = [group] if isinstance(group, str) else list(group)
-        row_filter = In("group_id", groups) if trace_ids is None else row_filter & In("group_id", groups)
-    traces = visible_traces(lake.table("traces"), row_filter)
-    if trace_ids is not None and not trace_ids:
-        traces = traces.slice(0, 0)
+        row_filter = In("group_id", [group] if isinstance(group, str) else list(group))
+    ids = None if trace_ids is None else list(trace_ids)
+    traces = visible_traces(lake.table("traces"), row_filter, trace_ids=ids)  # ids read by key
     if after is not None:  # on the visible rows: a trace committed at or before `after` is not taken
         traces = traces.filter(pc.greater(traces.column("seq"), int(after)))
     con = duckdb.connect()

@@ -33,8 +33,10 @@ def scan_traces(
     columns: Sequence[str] | None = None,
     *,
     stored_from: Collection[int] | None = None,
+    trace_ids: Sequence[str] | None = None,
 ) -> pa.Table:
-    """The traces rows (with :data:`BATCH`) that ``row_filter`` keeps, with their ``seq``:
+    """The traces rows (with :data:`BATCH`) that ``row_filter`` keeps (and, given
+    ``trace_ids``, of those ids: read by key as :func:`scan_keys` reads), with their ``seq``:
     the value stored in the row when there is one (a compaction of ``traces`` writes each
     row's seq into it), else the data sequence number of the file holding the row (the
     commit of a write, whose rows carry no seq); ``columns`` (with ``seq``) reads only
@@ -52,9 +54,17 @@ def scan_traces(
     }
     projected = table.schema() if columns is None else table.schema().select(*fields)
     scan = ArrowScan(table.metadata, table.io, projected, row_filter)
+    tasks = list(table.scan(row_filter=row_filter).plan_files())
+    wanted = None if trace_ids is None else pa.array(list(dict.fromkeys(trace_ids)), pa.string())
+    if wanted is not None:
+        tasks = key_tasks(table, "trace_id", wanted, tasks) if len(wanted) else []
     parts = []
-    for task in table.scan(row_filter=row_filter).plan_files():
+    for task in tasks:
         part = scan.to_table([task])
+        if wanted is not None:
+            part = part.filter(
+                pc.is_in(part.column("trace_id"), value_set=wanted.cast(part.schema.field("trace_id").type))
+            )
         at = part.schema.get_field_index("seq")
         number, added_by = files[task.file.file_path]
         file_seq = pa.scalar(number, pa.int64())
@@ -74,14 +84,15 @@ def visible_traces(
     columns: Sequence[str] | None = None,
     *,
     stored_from: Collection[int] | None = None,
+    trace_ids: Sequence[str] | None = None,
 ) -> pa.Table:
-    """The visible ``traces`` rows among those ``row_filter`` keeps: one per trace id,
+    """The visible ``traces`` rows among those ``row_filter`` (and ``trace_ids``) keeps: one per trace id,
     the first by ``seq`` then :data:`BATCH` (a trace id two racing writers committed
     shows its first commit), ordered by ``seq`` then trace id; ``columns`` reads only
     those (with ``trace_id``, :data:`BATCH` and ``seq``). ``seq`` and ``stored_from`` are
     :func:`scan_traces`'."""
     picked = None if columns is None else [*columns, "trace_id", BATCH]
-    raw = scan_traces(table, row_filter, picked, stored_from=stored_from)
+    raw = scan_traces(table, row_filter, picked, stored_from=stored_from, trace_ids=trace_ids)
     con = duckdb.connect()
     try:
         con.register("raw_traces", raw)
@@ -119,6 +130,21 @@ def bucket_order(table: Any, column: str, keys: Sequence[Any]) -> list[Any]:
     return values.take(order).to_pylist()
 
 
+def key_tasks(table: Any, column: str, wanted: pa.Array, tasks: list[Any]) -> list[Any]:
+    """The scan tasks (data files) of ``tasks`` that may hold one of the keys ``wanted``
+    of ``column``: those of the keys' buckets (when the table is bucketed on it) whose
+    manifest bounds of ``column`` admit one of them."""
+    field = table.schema().find_field(column)
+    where = bucket_of(table, column)
+    if where is not None:
+        position, transform = where
+        buckets = set(pc.unique(transform.pyarrow_transform(field.field_type)(wanted)).to_pylist())
+        spec = table.spec().spec_id  # files of another (older) spec are not pruned by bucket
+        tasks = [t for t in tasks if t.file.spec_id != spec or t.file.partition[position] in buckets]
+    ordered = sorted(wanted.to_pylist())
+    return [t for t in tasks if _may_hold(t.file, field.field_id, field.field_type, ordered)]
+
+
 def _may_hold(data_file: Any, field_id: int, field_type: Any, ordered: list[Any]) -> bool:
     """Whether a data file's bounds of the key column (its manifest metrics: the
     smallest and largest key, truncated outward) admit one of the ``ordered`` keys."""
@@ -143,16 +169,7 @@ def scan_keys(
     wanted = pa.array(list(dict.fromkeys(keys)))
     if not len(wanted) or table.current_snapshot() is None:
         return schema_to_pyarrow(projected).empty_table()
-    field = schema.find_field(column)
-    tasks = list(table.scan().plan_files())
-    where = bucket_of(table, column)
-    if where is not None:
-        position, transform = where
-        buckets = set(pc.unique(transform.pyarrow_transform(field.field_type)(wanted)).to_pylist())
-        spec = table.spec().spec_id  # files of another (older) spec are not pruned by bucket
-        tasks = [t for t in tasks if t.file.spec_id != spec or t.file.partition[position] in buckets]
-    ordered = sorted(wanted.to_pylist())
-    tasks = [t for t in tasks if _may_hold(t.file, field.field_id, field.field_type, ordered)]
+    tasks = key_tasks(table, column, wanted, list(table.scan().plan_files()))
     if files is not None:  # the data files read, for a caller's report
         files.extend(t.file.file_path for t in tasks)
     scan = ArrowScan(table.metadata, table.io, projected, AlwaysTrue())
@@ -167,4 +184,4 @@ def scan_keys(
     return pa.concat_tables(parts, promote_options="permissive")
 
 
-__all__ = ["bucket_of", "bucket_order", "scan_keys", "scan_traces", "visible_traces"]
+__all__ = ["bucket_of", "bucket_order", "key_tasks", "scan_keys", "scan_traces", "visible_traces"]
