@@ -2,12 +2,16 @@
 """Set up and run tracedb with nothing but Python 3.11+ and pip.
 
     python3 dev.py demo    # the main job: sample rollouts -> DuckDB file -> views, SQL, export
-    python3 dev.py test    # ruff + the whole test suite
+    python3 dev.py test    # ruff + the whole test suite (on min(2, cores) pytest-xdist workers)
     python3 dev.py bench   # benchmarks against verifiers, side by side
     python3 dev.py tracedb ARGS...   # the CLI inside the environment
 
 Each command first makes sure ``.venv`` exists with tracedb and its test dependencies
 installed (re-installing when pyproject.toml changed).
+
+``dev.py test ARGS...`` passes ARGS to pytest (``-k NAME``, a test path, ``-x``). The suite
+runs on ``min(2, cores)`` pytest-xdist workers; ``TRACEDB_TEST_WORKERS=N`` sets the count
+(``0`` or ``1``: one process, no workers), and so does an ``-n N`` among ARGS.
 """
 
 from __future__ import annotations
@@ -29,6 +33,27 @@ def run(*args: str | Path) -> None:
     result = subprocess.run([str(a) for a in args], cwd=ROOT)
     if result.returncode:
         sys.exit(result.returncode)
+
+
+def test_workers(args: list[str]) -> list[str]:
+    """The pytest-xdist arguments for ``dev.py test``: none when ``args`` already choose
+    (``-n``, ``--numprocesses``, ``-p no:xdist``), else ``-n N`` with N from
+    ``TRACEDB_TEST_WORKERS`` or ``min(2, cores)``; none when N is below 2."""
+    if any(a.startswith(("-n", "--numprocesses")) or a in ("no:xdist", "-pno:xdist") for a in args):
+        return []
+    chosen = os.environ.get("TRACEDB_TEST_WORKERS", "").strip()
+    if chosen:
+        if not chosen.isdigit():
+            sys.exit(f"dev.py: TRACEDB_TEST_WORKERS={chosen!r} is not a whole number of workers")
+        workers = int(chosen)
+    else:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        workers = min(2, cores)
+    # loadfile: a test module runs whole on one worker, in its order, as it does alone, so
+    # its module fixtures (a benchmark run, a wheel build, a browser, Ray) are made once.
+    # Modules go out in collection order (tests/conftest.py puts the longest first), not
+    # xdist's default of most tests first, which left one-test modules like Ray's for last.
+    return ["-n", str(workers), "--dist", "loadfile", "--no-loadscope-reorder"] if workers >= 2 else []
 
 
 def setup() -> None:
@@ -58,9 +83,10 @@ def main(argv: list[str]) -> None:
     if command == "demo":
         run(BIN / "tracedb", "demo", "--db", "tracedb-demo.duckdb", *rest)
     elif command == "test":
+        workers = test_workers(rest)
         run(BIN / "ruff", "check", ".")
         run(BIN / "ruff", "format", "--check", ".")
-        run(BIN / "python", "-m", "pytest", "-q", *rest)
+        run(BIN / "python", "-m", "pytest", "-q", *workers, *rest)
     elif command == "bench":
         run(BIN / "python", "-m", "benchmarks", *rest)
     elif command == "tracedb":

@@ -3,6 +3,7 @@ tracedb.schema), no top-level ``api``; and ``tracedb serve`` works from that ins
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -22,9 +23,18 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    # Built from a copy of what the wheel is made of: setuptools writes build/ and
+    # *.egg-info into the tree it builds, and two test processes (pytest-xdist workers,
+    # or another checkout's run) must not build in one tree at once.
+    source = tmp_path_factory.mktemp("source")
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, source / name)
+    for name in ("tracedb", "api", "schema"):
+        shutil.copytree(REPO / name, source / name, ignore=skip)
     # Offline: the build backend is the environment's own setuptools.
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation", "-q", "-w", str(out)],
+        [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q", "-w", str(out)],
         check=True,
         capture_output=True,
         timeout=300,

@@ -102,12 +102,19 @@ def test_a_follower_killed_at_random_moments_ends_with_an_offline_ingests_data(t
         writing.join(DEADLINE)
     assert done.is_set(), "the writer did not finish"
 
-    proc, commits = follower(run, db_path)  # the last one: until it has everything
+    # The last one runs until it has everything. The killed ones may have taken it all
+    # already, so one more episode is written while it runs: its commit is always awaited.
+    proc, commits = follower(run, db_path)
+    episodes.append(renamed(base[0], "-last"))
+    lines.append((names[0], (json.dumps(episodes[-1]) + "\n").encode()))
+    with open(run / names[0], "ab") as f:
+        f.write(lines[-1][1])
     try:
-        while time.monotonic() - started < DEADLINE:
+        while True:
             if commits and commits[-1]["watermark"] == len(episodes):
                 break
             assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() - started < DEADLINE, f"seed {seed}: the last follower did not catch up: {commits}"
             time.sleep(0.05)
         time.sleep(0.3)  # one more poll: nothing more may come
     finally:
