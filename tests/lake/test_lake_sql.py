@@ -196,3 +196,31 @@ def test_large_key_sets_are_read_by_key(lake, store, monkeypatch):
     monkeypatch.setattr(sqlscan, "KEY_SCAN_MIN", 10**9)  # the In filter path: the same answer
     again, report = sqlscan.run(lake, query)
     assert "scan_keys" not in report.filters["segments"] and again.equals(got)
+
+
+def test_a_filter_keeping_only_a_losing_writers_row_shows_nothing(tmp_path):
+    """A traces row of a writer that lost the race for a trace id (committed after the
+    winner's) is never shown, even to a query whose filter keeps that row alone."""
+    from tracedb.lake import write
+    from tracedb.lake.move import file_rows
+
+    store = tmp_path / "runs.duckdb"
+    with tracedb.connect(store) as db:
+        db.ingest([FIXTURES / "linear.traces.jsonl", FIXTURES / "forest.traces.jsonl"])
+        one = db.sql("SELECT min(trace_id) AS t FROM traces").column("t")[0].as_py()
+        rows = file_rows(db, [one])
+    lake = lakes.init(tmp_path / "L")
+    lake.push(store)
+    lost = rows["traces"]
+    lost = lost.set_column(lost.schema.get_field_index("reward"), "reward", pa.array([-9.0] * lost.num_rows))
+    lake.table("traces").append(write.lake_rows("traces", lost, "loser"))
+    lake.table("nodes").append(write.lake_rows("nodes", rows["nodes"], "loser"))
+    for query in (
+        "SELECT trace_id, reward FROM traces WHERE reward < -5 ORDER BY ALL",
+        "SELECT count(*) AS n FROM traces t JOIN nodes n USING (trace_id) WHERE t.reward < -5",
+    ):
+        got, report = sqlscan.run(lake, query)
+        assert report.pushed and "reward" in report.filters["traces"]  # the filter reached the scan
+        assert got.equals(_full(lake, query))
+    assert lake.sql("SELECT count(*) AS n FROM traces WHERE reward < -5").column("n")[0].as_py() == 0
+    assert lake.sql("SELECT reward FROM traces WHERE trace_id = ?", [one]).column("reward")[0].as_py() != -9.0

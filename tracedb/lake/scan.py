@@ -20,7 +20,16 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyiceberg.conversions import from_bytes
-from pyiceberg.expressions import AlwaysTrue, BooleanExpression
+from pyiceberg.expressions import (
+    AlwaysFalse,
+    AlwaysTrue,
+    And,
+    BooleanExpression,
+    Not,
+    Or,
+    Reference,
+    UnboundPredicate,
+)
 from pyiceberg.io.pyarrow import ArrowScan, schema_to_pyarrow
 from pyiceberg.transforms import BucketTransform
 
@@ -86,22 +95,48 @@ def visible_traces(
     stored_from: Collection[int] | None = None,
     trace_ids: Sequence[str] | None = None,
 ) -> pa.Table:
-    """The visible ``traces`` rows among those ``row_filter`` (and ``trace_ids``) keeps: one per trace id,
-    the first by ``seq`` then :data:`BATCH` (a trace id two racing writers committed
-    shows its first commit), ordered by ``seq`` then trace id; ``columns`` reads only
-    those (with ``trace_id``, :data:`BATCH` and ``seq``). ``seq`` and ``stored_from`` are
+    """The visible ``traces`` rows among those ``row_filter`` (and ``trace_ids``) keeps:
+    one per trace id, the first by ``seq`` then :data:`BATCH` of all its rows (a trace id
+    two racing writers committed shows its first commit, whether or not ``row_filter``
+    keeps that row), ordered by ``seq`` then trace id; ``columns`` reads only those (with
+    ``trace_id``, :data:`BATCH` and ``seq``). ``seq`` and ``stored_from`` are
     :func:`scan_traces`'."""
     picked = None if columns is None else [*columns, "trace_id", BATCH]
     raw = scan_traces(table, row_filter, picked, stored_from=stored_from, trace_ids=trace_ids)
+    first = f"QUALIFY row_number() OVER (PARTITION BY trace_id ORDER BY seq, {BATCH}) = 1"
     con = duckdb.connect()
     try:
         con.register("raw_traces", raw)
-        return con.sql(
-            f"SELECT * FROM raw_traces QUALIFY row_number() OVER (PARTITION BY trace_id ORDER BY seq, {BATCH}) = 1 "
-            "ORDER BY seq, trace_id"
-        ).to_arrow_table()
+        if _filtered_columns(row_filter) - {"trace_id"} and raw.num_rows:
+            # Which row of a trace id shows is decided over all its rows, not only those the
+            # filter keeps (the filter may keep a losing writer's row alone).
+            found = pc.unique(raw.column("trace_id")).to_pylist()
+            every = scan_traces(table, columns=["trace_id", BATCH], stored_from=stored_from, trace_ids=found)
+            con.register("every_traces", every)
+            con.register(
+                "raw_traces",
+                con.sql(
+                    f"SELECT r.* FROM raw_traces r SEMI JOIN (SELECT trace_id, {BATCH} FROM every_traces {first}) w "
+                    f"ON r.trace_id = w.trace_id AND r.{BATCH} = w.{BATCH}"
+                ).to_arrow_table(),
+            )
+        return con.sql(f"SELECT * FROM raw_traces {first} ORDER BY seq, trace_id").to_arrow_table()
     finally:
         con.close()
+
+
+def _filtered_columns(expression: BooleanExpression) -> set[str]:
+    """The columns a pyiceberg row filter tests (a filter of trace ids alone keeps every
+    row of the ids it keeps); ``"?"`` for a term this does not read."""
+    if isinstance(expression, AlwaysTrue | AlwaysFalse):
+        return set()
+    if isinstance(expression, UnboundPredicate) and isinstance(expression.term, Reference):
+        return {expression.term.name}
+    if isinstance(expression, And | Or):
+        return _filtered_columns(expression.left) | _filtered_columns(expression.right)
+    if isinstance(expression, Not):
+        return _filtered_columns(expression.child)
+    return {"?"}
 
 
 def bucket_of(table: Any, column: str) -> tuple[int, BucketTransform] | None:
