@@ -72,10 +72,10 @@ from tracedb.sqltext import load_sql, quote_identifier
 KEYS = ("trace_id", "segment_id", "episode_id", "group_id")
 """The columns a join may carry a reduction on (the lake's keys)."""
 REDUCTION_LIMIT = 20_000
+"""The most key values one reduction sends to a scan as an ``IN`` list (more: not reduced)."""
 KEY_SCAN_MIN = 256
 """Key sets larger than this are read by key (:func:`tracedb.lake.scan.scan_keys`), not
 as a pyiceberg ``In`` row filter."""
-"""The most key values one reduction sends to a scan as an ``IN`` list (more: not reduced)."""
 UNSTORED = {"traces": {"seq"}}
 """Columns a reader computes (never pushed to Iceberg)."""
 PLANNING_OFF = (
