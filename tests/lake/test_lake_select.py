@@ -223,12 +223,13 @@ BAD = [
     (dict(complete_groups=0), "complete_groups"),
     (dict(complete_groups="8"), "complete_groups"),
     (dict(after=-1), "after"),
+    (dict(after=1.5), "after"),
     (dict(through="x"), "through"),
 ]
 
 
 @pytest.mark.parametrize(("bad", "word"), BAD, ids=[repr(b) for b, _ in BAD])
-def test_bad_selections_get_the_file_stores_errors(stores, bad, word):
+def test_bad_selections_get_the_file_stores_errors(stores, bad, word, tmp_path):
     db, lake, _ = stores
     with pytest.raises(ValueError) as want:
         db.branches(**bad)
@@ -238,6 +239,16 @@ def test_bad_selections_get_the_file_stores_errors(stores, bad, word):
     with pytest.raises(ValueError) as planned:
         lake.micro_batches(512, **bad)
     assert str(planned.value) == str(want.value)
+    with pytest.raises(ValueError) as pulled:  # after= alone is read.visible's, not the selection's
+        lake.pull(tmp_path / "pulled.duckdb", **bad)
+    assert str(pulled.value) == str(want.value)
+
+
+def test_pull_of_one_trace_id_given_as_a_string(stores, tmp_path):
+    db, lake, _ = stores
+    one = db.sql("SELECT min(trace_id) AS t FROM traces").column("t")[0].as_py()
+    assert lake.pull(tmp_path / "a.duckdb", trace_ids=one) == 1 == len(select_ids(lake, trace_ids=one))
+    assert lake.tables(trace_ids=one)["traces"].column("trace_id").to_pylist() == [one]
 
 
 def test_an_empty_lake_selects_nothing(tmp_path):

@@ -46,7 +46,7 @@ def _stored(name: str, table: pa.Table) -> pa.Table:
 def visible(
     lake: Any,
     *,
-    trace_ids: Sequence[str] | None = None,
+    trace_ids: str | Sequence[str] | None = None,
     group: str | Sequence[str] | None = None,
     after: int | None = None,
 ) -> dict[str, pa.Table]:
@@ -54,15 +54,18 @@ def visible(
     when nothing is selected), in the stored schemas, ``traces`` ordered by ``seq`` then
     trace id. ``trace_ids`` and ``group`` filter the scans (the files of other trace ids'
     buckets are not read: :func:`~tracedb.lake.scan.scan_keys`; ``group`` a row filter);
-    ``after`` keeps traces of ``seq > after``."""
+    ``after`` keeps traces of ``seq > after`` (ValueError, the file store's, unless an int
+    >= 0); a str ``trace_ids`` or ``group`` is one."""
+    if after is not None and (not isinstance(after, int) or isinstance(after, bool) or after < 0):
+        raise ValueError(f"after is a watermark (an int >= 0), not {after!r}")  # the file store's check
     selected = trace_ids is not None or group is not None
     row_filter: BooleanExpression = AlwaysTrue()
     if group is not None:
         row_filter = In("group_id", [group] if isinstance(group, str) else list(group))
-    ids = None if trace_ids is None else list(trace_ids)
+    ids = None if trace_ids is None else [trace_ids] if isinstance(trace_ids, str) else list(trace_ids)
     traces = visible_traces(lake.table("traces"), row_filter, trace_ids=ids)  # ids read by key
     if after is not None:  # on the visible rows: a trace committed at or before `after` is not taken
-        traces = traces.filter(pc.greater(traces.column("seq"), int(after)))
+        traces = traces.filter(pc.greater(traces.column("seq"), after))
     con = duckdb.connect()
     con.register("vis", traces)
     ids = traces.column("trace_id").to_pylist()
