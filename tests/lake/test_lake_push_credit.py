@@ -149,3 +149,15 @@ def test_credit_values_show_only_with_their_sets_row(store, tmp_path):
     assigned = "SELECT count(*) FILTER (WHERE assigned) AS n FROM node_credit(credit := ?)"
     assert lake.sql(assigned, ["whole"]).column("n")[0].as_py() > 0
     assert lake.sql(assigned, ["half"]).column("n")[0].as_py() == 0
+
+
+@pytest.mark.parametrize("bad", [0, -3, "8", True])
+def test_a_bad_batch_size_is_refused_before_any_write(store, tmp_path, bad):
+    lake = lakes.init(tmp_path / "L")
+    lake.push(store)
+    with tracedb.connect(store) as db:
+        tracedb.credit.run(db, "grpo", "late")  # a set the lake lacks: its values would go first
+    before = {t: lake.table(t).scan().to_arrow().num_rows for t in (*CREDIT, "credit_sets")}
+    with pytest.raises(ValueError, match=f"batch_traces must be an int >= 1, not {bad!r}"):
+        lake.push(store, batch_traces=bad)
+    assert {t: lake.table(t).scan().to_arrow().num_rows for t in before} == before

@@ -90,7 +90,10 @@ def push(lake: Any, db: Database, size: int = PUSH_TRACES) -> AppendReport:
     :func:`tracedb.lake.credit.run` does; values already there from an interrupted push
     are not written twice), then the traces the lake lacks, each write with its values,
     and last the ``credit_sets`` rows, so a reader that sees a set sees all its values.
-    Pushing twice adds nothing."""
+    Pushing twice adds nothing. ``size`` (``batch_traces``) not an int >= 1: ValueError,
+    before anything is written."""
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"batch_traces must be an int >= 1, not {size!r}")
     report = AppendReport()
     handle = db.handle
     present = handle.table_names()
