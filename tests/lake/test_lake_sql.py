@@ -84,6 +84,8 @@ QUERIES = [
     ("SELECT count(*) AS n, sum(length(token_ids)) AS tokens FROM segments", None),
     ("SELECT credit_set, trace_id, value FROM trace_credit WHERE trace_id = ? ORDER BY ALL", "one"),
     ("SELECT trace_id FROM traces WHERE trace_id = ? OR reward > ? ORDER BY ALL", "one+"),
+    ("SELECT count(*) AS n, sum(value) AS s FROM trace_credit", None),  # no credit_set column in the query
+    ("SELECT trace_id FROM trace_credit JOIN traces USING (trace_id) WHERE group_id = $group ORDER BY ALL", None),
 ]
 
 

@@ -480,6 +480,7 @@ def read_for(lake: Any, scans: list[Scan]) -> tuple[dict[str, pa.Table], ScanRep
             if name in ("rejects", "credit_sets"):
                 row_filter = AlwaysTrue()  # deduplicated over all their columns: read whole (small)
             keys = {"trace_id", BATCH} if per_trace(name, schemas[name]) else {"episode_id", BATCH}
+            keys |= {"credit_set"} & set(schemas[name].names)  # credit values show with their set's row
             need = columns.get(name, set()) | (
                 keys if name not in ("rejects", "credit_sets") else set(schemas[name].names)
             )
