@@ -40,3 +40,23 @@ def test_init_push_sql_pull(tmp_path):
     assert bad.exit_code == 1 and "nope does not exist" in bad.output
     missing = run(app, ["lake", "push", "--db", str(store), "--lake", str(tmp_path / "none")])
     assert missing.exit_code == 2 and "no lake here" in missing.output
+
+
+def test_pack_into_a_path_that_cannot_be_a_directory_names_out(tmp_path):
+    """``pack`` and ``lake pack`` with ``--out`` a file (or under one): exit 1 naming
+    ``--out``, no traceback."""
+    store = tmp_path / "runs.duckdb"
+    with tracedb.connect(store) as db:
+        db.ingest(FIXTURES / "linear.traces.jsonl")
+    run = CliRunner().invoke
+    lake = str(tmp_path / "L")
+    assert run(app, ["lake", "init", "--warehouse", lake]).exit_code == 0
+    assert run(app, ["lake", "push", "--db", str(store), "--lake", lake]).exit_code == 0
+    taken = tmp_path / "afile"
+    taken.write_text("x")
+    for out in (taken, taken / "step"):
+        for command in (["pack", "--db", str(store)], ["lake", "pack", "--lake", lake]):
+            result = run(app, [*command, "--out", str(out), "--seq-len", "64"])
+            assert result.exit_code == 1 and not isinstance(result.exception, OSError), result.exception
+            assert f"--out {out}:" in result.output, result.output
+    assert taken.read_text() == "x"

@@ -108,6 +108,18 @@ def key_value(text: str) -> tuple[str, Any]:
         return key.strip(), value
 
 
+def write_pack(plan: Any, out_dir: Path) -> dict[str, Any]:
+    """Write a pack's step directory (:func:`tracedb.batches.write_step`); returns its
+    manifest. A directory that cannot be made or written (a file in its place, no
+    permission) exits 1 naming ``--out``."""
+    from tracedb.batches import write_step
+
+    try:
+        return write_step(plan, out_dir)
+    except OSError as e:
+        raise fail(f"--out {out_dir}: {e.strerror or e} ({e.filename or out_dir})") from None
+
+
 def report_pack(plan: Any, manifest: dict[str, Any], out_dir: Path, as_json: bool) -> None:
     """Print what a pack wrote: its manifest as JSON, or the report as a table."""
     if as_json:

@@ -26,6 +26,7 @@ from tracedb.cli.common import (
     live_selection,
     out,
     report_pack,
+    write_pack,
 )
 from tracedb.errors import TraceDBError
 
@@ -199,8 +200,6 @@ def pack(
     """Pack micro-batches of the lake's visible traces into a step directory, as
     ``tracedb pack`` does for a file (the same files and selection options; the report's
     watermark is the lake's: the --after of the next step)."""
-    from tracedb.batches import write_step
-
     live = live_selection(after, complete_groups, through, tag)
     opened = _open(lake)
     try:
@@ -225,7 +224,7 @@ def pack(
         raise fail(e, 2) from None
     except TraceDBError as e:
         raise fail(e) from None
-    report_pack(plan, write_step(plan, out_dir), out_dir, as_json)
+    report_pack(plan, write_pack(plan, out_dir), out_dir, as_json)
 
 
 def _started_ray(ray_address: str | None, workers: int | None) -> bool:

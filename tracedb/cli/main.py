@@ -31,6 +31,7 @@ from tracedb.cli.common import (
     out,
     report_ingest,
     report_pack,
+    write_pack,
 )
 from tracedb.cli.follow import follow as run_follower
 from tracedb.cli.lake import app as lake_app
@@ -286,8 +287,6 @@ def pack(
     """Pack micro-batches for a trainer into a step directory: per rank an Arrow IPC file of
     micro-batches and their samples, then manifest.json (a trainer waits for it). On a live
     run, --after with the last step's watermark (in the report) packs what arrived since."""
-    from tracedb.batches import write_step
-
     live = live_selection(after, complete_groups, through, tag)
     with open_db(db, read_only=True) as database:
         try:
@@ -312,7 +311,7 @@ def pack(
             raise fail(e, 2) from None
         except TraceDBError as e:
             raise fail(e) from None
-        manifest = write_step(plan, out)
+        manifest = write_pack(plan, out)
     report_pack(plan, manifest, out, as_json)
 
 
