@@ -195,6 +195,32 @@ def test_a_traces_commit_between_the_compactions_read_and_commit_is_kept(tmp_pat
     assert lake.tables()["nodes"].num_rows == _rows(store, ids)["nodes"].num_rows
 
 
+def test_a_write_between_a_tables_read_and_its_rewrite_is_kept(tmp_path, store, monkeypatch):
+    """A writer's rows landing in ``nodes`` while compaction rewrites it: pyiceberg's own
+    retry refuses the overwrite (ValidationException: files added meanwhile); compaction
+    reads the table again and rewrites it, keeping the writer's rows."""
+    ids = _ids(store)
+    lake = lakes.init(tmp_path / "L")
+    lake.append(_rows(store, ids[:4]))
+    later = _rows(store, ids[4:8])
+    lake.table("nodes").append(write.lake_rows("nodes", later["nodes"], "killed-writer"))  # needs a rewrite
+    real, reads = compact._scan_with_age, []
+
+    def racing(table):
+        got = real(table)
+        if table.name()[-1] == "nodes":
+            reads.append(got[0].num_rows)
+            if len(reads) == 2:  # the nodes rewrite's own read (the first is the segments step's)
+                lakes.open(lake.where).append(later)  # another writer's whole write lands now
+        return got
+
+    monkeypatch.setattr(compact, "_scan_with_age", racing)
+    report = lake.compact(grace=0)
+    assert len(reads) == 3 and reads[2] > reads[1]  # the rewrite was refused; the table was read again
+    assert report.tables["nodes"]["rows_after"] == _rows(store, ids[:8])["nodes"].num_rows
+    assert lake.tables()["nodes"].num_rows == _rows(store, ids[:8])["nodes"].num_rows
+
+
 def test_expiry_deletes_old_files_and_keeps_answers(tmp_path, store):
     rows = _rows(store, sorted(_ids(store))[:5])
     lake = lakes.init(tmp_path / "L")

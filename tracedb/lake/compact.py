@@ -40,7 +40,7 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 from pyarrow.fs import FileSelector, FileType
-from pyiceberg.exceptions import CommitFailedException
+from pyiceberg.exceptions import CommitFailedException, ValidationException
 from pyiceberg.expressions import AlwaysTrue
 from pyiceberg.io.pyarrow import ArrowScan, PyArrowFileIO
 
@@ -204,7 +204,7 @@ def compact(
                 break
             try:
                 table.overwrite(kept.cast(table.schema().as_arrow()))
-            except CommitFailedException:
+            except (CommitFailedException, ValidationException):  # pyiceberg's retries found a racing write's files
                 if attempt == ATTEMPTS:
                     raise
                 continue
