@@ -161,3 +161,42 @@ def test_a_bad_batch_size_is_refused_before_any_write(store, tmp_path, bad):
     with pytest.raises(ValueError, match=f"batch_traces must be an int >= 1, not {bad!r}"):
         lake.push(store, batch_traces=bad)
     assert {t: lake.table(t).scan().to_arrow().num_rows for t in before} == before
+
+
+def test_values_a_dead_writer_left_are_refused_then_compacted_away(store, tmp_path):
+    """A writer of set "g" died after its values, before the set's row: the values stay
+    invisible, a push of other values for "g" and a lake credit of "g" are refused naming
+    it, and once compaction removed them the push lands the file's values."""
+    from tracedb.lake.catalog import BATCH
+    from tracedb.lake.scan import visible_traces
+    from tracedb.lake.write import lake_rows
+
+    lake = lakes.init(tmp_path / "L")
+    lake.push(store)
+    shown = visible_traces(lake.table("traces"), columns=["trace_id"]).slice(0, 2)
+    dead = pa.table(
+        {
+            "credit_set": ["g"] * shown.num_rows,
+            "trace_id": shown.column("trace_id"),
+            "value": pa.array([42.0] * shown.num_rows, pa.float32()),
+        }
+    )
+    rows = lake_rows("trace_credit", dead, "")
+    rows = rows.set_column(rows.schema.get_field_index(BATCH), BATCH, shown.column(BATCH))
+    lake.table("trace_credit").append(rows)
+    assert "g" not in lake.tables()["trace_credit"].column("credit_set").to_pylist()
+    with tracedb.connect(store) as db:
+        _per_trace(db, "g")
+    with pytest.raises(WriteError, match="credit set 'g': the lake holds values of it .* never committed the set"):
+        lake.push(store)
+    assert "g" not in [s["name"] for s in lake.tables()["credit_sets"].to_pylist()]  # refused before any write
+    with pytest.raises(WriteError, match="credit set 'g': the lake holds trace_credit values of it"):
+        lake.credit("grpo", name="g")
+    lake.compact(grace=0)
+    assert "g" not in lake.table("trace_credit").scan().to_arrow().column("credit_set").to_pylist()
+    lake.push(store)
+    pulled = tmp_path / "pulled.duckdb"
+    lake.pull(pulled)
+    with tracedb.connect(store, read_only=True) as a, tracedb.connect(pulled, read_only=True) as b:
+        for table in CREDIT:
+            assert _credit(b, table).equals(_credit(a, table)), table

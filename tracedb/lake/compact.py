@@ -112,9 +112,10 @@ def _kept_query(name: str, schema: pa.Schema, cutoff_ms: int) -> str:
     """The SQL choosing the rows of ``raw`` that compaction keeps (``vis``: visible traces)."""
     young = f"r.{_ADDED} > {cutoff_ms}"
     if catalog.per_trace(name, schema):
+        of_a_set = " AND r.credit_set IN (SELECT name FROM sets)" if "credit_set" in schema.names else ""
         return (
-            f"SELECT r.* FROM raw r WHERE {young} OR EXISTS "
-            f"(SELECT 1 FROM vis v WHERE v.trace_id = r.trace_id AND v.{catalog.BATCH} = r.{catalog.BATCH})"
+            f"SELECT r.* FROM raw r WHERE {young} OR (EXISTS "
+            f"(SELECT 1 FROM vis v WHERE v.trace_id = r.trace_id AND v.{catalog.BATCH} = r.{catalog.BATCH}){of_a_set})"
         )
     if name == "episodes":
         return (
@@ -185,6 +186,9 @@ def compact(
             cutoff = int((time.time() - grace) * 1000)
             con = duckdb.connect()
             con.register("vis", visible_traces(load("traces"), columns=["episode_id"]))
+            con.register(
+                "sets", load("credit_sets").scan(selected_fields=("name",)).to_arrow()
+            )  # values need their set
             if name == "segments":
                 nodes, _ = _scan_with_age(load("nodes"))
                 con.register("nodes_raw", nodes)

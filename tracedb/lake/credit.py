@@ -17,6 +17,7 @@ from typing import Any
 
 import duckdb
 import pyarrow as pa
+from pyiceberg.expressions import EqualTo
 
 from tracedb import credit as credit_lib
 from tracedb.credit.outcome import trace_rewards
@@ -106,6 +107,14 @@ def run(lake: catalog.Opened, algorithm: str, name: str | None = None, **params:
         raise WriteError(
             f"credit set {name!r} exists in the lake (a lake does not recompute a set yet: pick a new name)"
         )
+    for table in ("trace_credit", "credit"):
+        left = lake.table(table).scan(row_filter=EqualTo("credit_set", name), selected_fields=("trace_id",), limit=1)
+        if left.to_arrow().num_rows:
+            raise WriteError(
+                f"credit set {name!r}: the lake holds {table} values of it from a write that never committed the "
+                "set (its writer died, or one is writing it now); `tracedb lake compact` removes them once they "
+                "are older than its --grace, then write the set again"
+            )
     values = compute(lake, algorithm, **params)
     batches = _visible_traces(lake, ["trace_id"])
     con = duckdb.connect()

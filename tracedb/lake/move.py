@@ -184,6 +184,20 @@ def _credit_rows(lake: Any, db: Database, name: str, names: list[str], new: list
             f"({theirs}) EXCEPT ALL ({mine})) WHERE credit_set NOT IN (SELECT name FROM _tdb_new_sets) "
             "ORDER BY ALL LIMIT 1"
         )
+        # Values of a set the lake lacks are a write's that never committed the set (an
+        # interrupted push: equal to this file's, kept; a dead writer of other values: refused).
+        stale = handle.sql(
+            f"SELECT credit_set, trace_id FROM (({theirs}) EXCEPT ALL ({mine})) "
+            "WHERE credit_set IN (SELECT name FROM _tdb_new_sets) ORDER BY ALL LIMIT 1"
+        )
+        if stale.num_rows:
+            found = stale.to_pylist()[0]
+            raise WriteError(
+                f"credit set {found['credit_set']!r}: the lake holds values of it (e.g. for trace "
+                f"{found['trace_id']!r}) other than this file's, from a write that never committed the set (its "
+                "writer died, or one is writing it now); `tracedb lake compact` removes them once they are older "
+                "than its --grace, then push again"
+            )
         if other.num_rows:
             found = other.to_pylist()[0]
             raise WriteError(
