@@ -259,3 +259,37 @@ def test_expiry_deletes_old_files_and_keeps_answers(tmp_path, store):
     assert run.exit_code == 0, run.output
     assert set(json.loads(run.output)["expired"]) >= {"traces", "nodes"}
     assert _answers(lake, plan=False) == before[:2] and lake.watermark() == mark
+
+
+def test_a_compaction_removing_segments_a_write_relied_on_does_not_lose_them(tmp_path, monkeypatch):
+    """A write skips the segments the lake holds already; when a compaction removes them
+    (a dead writer's, unused) between that check and the write's traces commit, the
+    write stores them again before its traces are visible: no trace without its tokens."""
+    from pyiceberg.expressions import In
+
+    store = tmp_path / "runs.duckdb"
+    with tracedb.connect(store) as db:
+        db.ingest(FIXTURES / "linear.traces.jsonl")
+        ids = db.sql("SELECT trace_id FROM traces").column("trace_id").to_pylist()
+        rows = file_rows(db, ids)
+    lake = lakes.init(tmp_path / "L")
+    lake.table("segments").append(write.lake_rows("segments", rows["segments"], "a-dead-writer"))
+    real = write._segments_present
+    calls = []
+
+    def check_then_compaction(lake_, segments):
+        found = real(lake_, segments)
+        calls.append(len(found))
+        if len(calls) == 1:  # a compaction lands right after the first check: the leftovers go
+            lake_.table("segments").delete(In("segment_id", found))
+        return found if len(calls) == 1 else real(lake_, segments)
+
+    monkeypatch.setattr(write, "_segments_present", check_then_compaction)
+    report = lake.append(rows)
+    assert calls[0] == rows["segments"].num_rows and calls[1] == 0  # relied on all, then all gone
+    assert report.rows["segments"] == rows["segments"].num_rows
+    monkeypatch.undo()
+    pulled = tmp_path / "pulled.duckdb"
+    lake.pull(pulled)
+    with tracedb.connect(store, read_only=True) as a, tracedb.connect(pulled, read_only=True) as b:
+        assert [b.trace(t) for t in ids] == [a.trace(t) for t in ids]

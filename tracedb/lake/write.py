@@ -107,6 +107,7 @@ def append(lake: object, rows: Mapping[str, pa.Table]) -> AppendReport:
     episodes = [e for e in keep.column("episode_id").to_pylist() if e is not None]
     # credit_sets after the values (a reader that sees a set sees its values), traces last.
     order = [n for n in schemas if n not in ("traces", "rejects", "credit_sets")] + ["credit_sets"]
+    relied: pa.Table | None = None
     for name in order:
         table = rows.get(name)
         if table is None or table.num_rows == 0:
@@ -120,13 +121,24 @@ def append(lake: object, rows: Mapping[str, pa.Table]) -> AppendReport:
             wanted = nodes.filter(_in(nodes.column("trace_id"), new)).column("segment_id") if nodes is not None else []
             used = pc.unique(pa.chunked_array(wanted, pa.binary()))
             table = table.filter(pc.is_in(table.column("segment_id"), value_set=used))
-            table = table.filter(pc.invert(_in(table.column("segment_id"), _segments_present(lake, table))))
+            present = _in(table.column("segment_id"), _segments_present(lake, table))
+            relied = table.filter(present)  # held by the lake already: checked again before traces
+            table = table.filter(pc.invert(present))
         elif name == "credit_sets":
             present = set(lake.table(name).scan(selected_fields=("name",)).to_arrow().column("name").to_pylist())  # type: ignore[attr-defined]
             table = table.filter(pc.invert(_in(table.column("name"), sorted(present))))
         if table.num_rows:
             lake.table(name).append(lake_rows(name, table, batch))  # type: ignore[attr-defined]
             report.rows[name] = table.num_rows
+    if relied is not None and relied.num_rows:
+        # A compaction that read the nodes before this write's were committed may have
+        # removed segments the check above found (a dead writer's, unused): store those
+        # again, now that the nodes using them are committed (a compaction reading the
+        # nodes from here on keeps them: young rows are kept).
+        gone = relied.filter(pc.invert(_in(relied.column("segment_id"), _segments_present(lake, relied))))
+        if gone.num_rows:
+            lake.table("segments").append(lake_rows("segments", gone, batch))  # type: ignore[attr-defined]
+            report.rows["segments"] = report.rows.get("segments", 0) + gone.num_rows
     _commit_traces(lake, keep, batch, report)
     _append_rejects(lake, rows, batch, report)
     return report
