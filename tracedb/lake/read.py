@@ -15,7 +15,7 @@ row is visible (it is committed after them). The rule is :func:`visible_rows`, w
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import duckdb
@@ -37,10 +37,18 @@ def _scan(table: Any) -> pa.Table:
     return table.scan().to_arrow()
 
 
-def _stored(name: str, table: pa.Table) -> pa.Table:
-    """``table`` in the stored schema of ``name`` (the lake's column dropped, types cast)."""
-    schema = lake_tables()[name]
-    return table.select(schema.names).cast(pa.schema([f.with_nullable(True) for f in schema]))
+def stored(name: str, table: pa.Table | None) -> pa.Table:
+    """``table`` (rows read of lake table ``name``) in the stored schema of ``name``,
+    every column nullable: the lake's column dropped, types cast, columns not read null;
+    ``None`` (nothing read) an empty table."""
+    schema = pa.schema([f.with_nullable(True) for f in lake_tables()[name]])
+    if table is None:
+        return schema.empty_table()
+    columns = [
+        table.column(f.name).cast(f.type) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
+        for f in schema
+    ]
+    return pa.Table.from_arrays(columns, schema=schema)
 
 
 def visible(
@@ -69,7 +77,7 @@ def visible(
     con = duckdb.connect()
     con.register("vis", traces)
     ids = traces.column("trace_id").to_pylist()
-    out: dict[str, pa.Table] = {"traces": _stored("traces", traces)}
+    out: dict[str, pa.Table] = {"traces": stored("traces", traces)}
     schemas = lake_tables()
     for name, schema in schemas.items():
         if name in ("traces", "segments"):
@@ -83,22 +91,12 @@ def visible(
             raw = _scan(lake.table(name))
             if name == "rejects" and selected:
                 raw = raw.filter(pc.is_in(raw.column("trace_id"), value_set=pa.array(ids, pa.string())))
-        out[name] = _stored(name, visible_rows(con, name, raw))
+        out[name] = stored(name, visible_rows(con, name, raw))
         if name == "credit_sets":
             con.register(VISIBLE_SETS, out[name].select(["name"]))
     used = pc.unique(out["nodes"].column("segment_id")).to_pylist()
     raw = scan_keys(lake.table("segments"), "segment_id", used) if selected else _scan(lake.table("segments"))
-    con.register("raw", raw)
-    con.register("used", pa.table({"segment_id": pa.array(used, pa.binary())}))
-    out["segments"] = _stored(
-        "segments",
-        _arrow(
-            con.sql(
-                "SELECT * FROM raw SEMI JOIN used USING (segment_id) "
-                "QUALIFY row_number() OVER (PARTITION BY segment_id) = 1"
-            )
-        ),
-    )
+    out["segments"] = stored("segments", visible_segments(con, raw, used))
     con.close()
     return {name: out[name] for name in schemas}
 
@@ -135,8 +133,19 @@ def visible_rows(con: duckdb.DuckDBPyConnection, name: str, raw: pa.Table) -> pa
         con.unregister("raw")
 
 
-def _arrow(relation: Any) -> pa.Table:
-    return relation.to_arrow_table()
+def visible_segments(con: duckdb.DuckDBPyConnection, raw: pa.Table, used: Iterable[bytes]) -> pa.Table:
+    """The rows of ``raw`` (segments read) that readers see: the segments ``used`` (by
+    visible nodes), each once (concurrent writers may store one twice)."""
+    con.register("raw", raw)
+    con.register("used", pa.table({"segment_id": pa.array(sorted(used), pa.binary())}))
+    try:
+        return con.sql(
+            "SELECT * FROM raw SEMI JOIN used USING (segment_id) "
+            "QUALIFY row_number() OVER (PARTITION BY segment_id) = 1"
+        ).to_arrow_table()
+    finally:
+        con.unregister("raw")
+        con.unregister("used")
 
 
-__all__ = ["BATCH", "VISIBLE_SETS", "batched", "visible", "visible_rows"]
+__all__ = ["BATCH", "VISIBLE_SETS", "batched", "stored", "visible", "visible_rows", "visible_segments"]

@@ -494,7 +494,7 @@ def read_for(lake: Any, scans: list[Scan]) -> tuple[dict[str, pa.Table], ScanRep
             out["segments"] = _segments(con, reader, columns["segments"])
     finally:
         con.close()
-    return {name: _stored(name, out.get(name), schemas[name]) for name in schemas}, reader.report
+    return {name: read.stored(name, out.get(name)) for name in schemas}, reader.report
 
 
 def _segments(con: duckdb.DuckDBPyConnection, reader: _Reader, columns: set[str]) -> pa.Table:
@@ -512,33 +512,12 @@ def _segments(con: duckdb.DuckDBPyConnection, reader: _Reader, columns: set[str]
             f"ON n.trace_id = t.trace_id AND n.{BATCH} = t.{BATCH}"
         ).to_arrow_table()
         used = set(found.column("segment_id").to_pylist())
-        row_filter = And(row_filter, In("segment_id", sorted(used))) if used else AlwaysFalse()
+        if len(used) <= KEY_SCAN_MIN:  # more are read by key (reader.scan), not through a filter
+            row_filter = And(row_filter, In("segment_id", sorted(used))) if used else AlwaysFalse()
     if not used:
         row_filter = AlwaysFalse()
     raw = reader.scan("segments", row_filter, columns | {"segment_id"}, keys=("segment_id", used))
-    con.register("raw", raw)
-    con.register("used", pa.table({"segment_id": pa.array(sorted(used), pa.binary())}))
-    try:
-        return con.sql(
-            "SELECT * FROM raw SEMI JOIN used USING (segment_id) "
-            "QUALIFY row_number() OVER (PARTITION BY segment_id) = 1"
-        ).to_arrow_table()
-    finally:
-        con.unregister("raw")
-        con.unregister("used")
-
-
-def _stored(name: str, table: pa.Table | None, schema: pa.Schema) -> pa.Table:
-    """What was read of ``name`` in its stored schema (nullable); columns no scan reads
-    are null, a table no scan reads is empty."""
-    schema = pa.schema([f.with_nullable(True) for f in schema])
-    if table is None:
-        return schema.empty_table()
-    columns = [
-        table.column(f.name).cast(f.type) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
-        for f in schema
-    ]
-    return pa.Table.from_arrays(columns, schema=schema)
+    return read.visible_segments(con, raw, used)
 
 
 __all__ = ["KEYS", "REDUCTION_LIMIT", "Scan", "ScanReport", "plan", "read_for", "run"]
