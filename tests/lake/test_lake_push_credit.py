@@ -12,8 +12,6 @@ import tracedb
 import tracedb.credit
 from tracedb.errors import WriteError
 
-from support import FIXTURES
-
 pytest.importorskip("pyiceberg_core", reason="the lake extra is not installed (pip install '.[lake]')")
 
 import tracedb.lake as lakes  # noqa: E402
@@ -22,11 +20,9 @@ CREDIT = ("credit", "trace_credit")
 
 
 @pytest.fixture(scope="module")
-def ingested(tmp_path_factory):
-    path = tmp_path_factory.mktemp("store") / "runs.duckdb"
-    with tracedb.connect(path) as db:
-        db.ingest(FIXTURES)
-    return path
+def ingested(golden_store):
+    """A file store holding every golden fixture."""
+    return golden_store
 
 
 @pytest.fixture

@@ -78,11 +78,8 @@ else:
         ray.shutdown()
 
     @pytest.fixture(scope="module")
-    def store(tmp_path_factory):
-        path = tmp_path_factory.mktemp("store") / "runs.duckdb"
-        with tracedb.connect(path) as db:
-            db.ingest(FIXTURES)
-        return path
+    def store(golden_store):
+        return golden_store
 
     @pytest.fixture(scope="module")
     def pushed(store, tmp_path_factory):

@@ -10,8 +10,6 @@ from typer.testing import CliRunner
 
 import tracedb
 
-from support import FIXTURES
-
 pytest.importorskip("pyiceberg_core", reason="the lake extra is not installed (pip install '.[lake]')")
 
 import tracedb.lake as lakes  # noqa: E402
@@ -19,12 +17,9 @@ from tracedb.cli.main import app  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
+def store(golden_store):
     """A file store holding every golden fixture."""
-    path = tmp_path_factory.mktemp("store") / "runs.duckdb"
-    with tracedb.connect(path) as db:
-        db.ingest(FIXTURES)
-    return path
+    return golden_store
 
 
 @pytest.fixture(scope="module")

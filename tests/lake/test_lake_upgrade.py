@@ -9,8 +9,6 @@ import pytest
 
 import tracedb
 
-from support import FIXTURES
-
 pytest.importorskip("pyiceberg_core", reason="the lake extra is not installed (pip install '.[lake]')")
 
 import tracedb.lake as lakes  # noqa: E402
@@ -22,11 +20,9 @@ WRITE = 15
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    path = tmp_path_factory.mktemp("store") / "runs.duckdb"
-    with tracedb.connect(path) as db:
-        db.ingest(FIXTURES)
-    return path
+def store(golden_store):
+    """A file store holding every golden fixture."""
+    return golden_store
 
 
 @pytest.fixture(scope="module")
