@@ -26,6 +26,7 @@ from pyiceberg.expressions import AlwaysTrue, BooleanExpression, In
 from tracedb.lake.catalog import BATCH, batched, lake_tables, per_trace
 from tracedb.lake.scan import scan_keys, visible_traces
 from tracedb.sqltext import quote_identifier
+from tracedb.views import check_watermark
 
 VISIBLE_SETS = "vis_sets"
 """The name :func:`visible_rows` reads the visible credit set names under."""
@@ -64,8 +65,8 @@ def visible(
     buckets are not read: :func:`~tracedb.lake.scan.scan_keys`; ``group`` a row filter);
     ``after`` keeps traces of ``seq > after`` (ValueError, the file store's, unless an int
     >= 0); a str ``trace_ids`` or ``group`` is one."""
-    if after is not None and (not isinstance(after, int) or isinstance(after, bool) or after < 0):
-        raise ValueError(f"after is a watermark (an int >= 0), not {after!r}")  # the file store's check
+    if after is not None:
+        check_watermark("after", after)
     selected = trace_ids is not None or group is not None
     row_filter: BooleanExpression = AlwaysTrue()
     if group is not None:

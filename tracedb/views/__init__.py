@@ -38,6 +38,7 @@ __all__ = [
     "Selected",
     "Selection",
     "branches",
+    "check_watermark",
     "iter_branches",
     "resolve",
     "select_traces",
@@ -192,14 +193,20 @@ def _tag_filter(name: str, want: Any) -> tuple[str, list[Any]]:
     return base + "value = ?::JSON)", [name, json.dumps(want, separators=(",", ":"))]
 
 
+def check_watermark(name: str, value: object) -> None:
+    """Refuse a watermark argument (``after``, ``through``) that is not an int >= 0,
+    naming it (ValueError)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} is a watermark (an int >= 0), not {value!r}")
+
+
 def resolve(handle: Handle, selection: Selection) -> Selected:
     """The selected traces at the current watermark (read first: every trace at or
     below it is committed, since ingests commit in sequence order)."""
     mark = handle.watermark()
     through = selection.through
     if through is not None:
-        if not isinstance(through, int) or isinstance(through, bool) or through < 0:
-            raise ValueError(f"through is a watermark (an int >= 0), not {through!r}")
+        check_watermark("through", through)
         mark = min(mark, through)
     where, params = ["seq <= ?"], [mark]
     for column, value in (
@@ -211,8 +218,8 @@ def resolve(handle: Handle, selection: Selection) -> Selected:
             where.append(f"{column} IN (SELECT unnest(?::VARCHAR[]))")
             params.append(_values(value))
     after = selection.after
-    if after is not None and (not isinstance(after, int) or isinstance(after, bool) or after < 0):
-        raise ValueError(f"after is a watermark (an int >= 0), not {after!r}")
+    if after is not None:
+        check_watermark("after", after)
     size = selection.complete_groups
     if size is not None:
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
