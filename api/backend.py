@@ -39,7 +39,6 @@ import duckdb
 from tracedb.batches import Plan
 from tracedb.database import Database
 from tracedb.handle import Handle, PerThread
-from tracedb.ingest.follow import Follower
 
 from .cache import ViewCache
 from .errors import ApiError, dumps
@@ -267,10 +266,10 @@ class LiveFollower:
         allow_ragged: bool,
     ) -> None:
         self.paths = [str(p) for p in paths]
-        self.handle = root.child()
+        self.db = Database.on(root.child())
+        """The follower's own database handle (it writes through it from its thread)."""
         try:
-            self.follower = Follower(
-                self.handle,
+            self.follower = self.db.follow(
                 paths,
                 interval=interval,
                 settle=settle,
@@ -279,7 +278,7 @@ class LiveFollower:
                 on_commit=self._committed,
             )
         except BaseException:
-            self.handle.close()
+            self.db.close()
             raise
         self.errors = 0
         self.last_error: str | None = None
@@ -350,11 +349,11 @@ class LiveFollower:
         self._thread.join(self.STOP_S)
         if self._thread.is_alive():
             log.warning("the follower did not finish its poll within %.0f s: interrupting it", self.STOP_S)
-            self.handle.con.interrupt()
+            self.db.con.interrupt()
             self._thread.join(5.0)
         if self._thread.is_alive():
             return False
-        self.handle.close()
+        self.db.close()
         return True
 
 

@@ -7,11 +7,21 @@ the schema fuzz test checks responses against them.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
 Floats = list[float]
+
+
+CreditStatus = Annotated[
+    Literal["unassigned", "zero", "partial", "assigned"],
+    Field(
+        description="In the credit set asked for (the library's trace_credit_status() / branch_credit_status()): "
+        "unassigned (no node holds advantages: never scored), zero (assigned, every value 0: scored, no "
+        "gradient), partial (some nodes with sampled tokens unassigned) or assigned."
+    ),
+]
 
 
 class FollowerStatus(BaseModel):
@@ -157,9 +167,7 @@ class BranchSummary(BaseModel):
     n_tokens: int
     n_sampled: int
     credit_assigned: bool = Field(description="Some node on the path holds advantages (the view's are not null).")
-    credit_status: Literal["none", "partial", "full"] = Field(
-        description="full: every node with sampled tokens holds advantages; none: no node does."
-    )
+    credit_status: CreditStatus
     credited_nodes: int
     sampled_nodes: int
 
@@ -226,7 +234,7 @@ class Stats(BaseModel):
 class GroupTrace(TraceRow):
     credited_nodes: int
     sampled_nodes: int
-    credit_status: Literal["none", "partial", "full"]
+    credit_status: CreditStatus
 
 
 class GroupDetail(BaseModel):

@@ -11,7 +11,7 @@ import base64
 import binascii
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -19,16 +19,13 @@ import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tracedb import credit_sets as registry
-from tracedb import watermark_of
 from tracedb.batches import Plan
 from tracedb.batches.plan import SAMPLES_SCHEMA
 from tracedb.database import Database
 from tracedb.errors import NotFound
-from tracedb.readback import TRACE_LISTING
+from tracedb.selection import Selection, pages, watermark_of, with_watermark
+from tracedb.selection import tag_filters as parse_tag_filters
 from tracedb.tables import KEY_COLUMNS, NULLABLE_TOKEN_COLUMNS
-from tracedb.views import tag_filters as parse_tag_filters
-from tracedb.views import with_watermark
 
 from .errors import invalid, not_found
 
@@ -49,7 +46,7 @@ def credit_sets(db: Database) -> list[dict[str, Any]]:
 def credit_name(db: Database, credit: str | None) -> str | None:
     """None for the default (ingested) set, else a named set that must exist (404)."""
     try:
-        return registry.resolve(db.handle, credit)
+        return db.credit_set_name(credit)
     except NotFound as e:
         raise not_found(str(e)) from None
 
@@ -217,24 +214,14 @@ def branch_list(db: Database, trace_id: str, credit: str | None) -> list[dict[st
     trace_meta(db, trace_id)
     rows = db.sql(
         "SELECT b.branch_index, b.trainable, b.leaf, b.path, b.n_tokens, b.n_sampled, "
-        "  count(*) FILTER (WHERE a.advantages IS NOT NULL) AS credited_nodes, "
-        "  count(*) FILTER (WHERE a.n_sampled > 0) AS sampled_nodes, "
-        "  count(*) FILTER (WHERE a.n_sampled > 0 AND a.advantages IS NOT NULL) AS credited_sampled "
-        "FROM branches b, unnest(b.path) AS u(node_index) "
-        "JOIN credit_advantages(?) a ON a.trace_id = b.trace_id AND a.node_index = u.node_index "
-        "WHERE b.trace_id = ? GROUP BY ALL ORDER BY b.branch_index",
+        "  c.assigned_nodes AS credited_nodes, c.sampled_nodes, c.credit_status "
+        "FROM branches b JOIN branch_credit_status(credit := ?) c USING (trace_id, branch_index) "
+        "WHERE b.trace_id = ? ORDER BY b.branch_index",
         [credit, trace_id],
     ).to_pylist()
     for row in rows:
         row["credit_assigned"] = row["credited_nodes"] > 0
-        row["credit_status"] = _status(row.pop("credited_sampled"), row["sampled_nodes"], row["credited_nodes"])
     return rows
-
-
-def _status(credited_sampled: int, sampled: int, credited: int) -> str:
-    if credited == 0:
-        return "none"
-    return "full" if credited_sampled == sampled else "partial"
 
 
 def pick_branch(db: Database, table: pa.Table, trace_id: str, index: int, fields: list[str] | None) -> pa.Table:
@@ -255,26 +242,24 @@ def pick_branch(db: Database, table: pa.Table, trace_id: str, index: int, fields
 
 
 def group(db: Database, group_id: str, credit: str | None) -> dict[str, Any]:
+    """A group's members with their credit status in ``credit`` (``trace_credit_status()``)
+    and its reward figures (``group_rewards()``, whose rule says what zero variance is)."""
     rows = db.sql(
         f"SELECT {', '.join('t.' + c for c in _ROW.split(', '))}, "
-        "  count(*) FILTER (WHERE a.advantages IS NOT NULL) AS credited_nodes, "
-        "  count(*) FILTER (WHERE a.n_sampled > 0) AS sampled_nodes, "
-        "  count(*) FILTER (WHERE a.n_sampled > 0 AND a.advantages IS NOT NULL) AS credited_sampled "
-        "FROM traces t JOIN credit_advantages(?) a USING (trace_id) "
-        "WHERE t.group_id = ? GROUP BY ALL ORDER BY t.trace_id",
+        "  c.assigned_nodes AS credited_nodes, c.sampled_nodes, c.credit_status "
+        "FROM traces t JOIN trace_credit_status(credit := ?) c USING (trace_id) "
+        "WHERE t.group_id = ? ORDER BY t.trace_id",
         [credit, group_id],
     ).to_pylist()
     if not rows:
         raise not_found(f"group {group_id!r} has no traces in {db.path}")
-    for row in rows:
-        row["credit_status"] = _status(row.pop("credited_sampled"), row["sampled_nodes"], row["credited_nodes"])
-    rewards = np.array([r["reward"] for r in rows if r["reward"] is not None], np.float64)
+    figures = db.sql("SELECT * FROM group_rewards() WHERE group_id = ?", [group_id]).to_pylist()[0]
     return {
         "group_id": group_id,
         "n_traces": len(rows),
-        "reward_mean": float(rewards.mean()) if len(rewards) else None,
-        "reward_std": float(rewards.std()) if len(rewards) else None,
-        "zero_variance": bool(len(rewards) and np.all(rewards == rewards[0])),
+        "reward_mean": figures["reward_mean"],
+        "reward_std": figures["reward_std"] if figures["scored"] else None,
+        "zero_variance": figures["zero_variance"],
         "traces": rows,
     }
 
@@ -298,30 +283,6 @@ def tag_filters(values: Sequence[str] | None) -> dict[str, Any] | None:
         raise invalid(f"tag: {e}") from None
 
 
-@dataclass(frozen=True)
-class Live:
-    """What a live consumer narrows a selection with: ``after``, ``complete_groups``,
-    ``through`` and ingest ``tags`` (see :class:`tracedb.views.Selection`)."""
-
-    after: int | None = None
-    complete_groups: int | None = None
-    through: int | None = None
-    tags: dict[str, Any] | None = None
-
-    @property
-    def given(self) -> bool:
-        return any(v is not None for v in (self.after, self.complete_groups, self.through, self.tags))
-
-    def pinned(self, db: Database) -> Live:
-        """The same selection read as of one watermark (``through``: the one asked for,
-        or the current one): every call built from it selects the same traces."""
-        mark = db.watermark()
-        return replace(self, through=mark if self.through is None else min(self.through, mark))
-
-    def kwargs(self) -> dict[str, Any]:
-        return asdict(self)
-
-
 def _library(call: Any) -> Any:
     """``call()``, the library's refusal of an argument (ValueError, TypeError) as a 422."""
     try:
@@ -330,19 +291,12 @@ def _library(call: Any) -> Any:
         raise invalid(str(e)) from None
 
 
-def live_traces(
-    db: Database,
-    live: Live,
-    *,
-    group: str | None = None,
-    episode: str | None = None,
-    limit: int | None = None,
-) -> dict[str, Any]:
+def live_traces(db: Database, selection: Selection, *, limit: int | None = None) -> dict[str, Any]:
     """The selected traces in arrival order (sequence number), with the watermark to pass
     as ``after`` next time, ``more`` when ``limit`` stopped the listing short of it, and
     ``read_at``: the watermark the selection was read at."""
-    pinned = live.pinned(db)
-    table = _library(lambda: db.traces(group=group, episode=episode, limit=limit, **pinned.kwargs()))
+    pinned = selection.pinned(db.watermark())
+    table = _library(lambda: db.traces(limit=limit, **pinned.kwargs()))
     mark = watermark_of(table)
     assert mark is not None and pinned.through is not None
     rows = table.to_pylist()
@@ -352,15 +306,12 @@ def live_traces(
     return {"watermark": mark, "more": mark < pinned.through, "read_at": pinned.through, "traces": rows}
 
 
-LIVE_COLUMNS = (*TRACE_LISTING, "tags")
-"""The fields of a trace in a live listing."""
-
-
-def in_selection(db: Database, trace_id: str, live: Live) -> int | None:
+def in_selection(db: Database, trace_id: str, selection: Selection) -> int | None:
     """The watermark the selection was read at when ``trace_id`` is in it, else None (404
     for a trace not in the database at all)."""
     trace_meta(db, trace_id)
-    table = _library(lambda: db.traces(trace_ids=[trace_id], **live.pinned(db).kwargs()))
+    one = replace(selection.pinned(db.watermark()), trace_ids=[trace_id])
+    table = _library(lambda: db.traces(**one.kwargs()))
     return watermark_of(table) if table.num_rows else None
 
 
@@ -368,30 +319,26 @@ def view_tokens(
     db: Database, trace_ids: list[str], trainable: bool | None, branch_index: list[int] | None
 ) -> dict[str, int]:
     """Tokens of each trace's branch view (the branches kept by the filters)."""
-    where, params = ["trace_id IN (SELECT trace_id FROM _tdb_sized)"], []
+    where, params = ["trace_id IN (SELECT unnest(?::VARCHAR[]))"], [trace_ids]
     if trainable is not None:
         where.append("trainable = ?")
         params.append(trainable)
     if branch_index is not None:
         where.append("branch_index IN (SELECT unnest(?::INTEGER[]))")
         params.append(branch_index)
-    ids = pa.table({"trace_id": pa.array(trace_ids, pa.string())})
-    with db.handle.registered("_tdb_sized", ids):
-        rows = db.handle.con.execute(
-            f"SELECT trace_id, sum(n_tokens) FROM branches WHERE {' AND '.join(where)} GROUP BY trace_id", params
-        ).fetchall()
+    table = db.sql(
+        f"SELECT trace_id, sum(n_tokens)::BIGINT AS n FROM branches WHERE {' AND '.join(where)} GROUP BY trace_id",
+        params,
+    )
     sizes = dict.fromkeys(trace_ids, 0)
-    sizes.update({r[0]: int(r[1]) for r in rows})
+    sizes.update(zip(table.column("trace_id").to_pylist(), table.column("n").to_pylist(), strict=True))
     return sizes
 
 
 def select_branches(
     db: Database,
-    live: Live,
+    selection: Selection,
     *,
-    trace_ids: list[str] | None,
-    group: list[str] | None,
-    episode: list[str] | None,
     trainable: bool | None,
     branch_index: list[int] | None,
     columns: list[str] | None,
@@ -403,25 +350,25 @@ def select_branches(
     ``token_limit`` view tokens (with ``complete_groups``, whole groups in the order they
     completed); the table carries the watermark to pass as ``after`` to get the rest and
     what came since. 422 when the first trace (or group) alone is over the limit."""
-    pinned = live.pinned(db)
-    select = {"trace_ids": trace_ids, "group": group, "episode": episode, **pinned.kwargs()}
-    listing = _library(lambda: db.traces(**select))
+    pinned = selection.pinned(db.watermark())
+    listing = _library(lambda: db.traces(**pinned.kwargs()))
     ids = listing.column("trace_id").to_pylist()
     sizes = view_tokens(db, ids, trainable, branch_index)
     total = sum(sizes.values())
     mark = watermark_of(listing)
     truncated = total > token_limit
     if truncated:
-        cumulative = np.cumsum([sizes[t] for t in ids])
-        fit = int(np.searchsorted(cumulative, token_limit, side="right"))
-        while True:  # whole traces (or groups) in arrival order; each pass drops at least one
-            page = db.traces(limit=max(fit, 1), **select)
+        # The traces that fit, in arrival order; the listing then rounds them to whole groups.
+        fit = next(pages([sizes[t] for t in ids], token_limit, overshoot=False)).stop
+        while True:  # each pass drops at least one trace (or group)
+            page = db.traces(limit=max(fit, 1), **pinned.kwargs())
             kept = page.column("trace_id").to_pylist()
             total = sum(sizes[t] for t in kept)
             if total <= token_limit:
                 break
             if len(kept) <= 1 or fit <= 1:
-                what = f"group {page.column('group_id')[0].as_py()!r}" if live.complete_groups else f"trace {kept[0]!r}"
+                first = page.column("group_id")[0].as_py()
+                what = f"group {first!r}" if selection.complete_groups else f"trace {kept[0]!r}"
                 raise invalid(
                     f"the selection's first {what} has {total} view tokens, over this server's branch token limit "
                     f"({token_limit}): narrow it (trace_id, branch_index, trainable) or raise --branch-token-limit"

@@ -7,10 +7,9 @@ W``): a trace committed while the answer is built waits for the next poll instea
 showing up in some plots and not others. Values are bound parameters; the only SQL put
 together here is chosen from fixed fragments.
 
-A group is *zero-variance* when it has scored members and all of them hold the same
-reward (a group with one scored member included): a group-relative advantage (reward
-minus the group's mean) is then zero on every member, so the group carries no gradient.
-Members without a reward (None) are left out of that test, as a trainer drops them.
+Zero variance and credit status are the library's rules, read through its macros
+(``group_rewards()``, ``tdb_zero_variance``, ``trace_credit_status()``): a group is
+zero-variance when it has scored members and all of them hold the same reward.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from tracedb import credit_sets
 from tracedb.credit import dose
 from tracedb.database import Database
 
@@ -151,9 +151,8 @@ def summary(db: Database, through: int) -> dict[str, Any]:
     row["last_arrival"] = _iso(row["last_arrival"])
     groups = db.sql(
         "SELECT count(*) FILTER (WHERE scored >= 1) AS eligible, "
-        "  count(*) FILTER (WHERE scored >= 1 AND lo = hi) AS zero_variance "
-        "FROM (SELECT group_id, count(reward) AS scored, min(reward) AS lo, max(reward) AS hi "
-        "      FROM traces WHERE seq <= ? AND group_id IS NOT NULL GROUP BY group_id)",
+        "  count(*) FILTER (WHERE zero_variance) AS zero_variance "
+        "FROM group_rewards(through := ?)",
         [through],
     ).to_pylist()[0]
     row["groups_scored"] = groups["eligible"]
@@ -192,7 +191,7 @@ g AS (
 gb AS (
     SELECT {key} AS bin, count(*) AS groups, count(*) FILTER (WHERE scored >= 1) AS groups_scored,
            count(*) FILTER (WHERE scored = 1) AS groups_single,
-           count(*) FILTER (WHERE scored >= 1 AND lo = hi) AS zero_variance
+           count(*) FILTER (WHERE tdb_zero_variance(scored, lo, hi)) AS zero_variance
     FROM g GROUP BY 1
 )
 SELECT b.*, coalesce(gb.groups, 0) AS groups, coalesce(gb.groups_scored, 0) AS groups_scored,
@@ -215,7 +214,7 @@ def _bins(db: Database, axis: str, bins: int, through: int) -> tuple[list[dict[s
         stats = db.sql(
             f"SELECT count(DISTINCT x) AS n, min(x) AS lo, max(x) AS hi, count(*) AS tagged FROM ({rows})", params
         ).to_pylist()[0]
-        untagged = db.handle.scalar("SELECT count(*) FROM traces WHERE seq <= ?", [through]) - stats["tagged"]
+        untagged = db.scalar("SELECT count(*) FROM traces WHERE seq <= ?", [through]) - stats["tagged"]
         if stats["n"] <= bins:
             key, layout = _KEY_VALUE, {"layout": "values", "untagged": untagged}
         else:
@@ -258,13 +257,12 @@ def histogram(db: Database, through: int, recent: int, bins: int) -> dict[str, A
         return out
     lo, hi = stats["lo"], stats["hi"]
     n = bins if hi > lo else 1
-    counts = dict(
-        db.con.execute(
-            f"SELECT least(CAST(floor((reward - $lo) / $span * $n) AS BIGINT), $n - 1) AS bin, count(*) "
-            f"FROM ({window}) WHERE reward IS NOT NULL GROUP BY 1",
-            {**params, "lo": lo, "span": (hi - lo) or 1.0, "n": n},
-        ).fetchall()
+    found = db.sql(
+        f"SELECT least(CAST(floor((reward - $lo) / $span * $n) AS BIGINT), $n - 1) AS bin, count(*) AS n "
+        f"FROM ({window}) WHERE reward IS NOT NULL GROUP BY 1",
+        {**params, "lo": lo, "span": (hi - lo) or 1.0, "n": n},
     )
+    counts = dict(zip(found.column("bin").to_pylist(), found.column("n").to_pylist(), strict=True))
     step = (hi - lo) / n
     out["bins"] = [
         {"lo": lo + i * step, "hi": hi if i == n - 1 else lo + (i + 1) * step, "count": counts.get(i, 0)}
@@ -276,10 +274,9 @@ def histogram(db: Database, through: int, recent: int, bins: int) -> dict[str, A
 def recent_groups(db: Database, through: int) -> list[dict[str, Any]]:
     """The ``RECENT_GROUPS`` groups whose newest member arrived last, with their reward spread."""
     return db.sql(
-        "SELECT group_id, count(*) AS traces, count(reward) AS scored, avg(reward) AS mean, "
-        "  stddev_pop(reward) AS std, min(reward) AS min, max(reward) AS max, "
-        "  count(reward) >= 1 AND min(reward) = max(reward) AS zero_variance, max(seq) AS last_seq "
-        "FROM traces WHERE seq <= ? AND group_id IS NOT NULL GROUP BY group_id ORDER BY last_seq DESC LIMIT ?",
+        "SELECT group_id, traces, scored, reward_mean AS mean, reward_std AS std, reward_min AS min, "
+        "  reward_max AS max, zero_variance, last_seq "
+        "FROM group_rewards(through := ?) ORDER BY last_seq DESC, group_id LIMIT ?",
         [through, RECENT_GROUPS],
     ).to_pylist()
 
@@ -332,7 +329,7 @@ def group_compare(db: Database, group_id: str, a: str, b: str) -> dict[str, Any]
     ]
     if not ids:
         raise not_found(f"group {group_id!r} has no traces in {db.path}")
-    figures = dose.compare(db.handle, [a, b], trace_ids=ids)
+    figures = dose.compare(db, [a, b], trace_ids=ids)
     # no token both sets assign: the library has no row for the pair; the page says 0 shared
     none = {"set_a": a, "set_b": b, "shared_tokens": 0, "sign_agreement": None, "correlation": None}
     agreement = (figures["agreement"].to_pylist() or [none])[0]
@@ -341,30 +338,19 @@ def group_compare(db: Database, group_id: str, a: str, b: str) -> dict[str, Any]
 
 def _credit_columns(db: Database, credit: str | None) -> list[str]:
     """The credit sets shown: the one asked for first, then the others in the registry's order."""
-    shown = credit or "default"
+    shown = credit or credit_sets.DEFAULT_SET
     names = [r["name"] for r in queries.credit_sets(db)]
     return [shown, *(n for n in names if n != shown)][:CREDIT_COLUMNS]
 
 
 def credit_statuses(db: Database, group_id: str, credit: str) -> dict[str, str]:
-    """Each member's credit status in one set (see :func:`group_page`)."""
+    """Each member's credit status in one set (``trace_credit_status()``; see :func:`group_page`)."""
     rows = db.sql(
-        "SELECT t.trace_id, count(a.advantages) AS assigned, "
-        "  count(*) FILTER (WHERE a.n_sampled > 0) AS sampled, "
-        "  count(*) FILTER (WHERE a.n_sampled > 0 AND a.advantages IS NOT NULL) AS assigned_sampled, "
-        "  coalesce(sum(list_sum(list_transform(a.advantages, lambda v: abs(v)))), 0) AS mass "
-        "FROM traces t JOIN credit_advantages(?) a USING (trace_id) WHERE t.group_id = ? GROUP BY t.trace_id",
-        [None if credit == "default" else credit, group_id],
+        "SELECT c.trace_id, c.credit_status FROM trace_credit_status(credit := ?) c "
+        "JOIN traces t USING (trace_id) WHERE t.group_id = ?",
+        [credit_sets.stored_name(credit), group_id],
     ).to_pylist()
-    return {r["trace_id"]: _credit_status(r) for r in rows}
-
-
-def _credit_status(row: dict[str, Any]) -> str:
-    if row["assigned"] == 0:
-        return "unassigned"
-    if row["mass"] == 0:
-        return "zero"
-    return "partial" if row["assigned_sampled"] < row["sampled"] else "assigned"
+    return {r["trace_id"]: r["credit_status"] for r in rows}
 
 
 _STRIP_META = ("branch_index", "trainable", "start", "end", "n_tokens", "n_sampled", "advantage_mean")

@@ -227,3 +227,54 @@ CREATE OR REPLACE MACRO trace_summary() AS TABLE
            (SELECT count(*) FROM nodes n WHERE n.trace_id = t.trace_id AND n.advantages IS NOT NULL)
                AS credited_nodes  -- in the default (ingested) set
     FROM traces t;
+
+-- The credit status of a trace or a branch in one set, from its nodes: 'unassigned' (no
+-- node holds advantages: None, never scored), 'zero' (assigned, every value 0: scored, no
+-- gradient), 'partial' (some nodes with sampled tokens are unassigned) or 'assigned'.
+-- The one rule every page, route and command reports credit status by.
+CREATE OR REPLACE MACRO tdb_credit_status(assigned_nodes, sampled_nodes, assigned_sampled, abs_mass) AS
+    CASE WHEN assigned_nodes = 0 THEN 'unassigned'
+         WHEN coalesce(abs_mass, 0) = 0 THEN 'zero'
+         WHEN assigned_sampled < sampled_nodes THEN 'partial'
+         ELSE 'assigned'
+    END;
+
+-- Per trace, its credit in one set: nodes assigned, nodes with sampled tokens, those of
+-- them assigned, the absolute mass, and the status (tdb_credit_status).
+CREATE OR REPLACE MACRO trace_credit_status(credit := NULL) AS TABLE
+    SELECT trace_id, assigned_nodes, sampled_nodes, assigned_sampled, abs_mass,
+           tdb_credit_status(assigned_nodes, sampled_nodes, assigned_sampled, abs_mass) AS credit_status
+    FROM (SELECT a.trace_id, count(a.advantages) AS assigned_nodes,
+                 count(*) FILTER (WHERE a.n_sampled > 0) AS sampled_nodes,
+                 count(*) FILTER (WHERE a.n_sampled > 0 AND a.advantages IS NOT NULL) AS assigned_sampled,
+                 coalesce(sum(list_sum(list_transform(a.advantages, lambda v: abs(v)))), 0) AS abs_mass
+          FROM credit_advantages(credit) a GROUP BY a.trace_id);
+
+-- Per branch, its credit in one set over the nodes of its path (as trace_credit_status).
+CREATE OR REPLACE MACRO branch_credit_status(credit := NULL) AS TABLE
+    SELECT trace_id, branch_index, assigned_nodes, sampled_nodes, assigned_sampled, abs_mass,
+           tdb_credit_status(assigned_nodes, sampled_nodes, assigned_sampled, abs_mass) AS credit_status
+    FROM (SELECT b.trace_id, b.branch_index, count(a.advantages) AS assigned_nodes,
+                 count(*) FILTER (WHERE a.n_sampled > 0) AS sampled_nodes,
+                 count(*) FILTER (WHERE a.n_sampled > 0 AND a.advantages IS NOT NULL) AS assigned_sampled,
+                 coalesce(sum(list_sum(list_transform(a.advantages, lambda v: abs(v)))), 0) AS abs_mass
+          FROM branches b, unnest(b.path) AS u(node_index)
+          JOIN credit_advantages(credit) a ON a.trace_id = b.trace_id AND a.node_index = u.node_index
+          GROUP BY b.trace_id, b.branch_index);
+
+-- A group is zero-variance when it has scored members and all of them hold the same
+-- reward (one scored member included): a group-relative advantage is then zero on every
+-- member, so the group carries no gradient. Unscored members (reward NULL) are left out,
+-- as a trainer drops them. Arguments: the count, min and max of the members' rewards.
+CREATE OR REPLACE MACRO tdb_zero_variance(scored, lo, hi) AS scored >= 1 AND lo = hi;
+
+-- Per group (traces sharing a group id), as of the watermark `through` (NULL: all): its
+-- members, scored members, reward mean, spread, extremes, whether it is zero-variance,
+-- and the sequence number of its newest member.
+CREATE OR REPLACE MACRO group_rewards(through := NULL) AS TABLE
+    SELECT group_id, count(*) AS traces, count(reward) AS scored, avg(reward) AS reward_mean,
+           stddev_pop(reward) AS reward_std, min(reward) AS reward_min, max(reward) AS reward_max,
+           tdb_zero_variance(count(reward), min(reward), max(reward)) AS zero_variance,
+           max(seq) AS last_seq
+    FROM traces WHERE group_id IS NOT NULL AND (through IS NULL OR seq <= through)
+    GROUP BY group_id;

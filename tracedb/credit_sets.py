@@ -29,6 +29,13 @@ TABLES = {"node": "credit", "trace": "trace_credit"}
 """The table each layout's rows are in."""
 
 
+def stored_name(name: str | None) -> str | None:
+    """The name a set's rows are stored under: None for the default set (``None`` or
+    ``"default"``: the ingested credit, on the nodes), else ``name`` (not checked to exist:
+    :func:`resolve` checks)."""
+    return None if name in (None, DEFAULT_SET) else name
+
+
 def exists(handle: Handle, name: str) -> bool:
     """True for ``"default"`` and for every named set created."""
     return name == DEFAULT_SET or bool(handle.scalar("SELECT count(*) FROM credit_sets WHERE name = ?", [name]))
@@ -43,7 +50,7 @@ def names(handle: Handle) -> list[str]:
 def resolve(handle: Handle, name: str | None) -> str | None:
     """The set a caller means: None for the default set (``None`` or ``"default"``), else
     the named set, which must exist (:class:`NotFound`, naming the sets there are)."""
-    if name in (None, DEFAULT_SET):
+    if stored_name(name) is None:
         return None
     if not exists(handle, name):
         raise NotFound(f"credit set {name!r} does not exist; known sets: {names(handle)}")

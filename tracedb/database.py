@@ -10,18 +10,21 @@ writeback, readback, export, the credit-set registry), on the database's
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import duckdb
 import pyarrow as pa
 
-from tracedb import batches, credit_sets, readback, views, writeback
+from tracedb import batches, credit_sets, migrations, readback, views, writeback
 from tracedb.export import export
-from tracedb.handle import SCHEMA_VERSION, Handle
+from tracedb.handle import Handle
 from tracedb.ingest import IngestReport, ingest_files
-from tracedb.views import Selection
+from tracedb.selection import Selection
+
+if TYPE_CHECKING:
+    from tracedb.ingest.follow import Follower
 
 
 class Database:
@@ -50,8 +53,9 @@ class Database:
         return self.handle.con
 
     @property
-    def schema_version(self) -> int:
-        return SCHEMA_VERSION
+    def schema_version(self) -> int | None:
+        """The schema version the file holds (this tracedb's once it is open)."""
+        return self.handle.stored_version()
 
     def cursor(self) -> duckdb.DuckDBPyConnection:
         """A new connection to this database, for another thread (a DuckDB connection is
@@ -76,6 +80,10 @@ class Database:
     def sql(self, query: str, params: Sequence[Any] | dict[str, Any] | None = None) -> pa.Table:
         """Run SQL (tracedb's macros are available) and return the result as Arrow."""
         return self.handle.sql(query, params)
+
+    def scalar(self, query: str, params: Sequence[Any] | None = None) -> Any:
+        """The first value of the first row of a query, or None."""
+        return self.handle.scalar(query, params)
 
     def stats(self) -> dict[str, Any]:
         """Counts and sizes: episodes, traces, nodes, branches, tokens, bytes, dedup ratio."""
@@ -115,6 +123,38 @@ class Database:
             progress=progress,
             whole_files=whole_files,
             tags=tags,
+        )
+
+    def follow(
+        self,
+        paths: str | Path | Sequence[str | Path],
+        *,
+        interval: float = 0.25,
+        settle: float = 2.0,
+        tags: Iterable[str] = (),
+        allow_ragged: bool = False,
+        on_commit: Callable[[IngestReport], None] | None = None,
+    ) -> Follower:
+        """A follower of a live run into this database: :meth:`~tracedb.ingest.follow.Follower.poll`
+        ingests the whole lines added to ``paths`` (files or directories, followed
+        recursively) since the last poll, :meth:`~tracedb.ingest.follow.Follower.run` polls
+        every ``interval`` seconds until stopped. Positions are committed with the lines,
+        so a follower started again on the same database goes on where the last one
+        stopped. Compressed and ``.json`` files are ingested once unchanged for ``settle``
+        seconds. ``tags`` and ``allow_ragged`` are :meth:`ingest`'s; ``on_commit`` is called
+        with each commit's report. Give the follower a database of its own when other
+        threads use this one."""
+        from tracedb.ingest.follow import Follower
+
+        chosen = [paths] if isinstance(paths, str | Path) else list(paths)
+        return Follower(
+            self.handle,
+            chosen,
+            interval=interval,
+            settle=settle,
+            tags=list(tags),
+            allow_ragged=allow_ragged,
+            on_commit=on_commit,
         )
 
     def watermark(self) -> int:
@@ -395,6 +435,11 @@ class Database:
         """Remove a named credit set and all its credit."""
         credit_sets.drop(self.handle, name)
 
+    def credit_set_name(self, credit: str | None) -> str | None:
+        """The set a caller means by ``credit``: None for the default (ingested) set (``None``
+        or ``"default"``), else the named set, which must exist (:class:`~tracedb.errors.NotFound`)."""
+        return credit_sets.resolve(self.handle, credit)
+
     def has_credit_set(self, name: str) -> bool:
         """True for ``"default"`` (the ingested credit) and for every named set created."""
         return credit_sets.exists(self.handle, name)
@@ -403,6 +448,16 @@ class Database:
         """The credit sets: name, algorithm, params, description, created_at, assigned nodes,
         layout (``trace`` or ``node``)."""
         return credit_sets.listing(self.handle)
+
+
+def migrate(path: str | Path) -> dict[str, Any]:
+    """Upgrade a database file written by an older tracedb to this one's schema, in place
+    (one transaction: a failure leaves the file as it was). Returns the path, the version
+    the file held before (None: none) and after, and this tracedb's."""
+    before = migrations.stored_version(Path(path))
+    with Database(path) as db:  # a read-write open upgrades
+        after = db.schema_version
+    return {"path": str(path), "from_version": before, "to_version": after, "current": migrations.SCHEMA_VERSION}
 
 
 def connect(path: str | Path = ":memory:", *, read_only: bool = False, isolated: bool = False) -> Database:

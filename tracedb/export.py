@@ -18,8 +18,9 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from tracedb.handle import Handle
+from tracedb.selection import Selection, watermark_of
 from tracedb.tables import BRANCH_SCHEMA
-from tracedb.views import Selection, iter_branches, watermark_of
+from tracedb.views import iter_branches
 
 FORMATS = {
     ".parquet": "parquet",

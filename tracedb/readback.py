@@ -15,7 +15,7 @@ from tracedb import credit_sets
 from tracedb.errors import NotFound
 from tracedb.handle import SCHEMA_VERSION, Handle
 from tracedb.records import BIT, COMPACT_STREAMS
-from tracedb.views import Selection, resolve, with_watermark
+from tracedb.selection import Selection, completions, resolve, with_watermark
 
 
 def trace_record(handle: Handle, trace_id: str, *, credit: str | None = None) -> dict[str, Any]:
@@ -102,7 +102,7 @@ TRACE_LISTING = (
 def trace_listing(handle: Handle, selection: Selection, limit: int | None = None) -> pa.Table:
     """The selected traces in sequence order (arrival), one row each: ``TRACE_LISTING``
     and ``tags``. The table carries the watermark to pass as ``after`` next time
-    (:func:`tracedb.views.watermark_of`): the selection's, or, when ``limit`` cut the
+    (:func:`tracedb.selection.watermark_of`): the selection's, or, when ``limit`` cut the
     listing short, the last row's sequence number (with ``complete_groups``, whole groups
     are listed, at least one, and the watermark is the last one's completion), so paging
     with it misses nothing and repeats nothing."""
@@ -123,24 +123,10 @@ def trace_listing(handle: Handle, selection: Selection, limit: int | None = None
             table = table.slice(0, limit)
             mark = table.column("seq")[limit - 1].as_py()
         else:
-            completed = _completions(handle, table, selection.complete_groups, selected.watermark)
+            groups = table.column("group_id").to_pylist()
+            completed = completions(handle, groups, selection.complete_groups, selected.watermark)
             table, mark = _whole_groups(table, completed, limit)
     return with_watermark(table, mark)
-
-
-def _completions(handle: Handle, table: pa.Table, size: int, mark: int) -> dict[str, int]:
-    """The sequence number at which each group of ``table`` completed: its ``size``-th
-    member's among all the traces committed up to ``mark`` (a filter may have left fewer
-    members in ``table``)."""
-    groups = pa.table({"group_id": pa.array(sorted(set(table.column("group_id").to_pylist())), pa.string())})
-    with handle.registered("_tdb_listed_groups", groups):
-        rows = handle.sql(
-            "SELECT group_id, seq FROM (SELECT group_id, seq, row_number() OVER (PARTITION BY group_id "
-            "ORDER BY seq) AS k FROM traces WHERE seq <= ? AND group_id IN "
-            "(SELECT group_id FROM _tdb_listed_groups)) WHERE k = ?",
-            [mark, size],
-        )
-    return dict(zip(rows.column("group_id").to_pylist(), rows.column("seq").to_pylist(), strict=True))
 
 
 def _whole_groups(table: pa.Table, completed: dict[str, int], limit: int) -> tuple[pa.Table, int]:

@@ -3,6 +3,7 @@ a whole selection (a live run's new traces), as JSON or Arrow IPC."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Path, Query
@@ -39,7 +40,7 @@ def list_branches(db: Reader, trace_id: TraceId, live: LiveSelection, credit: Cr
     that selection."""
     name, label = credit_of(db, credit)
     body: dict[str, Any] = {"trace_id": trace_id, "credit": label}
-    if live.given:
+    if live.is_live:
         mark = queries.in_selection(db, trace_id, live)
         body["watermark"] = mark if mark is not None else db.watermark()
         if mark is None:
@@ -74,10 +75,7 @@ def select_branches(
     name, _ = credit_of(db, credit)
     table, info = queries.select_branches(
         db,
-        live,
-        trace_ids=trace_id,
-        group=group,
-        episode=episode,
+        replace(live, trace_ids=trace_id, group=group, episode=episode),
         trainable=trainable,
         branch_index=branch_index,
         columns=list(fields) if fields else None,
@@ -119,7 +117,7 @@ def get_branch(
     With ``after`` (``complete_groups``, ``through``, ``tag``): 404 when the trace is not in
     that selection."""
     name, _ = credit_of(db, credit)
-    if live.given and queries.in_selection(db, trace_id, live) is None:
+    if live.is_live and queries.in_selection(db, trace_id, live) is None:
         raise not_found(f"trace {trace_id!r} is not in the selection (after, complete_groups, through, tag)")
     views = backend.views.branches(db, trace_id, name, train_once)
     table = queries.pick_branch(db, views, trace_id, index, list(fields) if fields else None)

@@ -27,7 +27,7 @@ def health(request: Request, db: Reader) -> Any:
             "tracedb_version": tracedb.__version__,
             "schema_version": db.schema_version,
             "database": db.path,
-            "traces": db.handle.scalar("SELECT count(*) FROM traces"),
+            "traces": db.scalar("SELECT count(*) FROM traces"),
             "watermark": db.watermark(),
             "writes_enabled": state.token is not None and not state.backend.read_only,
             "sql_enabled": state.backend.allow_sql,

@@ -4,11 +4,14 @@ micro-batches for a trainer (the layout ``tracedb pack`` writes), and the databa
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import Response
 from pydantic import Field, StringConstraints
+
+from tracedb.selection import Selection
 
 from .. import encode, queries
 from ..deps import Backend_, CreditQuery, Reader, credit_of
@@ -51,12 +54,13 @@ def live_selection(
             "or name=low..high (inclusive; an end may be empty). Repeatable.",
         ),
     ] = None,
-) -> queries.Live:
-    """The live-run narrowing of a selection, from the query string."""
-    return queries.Live(after, complete_groups, through, queries.tag_filters(tag))
+) -> Selection:
+    """The live-run narrowing of a selection (``after``, ``complete_groups``, ``through``,
+    ``tag``), from the query string; a route adds the id filters it takes."""
+    return Selection(after=after, complete_groups=complete_groups, through=through, tags=queries.tag_filters(tag))
 
 
-LiveSelection = Annotated[queries.Live, Depends(live_selection)]
+LiveSelection = Annotated[Selection, Depends(live_selection)]
 
 _ARROW = {
     200: {
@@ -98,12 +102,9 @@ def get_micro_batches(
     if rank >= ranks:
         raise invalid(f"rank: {rank} is not one of the {ranks} ranks (0-{ranks - 1})")
     name, _ = credit_of(db, credit)
-    pinned = live.pinned(db)
+    pinned = replace(live, trace_ids=trace_id, group=group, episode=episode).pinned(db.watermark())
     arguments: dict[str, Any] = {
         "ranks": ranks,
-        "trace_ids": trace_id,
-        "group": group,
-        "episode": episode,
         **pinned.kwargs(),
         "trainable": None if all_branches else True,
         "branch_index": branch_index,

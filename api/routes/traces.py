@@ -4,6 +4,7 @@ long-polled), one trace's metadata and nodes, its record as ingested."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Path, Query
@@ -57,7 +58,7 @@ async def list_traces(
     the traces in arrival order with the ``watermark`` to pass as ``after`` next time (also
     in the X-Tracedb-Watermark header); ``wait=S`` answers as soon as a matching trace is
     committed, or after S seconds with none."""
-    if not live.given and wait is None:
+    if not live.is_live and wait is None:
         page = await run_in_threadpool(
             queries.list_traces,
             db,
@@ -87,8 +88,9 @@ async def list_traces(
     limit = 1000 if limit is None else limit
     loop = asyncio.get_running_loop()
     deadline = loop.time() + min(wait or 0.0, backend.max_wait_s)
+    selection = replace(live, group=group, episode=episode)
     while True:
-        page = await run_in_threadpool(queries.live_traces, db, live, group=group, episode=episode, limit=limit)
+        page = await run_in_threadpool(queries.live_traces, db, selection, limit=limit)
         read_at = page.pop("read_at")
         left = deadline - loop.time()
         if page["traces"] or left <= 0 or (live.through is not None and read_at >= live.through):

@@ -85,7 +85,7 @@ def index(
             "filters": filters,
             "sort": sort,
             "stops": stops,
-            "total": db.handle.scalar("SELECT count(*) FROM traces"),
+            "total": db.scalar("SELECT count(*) FROM traces"),
             "link": link,
             "next_link": link(cursor=page["next_cursor"]) if page["next_cursor"] else None,
         },

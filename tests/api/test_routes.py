@@ -244,7 +244,7 @@ def test_branch_list(client: TestClient, lib: tracedb.Database) -> None:
                 assert got["branch_index"] == row["branch_index"] and got["trainable"] == row["trainable"]
                 assert got["n_tokens"] == len(row["token_ids"]) and got["n_sampled"] == sum(row["sampled_mask"])
                 assert got["credit_assigned"] == (row["advantages"] is not None)
-                assert (got["credit_status"] == "none") == (row["advantages"] is None)
+                assert (got["credit_status"] == "unassigned") == (row["advantages"] is None)
 
 
 def _check_json(body: dict[str, Any], row: dict[str, Any]) -> None:
@@ -347,9 +347,10 @@ def test_group(client: TestClient, lib: tracedb.Database) -> None:
                 "SELECT count(*) AS n FROM nodes WHERE trace_id = ? AND advantages IS NOT NULL", [t["trace_id"]]
             ).to_pylist()[0]["n"]
             assert t["credited_nodes"] == credited
-            assert (t["credit_status"] == "none") == (credited == 0)
+            assert (t["credit_status"] == "unassigned") == (credited == 0)
     probe = client.get("/groups/group-0", params={"credit": "probe"}).json()
-    assert probe["credit"] == "probe" and {t["credit_status"] for t in probe["traces"]} <= {"partial", "full"}
+    statuses = {t["credit_status"] for t in probe["traces"]}
+    assert probe["credit"] == "probe" and statuses <= {"partial", "assigned", "zero"}
 
 
 def test_credit_sets(client: TestClient) -> None:

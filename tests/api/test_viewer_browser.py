@@ -186,7 +186,7 @@ def test_heat_strips_colours_and_switches(page: Page, base: str, data: dict[str,
     for i, rec in enumerate(record["nodes"]):
         if i != node:
             assert all("null" in c["cls"] for c, m in zip(cells(page, i), rec["mask"]) if m)
-    assert page.locator("#branch-table .credit-status").first.inner_text() in ("partial", "full")
+    assert page.locator("#branch-table .credit-status").first.inner_text() in ("partial", "assigned", "zero")
 
     page.select_option("#color", "logprob")
     page.wait_for_selector('body[data-painted="logprob:probe"]')

@@ -26,7 +26,7 @@ pytest.importorskip("pyiceberg_core", reason="the lake extra is not installed (p
 import tracedb.lake as lakes  # noqa: E402
 from tracedb.cli.main import app  # noqa: E402
 from tracedb.lake.select import resolve_lake, select_ids  # noqa: E402
-from tracedb.views import Selection  # noqa: E402
+from tracedb.selection import Selection  # noqa: E402
 
 # (group, member) of each ingest; sizes after them: g0 6/8/8/8, g1 2/6/6/8, g2 0/4/8/8, g3 0/0/7/7
 STEPS = [
@@ -115,7 +115,7 @@ def test_selections_equal_the_file_stores(stores, complete_groups, tags):
     db, lake, bound = stores
     sizes = set()
     for after, through in MARKS:
-        got = select_ids(lake, after=after, through=through, complete_groups=complete_groups, tags=tags)
+        got = select_ids(lake, Selection(after=after, through=through, complete_groups=complete_groups, tags=tags))
         want = _expected(db, bound, after=after, through=through, complete_groups=complete_groups, tags=tags)
         assert sorted(got) == sorted(want), (after, through)
         assert _ordered(db, got)
@@ -143,7 +143,7 @@ def test_selections_equal_the_file_stores(stores, complete_groups, tags):
 )
 def test_tag_filters_equal_the_file_stores(stores, tags):
     db, lake, bound = stores
-    assert sorted(select_ids(lake, tags=tags)) == sorted(_expected(db, bound, tags=tags))
+    assert sorted(select_ids(lake, Selection(tags=tags))) == sorted(_expected(db, bound, tags=tags))
 
 
 def test_complete_groups_of_a_narrowed_selection_count_every_member(stores):
@@ -163,7 +163,9 @@ def test_complete_groups_of_a_narrowed_selection_count_every_member(stores):
     sizes = []
     for selection in cases:
         for complete_groups, after, through in [(4, None, None), (8, 1, 3)]:
-            got = select_ids(lake, complete_groups=complete_groups, after=after, through=through, **selection)
+            got = select_ids(
+                lake, Selection(complete_groups=complete_groups, after=after, through=through, **selection)
+            )
             want = _expected(db, bound, complete_groups=complete_groups, after=after, through=through, **selection)
             assert sorted(got) == sorted(want), (selection, complete_groups, after, through)
             sizes.append(len(got))
@@ -234,7 +236,7 @@ def test_bad_selections_get_the_file_stores_errors(stores, bad, word, tmp_path):
     with pytest.raises(ValueError) as want:
         db.branches(**bad)
     with pytest.raises(ValueError) as got:
-        select_ids(lake, **bad)
+        select_ids(lake, Selection(**bad))
     assert str(got.value) == str(want.value) and word in str(got.value)
     with pytest.raises(ValueError) as planned:
         lake.micro_batches(512, **bad)
@@ -247,7 +249,7 @@ def test_bad_selections_get_the_file_stores_errors(stores, bad, word, tmp_path):
 def test_pull_of_one_trace_id_given_as_a_string(stores, tmp_path):
     db, lake, _ = stores
     one = db.sql("SELECT min(trace_id) AS t FROM traces").column("t")[0].as_py()
-    assert lake.pull(tmp_path / "a.duckdb", trace_ids=one) == 1 == len(select_ids(lake, trace_ids=one))
+    assert lake.pull(tmp_path / "a.duckdb", trace_ids=one) == 1 == len(select_ids(lake, Selection(trace_ids=one)))
     assert lake.tables(trace_ids=one)["traces"].column("trace_id").to_pylist() == [one]
 
 

@@ -9,7 +9,8 @@ from tracedb.batches.plan import Plan, build_plan
 from tracedb.batches.samples import OVERFLOW, build
 from tracedb.handle import Handle
 from tracedb.records import COMPACT_STREAMS
-from tracedb.views import Selection, branch_indices, resolve
+from tracedb.selection import Selection, resolve
+from tracedb.views import branch_indices
 from tracedb.views.nodes import load_nodes
 
 
@@ -65,13 +66,7 @@ def micro_batches(
     arguments = {
         "seq_len": seq_len,
         "ranks": ranks,
-        "trace_ids": None if selection.trace_ids is None else list(selection.trace_ids),
-        "group": selection.group,
-        "episode": selection.episode,
-        "after": selection.after,
-        "complete_groups": selection.complete_groups,
-        "through": selection.through,
-        "tags": None if selection.tags is None else {k: _plain(v) for k, v in selection.tags.items()},
+        **selection.manifest(),
         "trainable": trainable,
         "branch_index": branch_index,
         "credit": credit,
@@ -95,8 +90,3 @@ def micro_batches(
     )
     plan.report.watermark = data.watermark if mark is None else mark
     return plan
-
-
-def _plain(value: object) -> object:
-    """A tag filter as the manifest's JSON holds it (a range as a list)."""
-    return list(value) if isinstance(value, tuple) else value

@@ -63,7 +63,7 @@ def live_selection(
 ) -> dict[str, Any]:
     """The live-run keyword arguments of a view call, from the shared options (exit 2 on
     a bad --tag)."""
-    from tracedb.views import tag_filters
+    from tracedb.selection import tag_filters
 
     try:
         tags = tag_filters(tag)

@@ -14,7 +14,7 @@ from typing import Any
 
 from tracedb.cli.common import err
 from tracedb.database import Database
-from tracedb.ingest.follow import Follower, FollowReport
+from tracedb.ingest.follow import FollowReport
 from tracedb.ingest.run import IngestReport
 
 
@@ -63,8 +63,7 @@ def follow(
             shown.append(message)
 
     shown: list[str] = []
-    follower = Follower(
-        database.handle,
+    follower = database.follow(
         paths,
         interval=interval,
         settle=settle,

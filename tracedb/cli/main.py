@@ -412,13 +412,13 @@ def migrate(db: DbOption = Path("tracedb.duckdb"), as_json: JsonOption = False) 
     (one transaction: a failure leaves the file as it was)."""
     if not db.exists():
         raise fail(f"no database at {db}", 2)
-    from tracedb.handle import SCHEMA_VERSION
-    from tracedb.migrations import stored_version
+    from tracedb.database import migrate as upgrade
 
-    before = stored_version(db)
-    with open_db(db) as database:  # a read-write open upgrades
-        after = database.handle.stored_version()
-    emit({"path": str(db), "from_version": before, "to_version": after, "current": SCHEMA_VERSION}, as_json)
+    try:
+        done = upgrade(db)
+    except (TraceDBError, ValueError) as e:
+        raise fail(e, 2) from None
+    emit(done, as_json)
 
 
 @app.command()

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
 from tracedb.database import Database, connect
-from tracedb.lake import catalog, move, read
+from tracedb.lake import catalog, move
 from tracedb.lake.write import AppendReport, append
+from tracedb.selection import Selection
 
 if TYPE_CHECKING:
     import ray.data
@@ -44,7 +46,7 @@ class Lake(catalog.Opened):
         write. Idempotent by trace id: traces the lake shows already are skipped, but the
         credit sets the lake lacks are added for them too; a set the lake holds with other
         values is refused, naming it (see :func:`tracedb.lake.move.push`)."""
-        with _opened(db, read_only=True) as database:
+        with _database(db, read_only=True) as database:
             return move.push(self, database, batch_traces)
 
     # ----------------------------------------------------------------- reading
@@ -52,13 +54,20 @@ class Lake(catalog.Opened):
     def tables(
         self,
         *,
-        trace_ids: Sequence[str] | None = None,
+        trace_ids: str | Sequence[str] | None = None,
         group: str | Sequence[str] | None = None,
+        episode: str | Sequence[str] | None = None,
         after: int | None = None,
+        complete_groups: int | None = None,
+        tags: Mapping[str, Any] | None = None,
+        through: int | None = None,
     ) -> dict[str, pa.Table]:
         """The visible rows of the selected traces in every table, by name (see
-        :func:`tracedb.lake.read.visible`)."""
-        return read.visible(self, trace_ids=trace_ids, group=group, after=after)
+        :func:`tracedb.lake.read.visible`); the selection is :meth:`branches`'."""
+        from tracedb.lake.select import visible_tables
+
+        selection = Selection(trace_ids, group, episode, after, complete_groups, tags, through)
+        return visible_tables(self, selection)
 
     def watermark(self) -> int:
         """The sequence number of the latest ``traces`` commit (0 before the first): at
@@ -86,23 +95,10 @@ class Lake(catalog.Opened):
         is :meth:`branches`' (``after`` / ``through`` / ``complete_groups`` on the lake's
         ``seq``, ``tags`` on its ``trace_tags``). ``db.trace()`` of a pulled trace equals
         what the pushed file store returned."""
-        if episode is None and complete_groups is None and tags is None and through is None:
-            rows = self.tables(trace_ids=trace_ids, group=group, after=after)
-        else:
-            from tracedb.lake.select import select_ids
+        from tracedb.lake.select import visible_tables
 
-            chosen = select_ids(
-                self,
-                trace_ids=trace_ids,
-                group=group,
-                episode=episode,
-                after=after,
-                complete_groups=complete_groups,
-                tags=tags,
-                through=through,
-            )
-            rows = self.tables(trace_ids=chosen)
-        with _opened(db, read_only=False) as database:
+        rows = visible_tables(self, Selection(trace_ids, group, episode, after, complete_groups, tags, through))
+        with _database(db, read_only=False) as database:
             return move.write_into(database, rows)
 
     def branches(
@@ -133,13 +129,7 @@ class Lake(catalog.Opened):
 
         return views.branches(
             self,
-            trace_ids=trace_ids,
-            group=group,
-            episode=episode,
-            after=after,
-            complete_groups=complete_groups,
-            tags=tags,
-            through=through,
+            Selection(trace_ids, group, episode, after, complete_groups, tags, through),
             trainable=trainable,
             branch_index=branch_index,
             columns=columns,
@@ -182,13 +172,7 @@ class Lake(catalog.Opened):
         return train.micro_batches(
             self,
             seq_len,
-            trace_ids=trace_ids,
-            group=group,
-            episode=episode,
-            after=after,
-            complete_groups=complete_groups,
-            tags=tags,
-            through=through,
+            Selection(trace_ids, group, episode, after, complete_groups, tags, through),
             ranks=ranks,
             trainable=trainable,
             branch_index=branch_index,
@@ -270,27 +254,17 @@ class Lake(catalog.Opened):
         return sqlscan.run(self, query, params)[0]
 
 
-class _opened:
+@contextmanager
+def _database(db: str | Path | Database, *, read_only: bool) -> Iterator[Database]:
     """A Database for the block: the one passed in (left open), or a path opened and closed."""
-
-    def __init__(self, db: str | Path | Database, *, read_only: bool) -> None:
-        self.given = db if isinstance(db, Database) else None
-        self.path = None if isinstance(db, Database) else Path(db)
-        self.read_only = read_only
-        self.db: Database | None = None
-
-    def __enter__(self) -> Database:
-        if self.given is not None:
-            return self.given
-        assert self.path is not None
-        if self.read_only and not self.path.exists():
-            raise catalog.LakeError(f"no database at {self.path}")
-        self.db = connect(self.path, read_only=self.read_only)
-        return self.db
-
-    def __exit__(self, *exc: object) -> None:
-        if self.db is not None:
-            self.db.close()
+    if isinstance(db, Database):
+        yield db
+        return
+    path = Path(db)
+    if read_only and not path.exists():
+        raise catalog.LakeError(f"no database at {path}")
+    with connect(path, read_only=read_only) as opened:
+        yield opened
 
 
 def init(lake: str | Path) -> Lake:

@@ -25,8 +25,8 @@ from pyiceberg.expressions import AlwaysTrue, BooleanExpression, In
 
 from tracedb.lake.catalog import BATCH, batched, lake_tables, per_trace
 from tracedb.lake.scan import scan_keys, visible_traces
+from tracedb.selection import check_watermark
 from tracedb.sqltext import quote_identifier
-from tracedb.views import check_watermark
 
 VISIBLE_SETS = "vis_sets"
 """The name :func:`visible_rows` reads the visible credit set names under."""

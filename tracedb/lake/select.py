@@ -1,5 +1,5 @@
 """Which visible traces a selection of the lake takes: the file store's own selection SQL
-(:func:`tracedb.views.resolve`) run over the lake's scanned ``traces`` and ``trace_tags``.
+(:func:`tracedb.selection.resolve_at`) run over the lake's scanned ``traces`` and ``trace_tags``.
 
 The scans read what the selection can need: ``traces`` by trace id, group and episode
 (pushed down as row filters, so other buckets are not read), except that a
@@ -22,30 +22,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyiceberg.expressions import AlwaysTrue, BooleanExpression, In
 
-from tracedb.handle import Handle
-from tracedb.lake import catalog
+from tracedb.lake import catalog, read
 from tracedb.lake.scan import scan_traces, visible_traces
-from tracedb.views import Selection, resolve
+from tracedb.selection import Selection, resolve_at, values_of
 
 TRACE_COLUMNS = ["trace_id", "group_id", "episode_id", "n_tokens", catalog.BATCH]
 """What a selection reads of ``traces`` (with ``seq``)."""
 TAG_COLUMNS = ["trace_id", "name", "value", "number", "text", catalog.BATCH]
-
-
-class _Scanned(Handle):
-    """A handle on scanned lake rows in a DuckDB connection of their own, whose watermark
-    is the lake's: what :func:`tracedb.views.resolve` runs on."""
-
-    def __init__(self, con: duckdb.DuckDBPyConnection, mark: int) -> None:
-        super().__init__(con, path=":lake:", catalog=None, instance_key=None, read_only=True, release=con.close)
-        self.mark = mark
-
-    def watermark(self, con: Any = None) -> int:
-        return self.mark
-
-
-def _values(value: str | Sequence[str]) -> list[str]:
-    return [value] if isinstance(value, str) else list(value)
 
 
 def _filter(
@@ -55,7 +38,7 @@ def _filter(
     row_filter: BooleanExpression = AlwaysTrue()
     for column, values in (("trace_id", trace_ids), ("group_id", group), ("episode_id", episode)):
         if values is not None:
-            row_filter = row_filter & In(column, _values(values))
+            row_filter = row_filter & In(column, values_of(values))
     return row_filter
 
 
@@ -78,7 +61,7 @@ def _tags(lake: catalog.Opened, selection: Selection) -> pa.Table:
     if isinstance(tags, Mapping) and all(isinstance(name, str) for name in tags):
         row_filter = In("name", list(tags))
     if selection.trace_ids is not None:
-        row_filter = row_filter & In("trace_id", _values(selection.trace_ids))
+        row_filter = row_filter & In("trace_id", values_of(selection.trace_ids))
     return lake.table("trace_tags").scan(row_filter=row_filter, selected_fields=tuple(TAG_COLUMNS)).to_arrow()
 
 
@@ -103,7 +86,7 @@ def resolve_lake(lake: catalog.Opened, selection: Selection) -> tuple[list[str],
                 "CREATE TEMP TABLE trace_tags AS SELECT t.trace_id, t.name, t.value::JSON AS value, t.number, t.text "
                 f"FROM lake_tags t SEMI JOIN traces v USING (trace_id, {catalog.BATCH})"
             )
-        selected = resolve(_Scanned(con, mark), selection)
+        selected = resolve_at(con, selection, mark)
         con.register("chosen", pa.table({"trace_id": pa.array([t for t, _ in selected.traces], pa.string())}))
         ordered = con.execute(
             "SELECT trace_id FROM traces SEMI JOIN chosen USING (trace_id) ORDER BY group_id, trace_id"
@@ -113,22 +96,20 @@ def resolve_lake(lake: catalog.Opened, selection: Selection) -> tuple[list[str],
     return [row[0] for row in ordered], selected.watermark
 
 
-def select_ids(
-    lake: catalog.Opened,
-    *,
-    trace_ids: Sequence[str] | None = None,
-    group: str | Sequence[str] | None = None,
-    episode: str | Sequence[str] | None = None,
-    after: int | None = None,
-    complete_groups: int | None = None,
-    tags: Mapping[str, Any] | None = None,
-    through: int | None = None,
-) -> list[str]:
-    """The visible traces a selection takes (the arguments of
-    :meth:`tracedb.Database.branches`, ``seq`` the lake's), ordered by group then trace id;
-    see :func:`resolve_lake`."""
-    selection = Selection(trace_ids, group, episode, after, complete_groups, tags, through)
+def select_ids(lake: catalog.Opened, selection: Selection) -> list[str]:
+    """The visible traces ``selection`` takes (``seq`` the lake's), ordered by group then
+    trace id; see :func:`resolve_lake`."""
     return resolve_lake(lake, selection)[0]
 
 
-__all__ = ["resolve_lake", "select_ids"]
+def visible_tables(lake: catalog.Opened, selection: Selection) -> dict[str, pa.Table]:
+    """The visible rows of the traces ``selection`` takes, in every table, by name (see
+    :func:`tracedb.lake.read.visible`). A selection of trace ids, groups and ``after``
+    alone is pushed into the scans; any other is resolved first (:func:`resolve_lake`)."""
+    simple = selection.episode is None and selection.complete_groups is None and selection.tags is None
+    if simple and selection.through is None:
+        return read.visible(lake, trace_ids=selection.trace_ids, group=selection.group, after=selection.after)
+    return read.visible(lake, trace_ids=resolve_lake(lake, selection)[0])
+
+
+__all__ = ["resolve_lake", "select_ids", "visible_tables"]

@@ -11,7 +11,7 @@ one (see ``docs/scale.md``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -21,6 +21,7 @@ from tracedb.lake import catalog, move, read
 from tracedb.lake.scan import bucket_order
 from tracedb.lake.select import select_ids
 from tracedb.lake.workers import chunks, running_ray
+from tracedb.selection import Selection
 
 if TYPE_CHECKING:
     import ray.data
@@ -49,14 +50,8 @@ class _Views:
 
 def branches(
     lake: catalog.Opened,
+    selection: Selection,
     *,
-    trace_ids: Sequence[str] | None = None,
-    group: str | Sequence[str] | None = None,
-    episode: str | Sequence[str] | None = None,
-    after: int | None = None,
-    complete_groups: int | None = None,
-    tags: Mapping[str, Any] | None = None,
-    through: int | None = None,
     trainable: bool | None = None,
     branch_index: int | Sequence[int] | None = None,
     columns: Sequence[str] | None = None,
@@ -68,16 +63,7 @@ def branches(
     if not isinstance(traces_per_task, int) or traces_per_task < 1:
         raise ValueError(f"traces_per_task is a number of traces (an int >= 1), not {traces_per_task!r}")
     ray = running_ray()
-    ids = select_ids(
-        lake,
-        trace_ids=trace_ids,
-        group=group,
-        episode=episode,
-        after=after,
-        complete_groups=complete_groups,
-        tags=tags,
-        through=through,
-    )
+    ids = select_ids(lake, selection)
     options = dict(
         trainable=trainable, branch_index=branch_index, columns=columns, train_once=train_once, credit=credit
     )
