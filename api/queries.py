@@ -23,7 +23,7 @@ from tracedb.batches import Plan
 from tracedb.batches.plan import SAMPLES_SCHEMA
 from tracedb.database import Database
 from tracedb.errors import NotFound
-from tracedb.selection import Selection, pages, watermark_of, with_watermark
+from tracedb.selection import Selection, pages, values_of, watermark_of, with_watermark
 from tracedb.selection import tag_filters as parse_tag_filters
 from tracedb.tables import KEY_COLUMNS, NULLABLE_TOKEN_COLUMNS
 
@@ -89,8 +89,9 @@ def decode_cursor(cursor: str, sort: str) -> list[Any]:
 def list_traces(
     db: Database,
     *,
-    group: str | None = None,
-    episode: str | None = None,
+    trace_ids: str | Sequence[str] | None = None,
+    group: str | Sequence[str] | None = None,
+    episode: str | Sequence[str] | None = None,
     ok: bool | None = None,
     min_reward: float | None = None,
     max_reward: float | None = None,
@@ -102,9 +103,11 @@ def list_traces(
     """One page of traces, keyset-paginated (stable under concurrent ingest)."""
     where: list[str] = []
     params: list[Any] = []
+    trace_ids, group, episode = (None if v is None else values_of(v) for v in (trace_ids, group, episode))
     for clause, value in (
-        ("group_id = ?", group),
-        ("episode_id = ?", episode),
+        ("trace_id IN (SELECT unnest(?::VARCHAR[]))", trace_ids),
+        ("group_id IN (SELECT unnest(?::VARCHAR[]))", group),
+        ("episode_id IN (SELECT unnest(?::VARCHAR[]))", episode),
         ("ok = ?", ok),
         ("reward >= ?", min_reward),
         ("reward <= ?", max_reward),

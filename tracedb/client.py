@@ -33,6 +33,7 @@ import pyarrow.ipc as ipc
 from tracedb.batches import MicroBatch
 from tracedb.batches.plan import SAMPLES_SCHEMA
 from tracedb.errors import TraceDBError
+from tracedb.selection import Selection
 
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
 TIMEOUT_S = 60.0
@@ -62,6 +63,13 @@ def _tag_params(tags: Mapping[str, Any] | None) -> list[tuple[str, str]]:
         else:
             out.append(("tag", f"{name}={json.dumps(want)}"))
     return out
+
+
+def _selected(selection: Selection) -> dict[str, Any]:
+    """A selection as the server's query parameters (``trace_id`` repeated, ``tag=``)."""
+    values = selection.kwargs()
+    values["trace_id"] = values.pop("trace_ids")
+    return values
 
 
 def _params(**values: Any) -> list[tuple[str, str]]:
@@ -128,40 +136,34 @@ def poll_traces(
     after: int = 0,
     wait: float = 0.0,
     *,
+    trace_ids: str | Sequence[str] | None = None,
+    group: str | Sequence[str] | None = None,
+    episode: str | Sequence[str] | None = None,
     complete_groups: int | None = None,
-    through: int | None = None,
     tags: Mapping[str, Any] | None = None,
-    group: str | None = None,
-    episode: str | None = None,
+    through: int | None = None,
     limit: int | None = None,
 ) -> dict[str, Any]:
-    """The traces committed after the watermark ``after``, in arrival order; waits up to
-    ``wait`` seconds (at most 60) for one when there is none yet. Returns the server's
-    answer: ``traces`` (rows with ``seq``, ids, reward, counts, ``tags``), ``watermark``
-    (pass it as ``after`` next time) and ``more`` (``limit`` cut it short: call again)."""
-    params = _params(
-        after=after,
-        wait=wait,
-        complete_groups=complete_groups,
-        through=through,
-        tags=tags,
-        group=group,
-        episode=episode,
-        limit=limit,
-    )
+    """The traces committed after the watermark ``after``, in arrival order (the other
+    filters are :meth:`tracedb.Database.traces`'); waits up to ``wait`` seconds (at most 60)
+    for one when there is none yet. Returns the server's answer: ``traces`` (rows with
+    ``seq``, ids, reward, counts, ``tags``), ``watermark`` (pass it as ``after`` next time)
+    and ``more`` (``limit`` cut it short: call again)."""
+    selection = Selection(trace_ids, group, episode, after, complete_groups, tags, through)
+    params = _params(**_selected(selection), wait=wait, limit=limit)
     return _json(url, "/traces", params, timeout=TIMEOUT_S + wait)
 
 
 def fetch_branches(
     url: str,
     *,
-    trace_ids: Sequence[str] | None = None,
-    group: Sequence[str] | None = None,
-    episode: Sequence[str] | None = None,
+    trace_ids: str | Sequence[str] | None = None,
+    group: str | Sequence[str] | None = None,
+    episode: str | Sequence[str] | None = None,
     after: int | None = None,
     complete_groups: int | None = None,
-    through: int | None = None,
     tags: Mapping[str, Any] | None = None,
+    through: int | None = None,
     trainable: bool | None = None,
     branch_index: int | Sequence[int] | None = None,
     columns: Sequence[str] | None = None,
@@ -172,14 +174,9 @@ def fetch_branches(
     as the Arrow table ``db.branches`` gives, carrying its watermark, and what the server
     said of it: ``watermark``, ``tokens``, ``token_limit``, ``truncated`` (the server's
     token limit was reached: pass ``after=watermark`` for the rest)."""
+    selection = Selection(trace_ids, group, episode, after, complete_groups, tags, through)
     params = _params(
-        trace_id=trace_ids,
-        group=group,
-        episode=episode,
-        after=after,
-        complete_groups=complete_groups,
-        through=through,
-        tags=tags,
+        **_selected(selection),
         trainable=trainable,
         branch_index=branch_index,
         fields=columns,
@@ -203,18 +200,24 @@ def fetch_micro_batches(
     rank: int = 0,
     ranks: int = 1,
     part: str = "tokens",
-    **arguments: Any,
+    trace_ids: str | Sequence[str] | None = None,
+    group: str | Sequence[str] | None = None,
+    episode: str | Sequence[str] | None = None,
+    after: int | None = None,
+    complete_groups: int | None = None,
+    tags: Mapping[str, Any] | None = None,
+    through: int | None = None,
+    **options: Any,
 ) -> tuple[pa.Table, dict[str, Any]]:
     """One file of one rank's micro-batches, as ``tracedb pack`` writes it: ``part="tokens"``
     (one record batch per micro-batch: ``table.to_batches()``) or ``"samples"`` (with a
     ``micro_batch`` column); and the plan's report (``report["watermark"]``: the next
-    ``after``). ``arguments`` are those of :meth:`tracedb.Database.micro_batches`
-    (``after``, ``complete_groups``, ``through``, ``tags``, ``trace_ids``, ``group``,
-    ``credit``, ``overflow``, ``cost``, ``share_prefixes`` ...; ``trainable=None`` for every
-    branch). Pass ``through`` to read several parts or ranks of one step."""
-    extra = dict(arguments)
-    if "trace_ids" in extra:
-        extra["trace_id"] = extra.pop("trace_ids")
+    ``after``). The selection is :meth:`tracedb.Database.micro_batches`'; ``options`` its
+    packing arguments (``credit``, ``overflow``, ``cost``, ``share_prefixes`` ...;
+    ``trainable=None`` for every branch). Pass ``through`` to read several parts or ranks
+    of one step."""
+    selection = Selection(trace_ids, group, episode, after, complete_groups, tags, through)
+    extra = dict(options)
     if "cost" in extra:
         extra["cost_linear"], extra["cost_quadratic"] = extra.pop("cost")
     if "trainable" in extra:
@@ -222,19 +225,33 @@ def fetch_micro_batches(
         if trainable is not None and trainable is not True:
             raise ValueError("the server packs trainable branches (trainable=True) or every branch (None)")
         extra["all_branches"] = trainable is None
-    params = _params(seq_len=seq_len, rank=rank, ranks=ranks, part=part, **extra)
+    params = _params(seq_len=seq_len, rank=rank, ranks=ranks, part=part, **_selected(selection), **extra)
     data, headers = _request(url, "/micro-batches", params, accept=ARROW_STREAM)
     return _arrow(data), json.loads(headers["X-Tracedb-Report"])
 
 
 def micro_batches(
-    url: str, seq_len: int, *, rank: int = 0, ranks: int = 1, **arguments: Any
+    url: str,
+    seq_len: int,
+    *,
+    rank: int = 0,
+    ranks: int = 1,
+    trace_ids: str | Sequence[str] | None = None,
+    group: str | Sequence[str] | None = None,
+    episode: str | Sequence[str] | None = None,
+    after: int | None = None,
+    complete_groups: int | None = None,
+    tags: Mapping[str, Any] | None = None,
+    through: int | None = None,
+    **options: Any,
 ) -> tuple[list[MicroBatch], dict[str, Any]]:
     """One rank's micro-batches, the objects ``db.micro_batches(...)[rank]`` gives, and the
     plan's report: both files of the rank, the second read as of the first's watermark."""
-    tokens, report = fetch_micro_batches(url, seq_len, rank=rank, ranks=ranks, part="tokens", **arguments)
-    arguments = {**arguments, "through": report["watermark"]}
-    samples, _ = fetch_micro_batches(url, seq_len, rank=rank, ranks=ranks, part="samples", **arguments)
+    selection = Selection(trace_ids, group, episode, after, complete_groups, tags, through)
+    chosen = selection.kwargs()
+    tokens, report = fetch_micro_batches(url, seq_len, rank=rank, ranks=ranks, part="tokens", **chosen, **options)
+    chosen["through"] = report["watermark"]
+    samples, _ = fetch_micro_batches(url, seq_len, rank=rank, ranks=ranks, part="samples", **chosen, **options)
     index = samples.column("micro_batch")
     out = []
     for i, batch in enumerate(tokens.to_batches()):

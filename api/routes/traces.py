@@ -14,7 +14,7 @@ from .. import queries
 from ..deps import Backend_, CreditQuery, Reader, credit_of
 from ..errors import JSONBody, invalid, responses
 from ..models import LiveTracePage, TraceDetail, TracePage
-from .live import LiveSelection
+from .live import Ids, LiveSelection
 
 router = APIRouter(tags=["traces"], default_response_class=JSONBody)
 
@@ -27,8 +27,9 @@ async def list_traces(
     db: Reader,
     backend: Backend_,
     live: LiveSelection,
-    group: Annotated[str | None, Query(description="Only this group (episode.group.id).", max_length=500)] = None,
-    episode: Annotated[str | None, Query(description="Only this episode.", max_length=500)] = None,
+    trace_id: Ids = None,
+    group: Ids = None,
+    episode: Ids = None,
     ok: Annotated[bool | None, Query(description="Only traces whose ok flag is this.")] = None,
     min_reward: Annotated[float | None, Query(allow_inf_nan=False, description="reward >= this")] = None,
     max_reward: Annotated[float | None, Query(allow_inf_nan=False, description="reward <= this")] = None,
@@ -62,6 +63,7 @@ async def list_traces(
         page = await run_in_threadpool(
             queries.list_traces,
             db,
+            trace_ids=trace_id,
             group=group,
             episode=episode,
             ok=ok,
@@ -88,7 +90,7 @@ async def list_traces(
     limit = 1000 if limit is None else limit
     loop = asyncio.get_running_loop()
     deadline = loop.time() + min(wait or 0.0, backend.max_wait_s)
-    selection = replace(live, group=group, episode=episode)
+    selection = replace(live, trace_ids=trace_id, group=group, episode=episode)
     while True:
         page = await run_in_threadpool(queries.live_traces, db, selection, limit=limit)
         read_at = page.pop("read_at")

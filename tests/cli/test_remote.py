@@ -103,6 +103,31 @@ def test_branches_through_the_server_answer_as_a_local_read(db_path: Path, url: 
     assert remote.stdout == local.stdout
 
 
+def test_every_selection_field_reaches_the_server(db_path: Path, url: str) -> None:
+    """``poll_traces`` and ``fetch_branches`` take each selection field and answer as
+    ``db.traces`` / ``db.branches`` of the same selection do (one id as a string is one id)."""
+    with tracedb.connect(db_path, read_only=True) as db:
+        rows = db.traces().to_pylist()
+        ids = [r["trace_id"] for r in rows[1:4]]
+        groups = sorted({r["group_id"] for r in rows if r["group_id"]})[:2]
+        cases = [
+            {"trace_ids": ids},
+            {"trace_ids": ids[0]},
+            {"group": groups},
+            {"group": groups[0], "after": 3},
+            {"episode": rows[2]["episode_id"]},
+            {"trace_ids": ids, "through": rows[2]["seq"]},
+            {"complete_groups": 4, "after": 0},
+        ]
+        for case in cases:
+            want = db.traces(**case)
+            page = client.poll_traces(url, **{"after": 0, **case})
+            assert [t["trace_id"] for t in page["traces"]] == want.column("trace_id").to_pylist(), case
+            assert page["watermark"] == tracedb.watermark_of(want), case
+            table, info = client.fetch_branches(url, **case)
+            assert table.equals(db.branches(**case)), case
+
+
 def test_unknown_trace_and_branch_read_as_locally(db_path: Path, url: str) -> None:
     missing = invoke("branches", "no-such-trace", "--url", url)
     assert missing.exit_code == 1 and f"'no-such-trace' is not in {url}" in missing.stderr
