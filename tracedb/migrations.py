@@ -16,6 +16,8 @@ from pathlib import Path
 
 import duckdb
 
+from tracedb.sqltext import WATERMARK_KEY
+
 SCHEMA_VERSION = 4
 """The stored layout this tracedb reads and writes."""
 
@@ -40,7 +42,9 @@ def _v2_to_v3(con: duckdb.DuckDBPyConnection) -> None:
         "(ORDER BY ingested_at, source, line, position, trace_id) AS seq FROM traces) o "
         "WHERE traces.trace_id = o.trace_id"
     )
-    con.execute("INSERT OR REPLACE INTO tracedb_meta SELECT 'last_seq', coalesce(max(seq), 0)::VARCHAR FROM traces")
+    con.execute(
+        "INSERT OR REPLACE INTO tracedb_meta SELECT ?, coalesce(max(seq), 0)::VARCHAR FROM traces", [WATERMARK_KEY]
+    )
     con.execute(
         "CREATE TABLE trace_tags (trace_id VARCHAR NOT NULL, name VARCHAR NOT NULL, value JSON NOT NULL, "
         "number DOUBLE, text VARCHAR)"

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from importlib import resources
 
+WATERMARK_KEY = "last_seq"
+"""The ``tracedb_meta`` key holding the watermark (the highest ingest sequence number)."""
+
 
 def load_sql(name: str) -> str:
     """The text of ``schema/<name>`` (e.g. ``tables.sql``)."""

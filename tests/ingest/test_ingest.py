@@ -490,9 +490,9 @@ def test_float_streams_round_trip_at_float32(fresh_db, tmp_path):
 def test_dedup_lookups_through_the_index_or_a_scan_store_the_same(tmp_path, monkeypatch, rows_per_key):
     """Ingest finds stored traces, episodes and segments either by the key's index (a large
     table) or by scanning the key column (a small one): the same rows either way."""
-    import tracedb.ingest.run as run
+    import tracedb.handle
 
-    monkeypatch.setattr(run, "INDEX_ROWS_PER_KEY", rows_per_key)
+    monkeypatch.setattr(tracedb.handle, "INDEX_ROWS_PER_KEY", rows_per_key)
     files = sorted(FIXTURES.glob("*.traces.jsonl"))
     with tracedb.connect(tmp_path / "a.duckdb") as db:
         first = db.ingest(files[:2])
@@ -510,7 +510,7 @@ def test_dedup_lookups_through_the_index_or_a_scan_store_the_same(tmp_path, monk
 
 
 def test_existing_reads_the_tables_size_and_finds_keys_both_ways(fresh_db, monkeypatch):
-    import tracedb.ingest.run as run
+    import tracedb.handle
     from tracedb.handle import handle_of
 
     fresh_db.ingest(FIXTURES / "linear.traces.jsonl")
@@ -528,10 +528,10 @@ def test_existing_reads_the_tables_size_and_finds_keys_both_ways(fresh_db, monke
             return self.con.execute(query, params)
 
     reader = Spy(handle.cursor())
-    assert run.existing(reader, "segments", "segment_id", probe, "BLOB") == set(stored)
+    assert handle.existing("segments", "segment_id", probe, con=reader, sql_type="BLOB") == set(stored)
     assert "unnest" in calls[-1]  # a small table is scanned
-    monkeypatch.setattr(run, "INDEX_ROWS_PER_KEY", 0)
-    assert run.existing(reader, "segments", "segment_id", probe, "BLOB") == set(stored)
+    monkeypatch.setattr(tracedb.handle, "INDEX_ROWS_PER_KEY", 0)
+    assert handle.existing("segments", "segment_id", probe, con=reader, sql_type="BLOB") == set(stored)
     assert "unnest" not in calls[-1] and "?" in calls[-1]  # through the index
     sizes = [q for q in calls if "estimated_size" in q]
     assert sizes and reader.con.execute(sizes[0], ["segments"]).fetchall()[0][0] == len(stored)

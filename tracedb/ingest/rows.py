@@ -23,6 +23,7 @@ from tracedb.ingest.tags import Tag, TagRow, tag_rows
 from tracedb.records import COMPACT_STREAMS, trace_reward
 
 if TYPE_CHECKING:
+    from tracedb.handle import Numbering
     from tracedb.ingest.scanned import ScannedNodes
 
 Insert = tuple[str, pa.Table]
@@ -37,9 +38,9 @@ def _compact(meta: dict[str, Any]) -> str:
 class Batch:
     """Rows buffered for one flush to DuckDB."""
 
-    def __init__(self, seq: int = 1, tags: Sequence[Tag] = ()) -> None:
-        self.next_seq = seq
-        """The sequence number the next fresh trace gets."""
+    def __init__(self, numbering: Numbering | None = None, tags: Sequence[Tag] = ()) -> None:
+        self.numbering = numbering
+        """Where fresh traces get their sequence numbers (:meth:`tracedb.handle.Handle.numbering`)."""
         self.tags = tags
         self.tag_rows: list[TagRow] = []
         self.pending: list[tuple[ParsedLine, str, int]] = []
@@ -53,6 +54,11 @@ class Batch:
         """Per scanned chunk (by id): its nodes and the row ranges of its fresh traces."""
         self.branches: list[tuple[str, int, int, bool, list[int], int, int]] = []
         self.segments: dict[bytes, np.ndarray] = {}
+
+    def _number(self) -> int:
+        if self.numbering is None:
+            raise RuntimeError("a batch that adds traces needs the ingest's numbering")
+        return self.numbering.take(1)
 
     def add(
         self,
@@ -117,10 +123,9 @@ class Batch:
                     "record": _compact(meta),
                     "source": source,
                     "line": number,
-                    "seq": self.next_seq,
+                    "seq": self._number(),
                 }
             )
-            self.next_seq += 1
             if self.tags:
                 self.tag_rows.extend(tag_rows(self.tags, t.trace_id, meta, episode))
             if scanned is None:

@@ -25,14 +25,13 @@ import simdjson
 
 from tracedb import jitcache, runtime
 from tracedb.errors import IngestAborted, InputError, Location, RecordError
-from tracedb.handle import Handle
+from tracedb.handle import Handle, Numbering
 from tracedb.ingest.files import ByteRange, Chunk, LongLine, find_files, read_chunks, read_range
 from tracedb.ingest.parse import ParsedLine, parse_line
 from tracedb.ingest.rejects import Raw, Reject, Report, record_rejects, storable_text
 from tracedb.ingest.rows import Batch
 from tracedb.ingest.tags import Tag, parse_tags
 from tracedb.ingest.writer import Writer, commit_into_file
-from tracedb.sqltext import quote_identifier
 
 log = logging.getLogger("tracedb.ingest")
 SCANNER_SOURCE = str(Path(__file__).with_name("_scan.py"))
@@ -79,35 +78,6 @@ class _Seen:
     segments: set[bytes] = field(default_factory=set)
 
 
-INDEX_ROWS_PER_KEY = 500
-"""Ingest looks keys up through the key's index when the table holds more than this many
-rows per key looked up, else it scans the key column (an index lookup costs ~10 µs a key,
-flat in the table's size; a scan ~20 ns a row: at 5M segments a 2,000-key batch takes 20 ms
-through the index and 110 ms scanning, measured)."""
-
-
-def existing(reader: Any, table: str, column: str, keys: Sequence[str] | Sequence[bytes], sql_type: str) -> set:
-    """Which of ``keys`` ``table.column`` holds, as committed (read on ``reader``)."""
-    if not keys:
-        return set()
-    rows = reader.execute(
-        "SELECT estimated_size FROM duckdb_tables() WHERE database_name = current_database() "
-        "AND schema_name = current_schema() AND table_name = ?",
-        [table],
-    ).fetchall()
-    size = rows[0][0] if rows else 0
-    select = f"SELECT {quote_identifier(column)} FROM {quote_identifier(table)} WHERE {quote_identifier(column)} IN "
-    if size <= INDEX_ROWS_PER_KEY * len(keys):
-        found = reader.execute(select + f"(SELECT unnest(?::{sql_type}[]))", [list(keys)]).fetchall()
-        return {r[0] for r in found}
-    step = runtime.settings().segment_lookup
-    out: set = set()
-    for at in range(0, len(keys), step):
-        part = list(keys[at : at + step])
-        out.update(r[0] for r in reader.execute(select + f"({', '.join('?' * len(part))})", part).fetchall())
-    return out
-
-
 def _resolve(handle: Handle, reader: Any, batch: Batch, report: IngestReport, seen: _Seen) -> None:
     """Turn pending lines into rows, leaving out traces, episodes and token segments the
     database already holds.
@@ -116,8 +86,8 @@ def _resolve(handle: Handle, reader: Any, batch: Batch, report: IngestReport, se
     ingest has added so far."""
     ids = [t.trace_id for line, _, _ in batch.pending for t in line.traces]
     episode_ids = [line.episode["id"] for line, _, _ in batch.pending if line.episode is not None]
-    known = existing(reader, "traces", "trace_id", ids, "VARCHAR") | (seen.traces & set(ids))
-    known_episodes = existing(reader, "episodes", "episode_id", episode_ids, "VARCHAR") | (
+    known = handle.existing("traces", "trace_id", ids, con=reader) | (seen.traces & set(ids))
+    known_episodes = handle.existing("episodes", "episode_id", episode_ids, con=reader) | (
         seen.episodes & set(episode_ids)
     )
     for line, source, number in batch.pending:
@@ -145,7 +115,7 @@ def _resolve(handle: Handle, reader: Any, batch: Batch, report: IngestReport, se
     seen.traces.update(known)
     segments = batch.segments
     new = [k for k in segments if k not in seen.segments]
-    stored = existing(reader, "segments", "segment_id", new, "BLOB")
+    stored = handle.existing("segments", "segment_id", new, con=reader, sql_type="BLOB")
     for key in list(segments):
         if key in seen.segments or key in stored:
             del segments[key]
@@ -168,7 +138,7 @@ class IngestRun:
     ) -> None:
         self.handle = handle
         self.tags = tuple(tags)
-        self.last_seq = 0
+        self.numbering: Numbering | None = None
         self.report = report
         self.strict = strict
         self.allow_ragged = allow_ragged
@@ -188,8 +158,8 @@ class IngestRun:
         """Inside the transaction: the reader, the writer thread, the progress bar, and
         which parser reads the lines (``scanner`` setting)."""
         self.reader = self.handle.cursor()
-        self.last_seq = self.handle.watermark()
-        self.batch = Batch(self.last_seq + 1, self.tags)
+        self.numbering = self.handle.numbering()
+        self.batch = Batch(self.numbering, self.tags)
         self.writer = Writer(self.handle.con, self.knobs.write_alignment_rows)
         self.bar = _progress(files) if progress else None
         compiled = jitcache.is_compiled(SCANNER_SOURCE)
@@ -294,7 +264,7 @@ class IngestRun:
     def flush(self) -> None:
         assert self.writer is not None
         _flush(self.handle, self.reader, self.writer, self.batch, self.report, self.seen)
-        self.batch = Batch(self.batch.next_seq, self.tags)
+        self.batch = Batch(self.numbering, self.tags)
 
     def finish(self, before_commit: Callable[[], None] | None = None) -> None:
         """Write what is left, the rejects and the new watermark (and what
@@ -303,9 +273,9 @@ class IngestRun:
         self.flush()
         self.writer.finish()
         record_rejects(self.handle, self.rejects)
-        last = self.batch.next_seq - 1
-        if last > self.last_seq:
-            self.handle.con.execute("INSERT OR REPLACE INTO tracedb_meta VALUES ('last_seq', ?)", [str(last)])
+        assert self.numbering is not None
+        last = self.numbering.store()
+        if last is not None:
             self.report.watermark = last
         if before_commit is not None:
             before_commit()
@@ -335,7 +305,7 @@ def transaction_for_ingest(handle: Handle) -> Iterator[None]:
     """Hold the database's write lock, then BEGIN (the transaction's snapshot must see
     every ingest committed before it, or two would hand out the same sequence numbers);
     the body COMMITs or rolls back. Readers waiting for new traces are woken afterwards."""
-    with handle.shared.writing:
+    with handle.sequencing():
         handle.con.execute("BEGIN TRANSACTION")
         try:
             yield

@@ -231,10 +231,11 @@ def write_into(db: Database, rows: dict[str, pa.Table]) -> int:
     handle = db.handle
     present = handle.table_names()
     traces = rows["traces"]
-    with handle.transaction():
+    with handle.sequencing(), handle.transaction():
         held = set(handle.sql("SELECT trace_id FROM traces").column("trace_id").to_pylist())
         new = [t for t in traces.column("trace_id").to_pylist() if t not in held]
-        mark = handle.watermark()
+        numbering = handle.numbering()
+        mark = numbering.take(len(new)) - 1
         with handle.registered("_tdb_new", pa.table({"trace_id": pa.array(new, pa.string())})):
             for name, schema in lake_tables().items():
                 table = rows.get(name)
@@ -254,6 +255,5 @@ def write_into(db: Database, rows: dict[str, pa.Table]) -> int:
                             f"SELECT * FROM _tdb_rows r WHERE NOT EXISTS (SELECT 1 FROM {target} x WHERE {_SAME[name]})"
                         )
                     handle.con.execute(f"INSERT INTO {target} BY NAME {select}")
-        if new:
-            handle.con.execute("INSERT OR REPLACE INTO tracedb_meta VALUES ('last_seq', ?)", [str(mark + len(new))])
+        numbering.store()
     return len(new)
