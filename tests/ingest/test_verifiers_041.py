@@ -9,17 +9,14 @@ shortest decimal of that float32 (``0.083333336``)."""
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tracedb.records import COMPACT_STREAMS
-
 from support import FIXTURES_041
-from support.golden import f32, golden_file, rows_of
+from support.golden import canon_record, golden_file, rows_of
 from support.ingested import assert_same, episodes_of
 
 FILES = sorted(FIXTURES_041.glob("*.traces.jsonl"))
@@ -33,18 +30,6 @@ def traces_of(path: Path) -> list[dict[str, Any]]:
 
 def nodes_of(path: Path) -> list[dict[str, Any]]:
     return [n for t in traces_of(path) for n in t["nodes"]]
-
-
-def at_f32(trace: dict[str, Any]) -> dict[str, Any]:
-    """A trace record with its nodes' per-token float streams as float32 values."""
-    out = copy.deepcopy(trace)
-    for node in out["nodes"]:
-        for name in COMPACT_STREAMS:
-            if isinstance(node.get(name), list):
-                node[name] = f32(node[name])
-        if isinstance(node.get("loss_weights"), dict):
-            node["loss_weights"] = {k: f32(v) for k, v in node["loss_weights"].items()}
-    return out
 
 
 @pytest.fixture
@@ -93,9 +78,9 @@ def test_round_trip(fresh_db, name: str) -> None:
         if "traces" in record:
             got = fresh_db.episode(record["id"])
             assert_same({**got, "traces": None}, {**record, "traces": None})
-            assert [at_f32(t) for t in got["traces"]] == [at_f32(t) for t in record["traces"]]
+            assert [canon_record(t) for t in got["traces"]] == [canon_record(t) for t in record["traces"]]
     for trace in traces_of(path):
-        assert_same(at_f32(fresh_db.trace(trace["id"])), at_f32(trace))
+        assert_same(canon_record(fresh_db.trace(trace["id"])), canon_record(trace))
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -1,5 +1,6 @@
 """Branch views in a comparable form: verifiers' own (a fixture's ``NAME.branches.json``)
-beside tracedb's (``db.branches()`` or the SQL macro ``branch_tokens()``)."""
+or a reference's beside tracedb's (``db.branches()`` or the SQL macro ``branch_tokens()``);
+trace records with their per-token floats at float32."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-OPTIONAL = ("advantages", "reference_logprobs", "trainer_logprobs", "entropies")
+COMPACT = ("logprobs", "advantages", "reference_logprobs", "trainer_logprobs", "entropies")
+OPTIONAL = COMPACT[1:]
 
 
 def f32(values: list[float] | None) -> list[float] | None:
@@ -47,3 +49,15 @@ def golden_file(path: Path) -> list[dict[str, Any]]:
 
 def rows_of(table: pa.Table) -> list[dict[str, Any]]:
     return [canon(r) for r in table.to_pylist()]
+
+
+def canon_record(record: dict[str, Any]) -> dict[str, Any]:
+    """A trace record (a copy) with its nodes' per-token float streams at float32 precision."""
+    record = json.loads(json.dumps(record))
+    for node in record.get("nodes") or []:
+        for name in COMPACT:
+            if isinstance(node.get(name), list):
+                node[name] = f32(node[name])
+        if isinstance(node.get("loss_weights"), dict):
+            node["loss_weights"] = {k: f32(v) for k, v in node["loss_weights"].items()}
+    return record
