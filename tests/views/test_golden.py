@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pytest
 
@@ -14,9 +13,9 @@ import tracedb
 from tracedb.views import BRANCH_SCHEMA
 
 from support import FIXTURES
+from support.golden import OPTIONAL, f32, golden_file, rows_of
 
 NAMES = sorted(p.name.removesuffix(".traces.jsonl") for p in FIXTURES.glob("*.traces.jsonl"))
-OPTIONAL = ("advantages", "reference_logprobs", "trainer_logprobs", "entropies")
 COLUMNS = [
     "trace_id",
     "branch_index",
@@ -32,39 +31,8 @@ COLUMNS = [
 ]
 
 
-def f32(values: list[float] | None) -> list[float] | None:
-    """Float32 values as plain floats: == between two of these is np.float32 equality."""
-    if values is None:
-        return None
-    return np.asarray(values, dtype=np.float64).astype(np.float32).tolist()
-
-
-def canon(row: dict[str, Any]) -> dict[str, Any]:
-    """One branch row (golden json, Arrow or SQL) in a comparable form."""
-    lw = row["loss_weights"]
-    lw = dict(lw) if isinstance(lw, list) else lw
-    assert isinstance(lw, dict), row["loss_weights"]
-    out = {
-        "trace_id": row["trace_id"],
-        "branch_index": row["index"] if "index" in row else row["branch_index"],
-        "trainable": row["trainable"],
-        "token_ids": list(row["token_ids"]),
-        "sampled_mask": list(row["sampled_mask"]),
-        "logprobs": f32(row["logprobs"]),
-        "loss_weights": {name: f32(v) for name, v in lw.items()},
-    }
-    for name in OPTIONAL:
-        out[name] = f32(row[name])
-    return out
-
-
 def golden(name: str) -> list[dict[str, Any]]:
-    rows = json.loads((FIXTURES / f"{name}.branches.json").read_text())
-    return sorted((canon(r) for r in rows), key=lambda r: (r["trace_id"], r["branch_index"]))
-
-
-def rows_of(table: pa.Table) -> list[dict[str, Any]]:
-    return [canon(r) for r in table.to_pylist()]
+    return golden_file(FIXTURES / f"{name}.branches.json")
 
 
 def traces_in(name: str) -> list[tuple[str, str, str | None]]:

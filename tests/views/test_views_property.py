@@ -23,8 +23,8 @@ import tracedb
 import tracedb.views
 from tracedb.views import BRANCH_SCHEMA
 
+from support.golden import canon, canon_record, rows_of
 from support.strategies import (
-    COMPACT,
     EPISODE_TEMPLATE,
     OPTIONAL,
     TRACE_TEMPLATE,
@@ -122,50 +122,6 @@ def reference_branches(trace: dict[str, Any], *, train_once: bool = False) -> li
 def reference_view(eps: list[dict[str, Any]], **kw: Any) -> list[dict[str, Any]]:
     rows = [row for t in all_traces(eps) for row in reference_branches(t, **kw)]
     return sorted(rows, key=lambda r: (r["trace_id"], r["branch_index"]))
-
-
-# --------------------------------------------------------------------------- comparison
-
-
-def f32(values: Any) -> list[float] | None:
-    """Values at float32 precision, as plain floats (so == compares float32 values)."""
-    if values is None:
-        return None
-    return np.asarray(values, dtype=np.float64).astype(np.float32).tolist()
-
-
-def canon(row: dict[str, Any]) -> dict[str, Any]:
-    """A branch row from Arrow, SQL or the reference, in one comparable form."""
-    lw = row["loss_weights"]
-    lw = dict(lw) if isinstance(lw, list) else lw
-    out = {
-        "trace_id": row["trace_id"],
-        "branch_index": row["branch_index"],
-        "trainable": row["trainable"],
-        "token_ids": list(row["token_ids"]),
-        "sampled_mask": list(row["sampled_mask"]),
-        "logprobs": f32(row["logprobs"]),
-        "loss_weights": {k: f32(v) for k, v in lw.items()},
-    }
-    for name in OPTIONAL:
-        out[name] = f32(row[name])
-    return out
-
-
-def rows_of(table: pa.Table) -> list[dict[str, Any]]:
-    return [canon(r) for r in table.to_pylist()]
-
-
-def canon_record(record: dict[str, Any]) -> dict[str, Any]:
-    """A trace record with its per-token float streams at float32 precision."""
-    record = json.loads(json.dumps(record))
-    for node in record.get("nodes") or []:
-        for name in COMPACT:
-            if isinstance(node.get(name), list):
-                node[name] = f32(node[name])
-        if isinstance(node.get("loss_weights"), dict):
-            node["loss_weights"] = {k: f32(v) for k, v in node["loss_weights"].items()}
-    return record
 
 
 # --------------------------------------------------------------------------- harness
