@@ -38,6 +38,7 @@ import duckdb
 
 from tracedb.batches import Plan
 from tracedb.database import Database
+from tracedb.dbfile import open_handle
 from tracedb.handle import Handle, PerThread
 
 from .cache import ViewCache
@@ -74,7 +75,7 @@ class Backend:
             raise ValueError(f"branch_token_limit must be >= 1, max_wait_s >= 0: {branch_token_limit}, {max_wait_s}")
         # With user SQL the instance goes without external access (SET below), which must
         # not reach the other databases of the process: the server gets its own instance.
-        self.root = Handle.open(db_path, isolated=allow_sql, read_only=read_only)
+        self.root = open_handle(db_path, isolated=allow_sql, read_only=read_only)
         self.branch_token_limit = branch_token_limit
         """The most view tokens one ``GET /branches`` answer holds (whole traces; said when reached)."""
         self.max_wait_s = max_wait_s

@@ -34,6 +34,7 @@ LAYERS: list[list[str]] = [
     ["tracedb.graph", "tracedb.tables", "tracedb.migrations"],
     ["tracedb.runtime"],
     ["tracedb.handle"],
+    ["tracedb.dbfile"],
     ["tracedb.credit_sets", "tracedb.selection"],
     ["tracedb.ingest", "tracedb.views"],
     ["tracedb.writeback", "tracedb.readback", "tracedb.export", "tracedb.batches"],

@@ -5,7 +5,7 @@ from tracedb import batches
 from tracedb.batches import MicroBatch, Plan, read_micro_batches
 from tracedb.database import Database, connect
 from tracedb.errors import IngestAborted, NotFound, RecordError, TraceDBError
-from tracedb.handle import SCHEMA_VERSION
+from tracedb.migrations import SCHEMA_VERSION
 from tracedb.selection import watermark_of
 from tracedb.tables import BRANCH_SCHEMA
 from tracedb.views import to_polars

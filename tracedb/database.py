@@ -18,6 +18,7 @@ import duckdb
 import pyarrow as pa
 
 from tracedb import batches, credit_sets, migrations, readback, views, writeback
+from tracedb.dbfile import open_handle
 from tracedb.export import export
 from tracedb.handle import Handle
 from tracedb.ingest import IngestReport, ingest_files
@@ -31,7 +32,7 @@ class Database:
     """A tracedb database. Create with :func:`tracedb.connect`."""
 
     def __init__(self, path: str | Path = ":memory:", *, read_only: bool = False, isolated: bool = False) -> None:
-        self.handle: Handle = Handle.open(path, read_only=read_only, isolated=isolated)
+        self.handle: Handle = open_handle(path, read_only=read_only, isolated=isolated)
         """The connection, its transaction and the SQL helpers every package works on."""
 
     @classmethod

@@ -1,10 +1,11 @@
 """The internal handle on one open database: its connection, its transaction, the small
-SQL helpers, the schema install and version check, and what a write invalidates.
+SQL helpers, how new traces are numbered, and what a write invalidates.
 
 Every module below the :class:`tracedb.Database` facade takes a :class:`Handle` and uses
-only the documented members here; none of them imports the facade. ``Handle.open``
-attaches a file to the process's DuckDB instance (:mod:`tracedb.runtime`), installs the
-schema when it opens a file for writing, and refuses a file of another schema version.
+only the documented members here; none of them imports the facade. A handle on a file
+comes from :func:`tracedb.dbfile.open_handle`, which attaches the file to the process's
+DuckDB instance (:mod:`tracedb.runtime`), installs the schema when it opens a file for
+writing, and refuses a file of another schema version.
 
 A handle serves one thread at a time (a DuckDB connection does). :meth:`Handle.child`
 gives another thread a handle of its own on the same database. Every handle on one file
@@ -17,32 +18,22 @@ server reads through one).
 
 from __future__ import annotations
 
-import hashlib
-import os
-import re
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import duckdb
 import pyarrow as pa
 
-from tracedb import migrations, runtime
-from tracedb.errors import DatabaseError, DatabaseLocked, SchemaVersionError
-from tracedb.migrations import SCHEMA_VERSION
-from tracedb.sqltext import WATERMARK_KEY, load_sql, quote_identifier
-
-TRACE_FILE_SUFFIXES = (".jsonl", ".json", ".zst", ".ndjson")
-"""A database path ending so names a trace file: almost always swapped arguments."""
-_LOCK = re.compile(r"Could not set lock on file .*?Conflicting lock is held in (?P<program>.*?) \(PID (?P<pid>\d+)\)")
+from tracedb import runtime
+from tracedb.sqltext import WATERMARK_KEY, quote_identifier
 
 
 class Handle:
-    """One connection to one tracedb database. Open with :meth:`Handle.open`."""
+    """One connection to one tracedb database. Open with :func:`tracedb.dbfile.open_handle`."""
 
     def __init__(
         self,
@@ -73,53 +64,9 @@ class Handle:
         self._sequencing = 0
         self._release = release
 
-    @classmethod
-    def open(cls, path: str | Path = ":memory:", *, read_only: bool = False, isolated: bool = False) -> Handle:
-        """Open (creating if needed) a tracedb database; see :func:`tracedb.connect`.
-
-        Refused with :class:`DatabaseError`, before anything is created or written: a
-        path that names a trace file (``.jsonl``, ``.json``, ``.zst``), an existing file
-        that is not a DuckDB database, a DuckDB database that is not a tracedb one, a file
-        another process holds (:class:`DatabaseLocked`), and a schema version this
-        tracedb cannot read (:class:`SchemaVersionError`). A read-write open of an older
-        file upgrades it in place (:mod:`tracedb.migrations`)."""
-        text = str(path)
-        check_path(text)
-        fresh = True
-        handle = None
-        try:
-            if not read_only:
-                create_whole(text)
-            if not isolated:
-                try:
-                    con, catalog, fresh, shared, release = runtime.attach(text, read_only=read_only)
-                    handle = cls(
-                        con,
-                        path=text,
-                        catalog=catalog,
-                        instance_key="shared",
-                        read_only=read_only,
-                        release=release,
-                        shared=shared,
-                    )
-                    # A handle dropped without close() still detaches its file.
-                    handle._release = weakref.finalize(handle, _close_then, con, release)
-                except duckdb.ResourceInUseException:
-                    isolated = True  # a plain duckdb.connect of this process holds it: join that instance
-            if isolated:
-                con = duckdb.connect(text, read_only=read_only)
-                handle = cls(con, path=text, catalog=None, instance_key=con, read_only=read_only, release=con.close)
-        except duckdb.IOException as e:
-            raise _refusal(text, e, read_only) from None
-        assert handle is not None
-        try:
-            if not read_only and fresh:  # an attachment shared with another handle is installed
-                handle.install()
-            handle.check_version()
-        except BaseException:
-            handle.close()  # a refused file is not kept open
-            raise
-        return handle
+    def release_when_dropped(self) -> None:
+        """Detach the file when this handle is garbage-collected without :meth:`close`."""
+        self._release = weakref.finalize(self, _close_then, self.con, self._release)
 
     def child(self) -> Handle:
         """A handle of its own (a new cursor) on the same database, for another thread;
@@ -137,73 +84,6 @@ class Handle:
 
     # ----------------------------------------------------------------- lifecycle
 
-    def install(self) -> None:
-        """Create the tables and macros of a new file, or bring an existing one up to
-        date: upgrade an older schema, repair a first install that was cut short, rewrite
-        the macros when they changed. Each in one transaction; a file of another kind is
-        refused before anything is written to it."""
-        tables = self.table_names()
-        if "tracedb_meta" not in tables:
-            if tables:
-                raise DatabaseError(
-                    f"{self.path} is a DuckDB database but not a tracedb one (it has {', '.join(sorted(tables)[:5])}"
-                    f"{', ...' if len(tables) > 5 else ''} and no tracedb_meta); tracedb does not write into it"
-                )
-            with self.transaction():
-                self.con.execute(load_sql("tables.sql"))
-                self.con.execute("INSERT INTO tracedb_meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
-                self._install_macros()
-            return
-        found = self.stored_version()
-        if found is None:
-            self._repair()
-        elif found < SCHEMA_VERSION and migrations.can_upgrade(found):
-            with self.transaction():
-                migrations.upgrade(self.con, found)
-                self._install_macros()
-        elif found != SCHEMA_VERSION:
-            self.check_version()  # refused, naming both versions
-        if self.scalar("SELECT value FROM tracedb_meta WHERE key = 'macros_sha256'") != _macros_digest():
-            with self.transaction():
-                self._install_macros()
-
-    def _install_macros(self) -> None:
-        """(Re)write the macros and remember which text they are (a read-write open then
-        skips writing them again: each rewrite grows the WAL)."""
-        self.con.execute(load_sql("macros.sql"))
-        self.con.execute("INSERT OR REPLACE INTO tracedb_meta VALUES ('macros_sha256', ?)", [_macros_digest()])
-
-    def _repair(self) -> None:
-        """A file with tracedb's tables but no version row: a first install killed before
-        it committed it (older tracedb installed table by table). Empty, it is finished now;
-        holding data, it is refused (its version cannot be told)."""
-        self._refuse_unversioned_rows()
-        with self.transaction():
-            self.con.execute(load_sql("tables.sql"))
-            self.con.execute("DELETE FROM tracedb_meta WHERE key = 'schema_version'")
-            self.con.execute("INSERT INTO tracedb_meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
-            self._install_macros()
-
-    def _refuse_unversioned_rows(self) -> None:
-        """Refuse a file without a version row that holds data (its version cannot be told)."""
-        known = (
-            "episodes",
-            "traces",
-            "nodes",
-            "segments",
-            "branches",
-            "rejects",
-            "credit_sets",
-            "credit",
-            "trace_credit",
-        )
-        present = [t for t in known if t in self.table_names()]
-        rows = sum(self.scalar(f"SELECT count(*) FROM {quote_identifier(t)}") for t in present)
-        if rows:
-            raise SchemaVersionError(
-                f"{self.path} has tracedb's tables and {rows} rows but no schema version; it cannot be read safely"
-            )
-
     def table_names(self) -> set[str]:
         """The tables of this database (not of the other databases of the instance)."""
         rows = self.con.execute(
@@ -216,34 +96,6 @@ class Handle:
         """The file's schema version (None when it has none)."""
         value = self.scalar("SELECT value FROM tracedb_meta WHERE key = 'schema_version'")
         return None if value is None else int(value)
-
-    def check_version(self) -> None:
-        """Raise unless the file holds this tracedb's schema version: a file that is not a
-        tracedb database, an older one opened read-only (how to upgrade it is said), a newer one."""
-        if "tracedb_meta" not in self.table_names():
-            raise DatabaseError(f"{self.path} is not a tracedb database (no tracedb_meta table)")
-        found = self.stored_version()
-        if found == SCHEMA_VERSION:
-            return
-        if found is None:
-            self._refuse_unversioned_rows()  # holding data, it cannot be repaired either
-            raise SchemaVersionError(
-                f"{self.path}: no schema version (a first install cut short); open it read-write once to repair it"
-            )
-        if found < SCHEMA_VERSION and not migrations.can_upgrade(found):
-            raise SchemaVersionError(
-                f"{self.path}: schema version {found} is older than any this tracedb upgrades "
-                f"(it reads {SCHEMA_VERSION} and upgrades from {min(migrations.MIGRATIONS)} on)"
-            )
-        if found < SCHEMA_VERSION:
-            raise SchemaVersionError(
-                f"{self.path}: schema version {found}, this tracedb reads {SCHEMA_VERSION}; upgrade the file "
-                f"with `tracedb migrate --db {self.path}` (or open it read-write once)"
-            )
-        raise SchemaVersionError(
-            f"{self.path}: schema version {found} is newer than this tracedb reads ({SCHEMA_VERSION}); "
-            "upgrade tracedb to read it"
-        )
 
     def close(self) -> None:
         """Close the connection and release the database (idempotent); a file opened for
@@ -445,79 +297,6 @@ class Numbering:
             return None
         self.handle.con.execute("INSERT OR REPLACE INTO tracedb_meta VALUES (?, ?)", [WATERMARK_KEY, str(self.last)])
         return self.last
-
-
-def check_path(path: str) -> None:
-    """Refuse, before anything is created, a database path that names a trace file or an
-    existing file that is not a DuckDB database."""
-    if path in ("", ":memory:") or path.startswith(":memory:"):
-        return
-    if os.path.basename(path).lower().endswith(TRACE_FILE_SUFFIXES):
-        raise DatabaseError(
-            f"{path} names a trace file, not a database (a database is a .duckdb file); were the arguments swapped?"
-        )
-    if os.path.isdir(path):
-        raise DatabaseError(f"{path} is a directory, not a database file")
-    if os.path.exists(path):
-        with open(path, "rb") as f:
-            head = f.read(12)
-        if head[8:12] != b"DUCK":
-            raise DatabaseError(
-                f"{path} exists and is not a DuckDB database ({'empty' if not head else 'another kind of file'}); "
-                "tracedb does not overwrite it"
-            )
-
-
-def create_whole(path: str) -> None:
-    """Put a new database file at ``path`` whole, if there is none: made by DuckDB under a
-    name of its own beside it, then linked into place. (ATTACH creates the file empty and
-    writes its header after; a process killed between the two left an empty file that
-    neither DuckDB nor tracedb opens again.) A killed creation leaves at most the hidden
-    ``.NAME.*.creating`` file, never a part of a file at ``path``."""
-    if path in ("", ":memory:") or path.startswith(":memory:") or os.path.lexists(path):
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        return  # ATTACH says what is wrong
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{os.urandom(4).hex()}.creating")
-    try:
-        con, _, _, _, release = runtime.attach(tmp, read_only=False)
-        con.close()
-        release()  # detached: a whole, empty DuckDB file
-        try:
-            os.link(tmp, path)  # fails if another process made it meanwhile: that one stands
-        except FileExistsError:
-            pass
-        except OSError:  # no hard links here
-            if not os.path.lexists(path):
-                os.rename(tmp, path)
-    finally:
-        for leftover in (tmp, tmp + ".wal"):
-            if os.path.lexists(leftover):
-                os.unlink(leftover)
-
-
-def _refusal(path: str, error: duckdb.IOException, read_only: bool) -> DatabaseError:
-    """DuckDB's lock conflict as one line: the file, the holder, what to do."""
-    found = _LOCK.search(str(error))
-    if found is None:
-        return DatabaseError(f"{path}: {error}")
-    pid = int(found["pid"])
-    if read_only:
-        what = (
-            f"{path} is open for writing in another process (PID {pid}, {found['program']}): stop it, "
-            "or query it through the server that holds it (its REST API)"
-        )
-    else:
-        what = (
-            f"{path} is open in another process (PID {pid}, {found['program']}), so it cannot be opened for "
-            "writing here: stop that process, or open the file read-only"
-        )
-    return DatabaseLocked(what, pid)
-
-
-def _macros_digest() -> str:
-    return hashlib.sha256(load_sql("macros.sql").encode()).hexdigest()
 
 
 def _close_then(con: duckdb.DuckDBPyConnection, release: Callable[[], None]) -> None:

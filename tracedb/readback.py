@@ -13,7 +13,8 @@ import pyarrow as pa
 
 from tracedb import credit_sets
 from tracedb.errors import NotFound
-from tracedb.handle import SCHEMA_VERSION, Handle
+from tracedb.handle import Handle
+from tracedb.migrations import SCHEMA_VERSION
 from tracedb.records import BIT, COMPACT_STREAMS
 from tracedb.selection import Selection, completions, resolve, with_watermark
 

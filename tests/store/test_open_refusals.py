@@ -15,7 +15,7 @@ import duckdb
 import pytest
 
 import tracedb
-from tracedb import handle
+from tracedb import dbfile
 from tracedb.errors import DatabaseError, SchemaVersionError
 from tracedb.sqltext import load_sql
 
@@ -132,7 +132,7 @@ def test_a_first_install_is_one_transaction(tmp_path, monkeypatch):
             raise OSError("macros.sql unreadable (simulated)")
         return load_sql(name)
 
-    monkeypatch.setattr(handle, "load_sql", failing)
+    monkeypatch.setattr(dbfile, "load_sql", failing)
     with pytest.raises(OSError, match="simulated"):
         tracedb.connect(path)
     con = duckdb.connect(str(path), read_only=True)

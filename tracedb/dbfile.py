@@ -1,0 +1,255 @@
+"""A database file opened: the path checks, the file made whole, the schema installed,
+upgraded or repaired, the version checked.
+
+:func:`open_handle` is how every :class:`~tracedb.handle.Handle` on a file comes to be
+(the facade's, the REST server's root): it refuses, before anything is created or
+written, a path that names a trace file, an existing file that is not a DuckDB database,
+a DuckDB database that is not a tracedb one, a file another process holds, and a schema
+version this tracedb cannot read; a read-write open of an older file upgrades it in
+place (:mod:`tracedb.migrations`), and rewrites the macros when they changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from pathlib import Path
+
+import duckdb
+
+from tracedb import migrations, runtime
+from tracedb.errors import DatabaseError, DatabaseLocked, SchemaVersionError
+from tracedb.handle import Handle
+from tracedb.migrations import SCHEMA_VERSION
+from tracedb.sqltext import load_sql, quote_identifier
+
+TRACE_FILE_SUFFIXES = (".jsonl", ".json", ".zst", ".ndjson")
+"""A database path ending so names a trace file: almost always swapped arguments."""
+_LOCK = re.compile(r"Could not set lock on file .*?Conflicting lock is held in (?P<program>.*?) \(PID (?P<pid>\d+)\)")
+_DATA_TABLES = (
+    "episodes",
+    "traces",
+    "nodes",
+    "segments",
+    "branches",
+    "rejects",
+    "credit_sets",
+    "credit",
+    "trace_credit",
+)
+
+
+def open_handle(path: str | Path = ":memory:", *, read_only: bool = False, isolated: bool = False) -> Handle:
+    """Open (creating if needed) a tracedb database; see :func:`tracedb.connect`.
+
+    Refused with :class:`DatabaseError`, before anything is created or written: a path
+    that names a trace file (``.jsonl``, ``.json``, ``.zst``), an existing file that is not
+    a DuckDB database, a DuckDB database that is not a tracedb one, a file another process
+    holds (:class:`DatabaseLocked`), and a schema version this tracedb cannot read
+    (:class:`SchemaVersionError`). A read-write open of an older file upgrades it in place."""
+    text = str(path)
+    check_path(text)
+    fresh = True
+    handle = None
+    try:
+        if not read_only:
+            create_whole(text)
+        if not isolated:
+            try:
+                con, catalog, fresh, shared, release = runtime.attach(text, read_only=read_only)
+                handle = Handle(
+                    con,
+                    path=text,
+                    catalog=catalog,
+                    instance_key="shared",
+                    read_only=read_only,
+                    release=release,
+                    shared=shared,
+                )
+                handle.release_when_dropped()
+            except duckdb.ResourceInUseException:
+                isolated = True  # a plain duckdb.connect of this process holds it: join that instance
+        if isolated:
+            con = duckdb.connect(text, read_only=read_only)
+            handle = Handle(con, path=text, catalog=None, instance_key=con, read_only=read_only, release=con.close)
+    except duckdb.IOException as e:
+        raise _refusal(text, e, read_only) from None
+    assert handle is not None
+    try:
+        if not read_only and fresh:  # an attachment shared with another handle is installed
+            install(handle)
+        check_version(handle)
+    except BaseException:
+        handle.close()  # a refused file is not kept open
+        raise
+    return handle
+
+
+# --------------------------------------------------------------------------- the schema
+
+
+def install(handle: Handle) -> None:
+    """Create the tables and macros of a new file, or bring an existing one up to date:
+    upgrade an older schema, repair a first install that was cut short, rewrite the macros
+    when they changed. Each in one transaction; a file of another kind is refused before
+    anything is written to it."""
+    tables = handle.table_names()
+    if "tracedb_meta" not in tables:
+        if tables:
+            raise DatabaseError(
+                f"{handle.path} is a DuckDB database but not a tracedb one (it has {', '.join(sorted(tables)[:5])}"
+                f"{', ...' if len(tables) > 5 else ''} and no tracedb_meta); tracedb does not write into it"
+            )
+        with handle.transaction():
+            handle.con.execute(load_sql("tables.sql"))
+            handle.con.execute("INSERT INTO tracedb_meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
+            _install_macros(handle)
+        return
+    found = handle.stored_version()
+    if found is None:
+        _repair(handle)
+    elif found < SCHEMA_VERSION and migrations.can_upgrade(found):
+        with handle.transaction():
+            migrations.upgrade(handle.con, found)
+            _install_macros(handle)
+    elif found != SCHEMA_VERSION:
+        check_version(handle)  # refused, naming both versions
+    if handle.scalar("SELECT value FROM tracedb_meta WHERE key = 'macros_sha256'") != _macros_digest():
+        with handle.transaction():
+            _install_macros(handle)
+
+
+def _install_macros(handle: Handle) -> None:
+    """(Re)write the macros and remember which text they are (a read-write open then skips
+    writing them again: each rewrite grows the WAL)."""
+    handle.con.execute(load_sql("macros.sql"))
+    handle.con.execute("INSERT OR REPLACE INTO tracedb_meta VALUES ('macros_sha256', ?)", [_macros_digest()])
+
+
+def _repair(handle: Handle) -> None:
+    """A file with tracedb's tables but no version row: a first install killed before it
+    committed it (older tracedb installed table by table). Empty, it is finished now;
+    holding data, it is refused (its version cannot be told)."""
+    _refuse_unversioned_rows(handle)
+    with handle.transaction():
+        handle.con.execute(load_sql("tables.sql"))
+        handle.con.execute("DELETE FROM tracedb_meta WHERE key = 'schema_version'")
+        handle.con.execute("INSERT INTO tracedb_meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
+        _install_macros(handle)
+
+
+def _refuse_unversioned_rows(handle: Handle) -> None:
+    """Refuse a file without a version row that holds data (its version cannot be told)."""
+    present = [t for t in _DATA_TABLES if t in handle.table_names()]
+    rows = sum(handle.scalar(f"SELECT count(*) FROM {quote_identifier(t)}") for t in present)
+    if rows:
+        raise SchemaVersionError(
+            f"{handle.path} has tracedb's tables and {rows} rows but no schema version; it cannot be read safely"
+        )
+
+
+def check_version(handle: Handle) -> None:
+    """Raise unless the file holds this tracedb's schema version: a file that is not a
+    tracedb database, an older one opened read-only (how to upgrade it is said), a newer one."""
+    if "tracedb_meta" not in handle.table_names():
+        raise DatabaseError(f"{handle.path} is not a tracedb database (no tracedb_meta table)")
+    found = handle.stored_version()
+    if found == SCHEMA_VERSION:
+        return
+    path = handle.path
+    if found is None:
+        _refuse_unversioned_rows(handle)  # holding data, it cannot be repaired either
+        raise SchemaVersionError(
+            f"{path}: no schema version (a first install cut short); open it read-write once to repair it"
+        )
+    if found < SCHEMA_VERSION and not migrations.can_upgrade(found):
+        raise SchemaVersionError(
+            f"{path}: schema version {found} is older than any this tracedb upgrades "
+            f"(it reads {SCHEMA_VERSION} and upgrades from {min(migrations.MIGRATIONS)} on)"
+        )
+    if found < SCHEMA_VERSION:
+        raise SchemaVersionError(
+            f"{path}: schema version {found}, this tracedb reads {SCHEMA_VERSION}; upgrade the file "
+            f"with `tracedb migrate --db {path}` (or open it read-write once)"
+        )
+    raise SchemaVersionError(
+        f"{path}: schema version {found} is newer than this tracedb reads ({SCHEMA_VERSION}); "
+        "upgrade tracedb to read it"
+    )
+
+
+def _macros_digest() -> str:
+    return hashlib.sha256(load_sql("macros.sql").encode()).hexdigest()
+
+
+# --------------------------------------------------------------------------- the file
+
+
+def check_path(path: str) -> None:
+    """Refuse, before anything is created, a database path that names a trace file or an
+    existing file that is not a DuckDB database."""
+    if path in ("", ":memory:") or path.startswith(":memory:"):
+        return
+    if os.path.basename(path).lower().endswith(TRACE_FILE_SUFFIXES):
+        raise DatabaseError(
+            f"{path} names a trace file, not a database (a database is a .duckdb file); were the arguments swapped?"
+        )
+    if os.path.isdir(path):
+        raise DatabaseError(f"{path} is a directory, not a database file")
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            head = f.read(12)
+        if head[8:12] != b"DUCK":
+            raise DatabaseError(
+                f"{path} exists and is not a DuckDB database ({'empty' if not head else 'another kind of file'}); "
+                "tracedb does not overwrite it"
+            )
+
+
+def create_whole(path: str) -> None:
+    """Put a new database file at ``path`` whole, if there is none: made by DuckDB under a
+    name of its own beside it, then linked into place. (ATTACH creates the file empty and
+    writes its header after; a process killed between the two left an empty file that
+    neither DuckDB nor tracedb opens again.) A killed creation leaves at most the hidden
+    ``.NAME.*.creating`` file, never a part of a file at ``path``."""
+    if path in ("", ":memory:") or path.startswith(":memory:") or os.path.lexists(path):
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return  # ATTACH says what is wrong
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{os.urandom(4).hex()}.creating")
+    try:
+        con, _, _, _, release = runtime.attach(tmp, read_only=False)
+        con.close()
+        release()  # detached: a whole, empty DuckDB file
+        try:
+            os.link(tmp, path)  # fails if another process made it meanwhile: that one stands
+        except FileExistsError:
+            pass
+        except OSError:  # no hard links here
+            if not os.path.lexists(path):
+                os.rename(tmp, path)
+    finally:
+        for leftover in (tmp, tmp + ".wal"):
+            if os.path.lexists(leftover):
+                os.unlink(leftover)
+
+
+def _refusal(path: str, error: duckdb.IOException, read_only: bool) -> DatabaseError:
+    """DuckDB's lock conflict as one line: the file, the holder, what to do."""
+    found = _LOCK.search(str(error))
+    if found is None:
+        return DatabaseError(f"{path}: {error}")
+    pid = int(found["pid"])
+    if read_only:
+        what = (
+            f"{path} is open for writing in another process (PID {pid}, {found['program']}): stop it, "
+            "or query it through the server that holds it (its REST API)"
+        )
+    else:
+        what = (
+            f"{path} is open in another process (PID {pid}, {found['program']}), so it cannot be opened for "
+            "writing here: stop that process, or open the file read-only"
+        )
+    return DatabaseLocked(what, pid)
