@@ -61,7 +61,7 @@ def require_token_for_sql(
 
 
 Reader = Annotated[Database, Depends(reader)]
-Backend_ = Annotated[Backend, Depends(backend)]
+BackendDep = Annotated[Backend, Depends(backend)]
 Authorized = Depends(require_token)
 SqlAuthorized = Depends(require_token_for_sql)
 

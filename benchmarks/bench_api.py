@@ -3,7 +3,7 @@
     python -m benchmarks.bench_api              # 30 s per row: {warm, cold} x {json, arrow}
     python -m benchmarks.bench_api --quick      # 2 s per row, 8 traces: a smoke run
 
-The workload is ``tracedb.sample`` rollouts of ~32k tokens each with no compaction, so
+The workload is ``tracedb.synthetic`` rollouts of ~32k tokens each with no compaction, so
 every trace is one 32k-token branch. The server is ``uvicorn`` running ``api.create_app``
 in a subprocess on 127.0.0.1; the clients are ``--clients`` threads in this process,
 each with its own keep-alive ``httpx.Client``, fetching random branches for
@@ -41,7 +41,7 @@ ARROW = "application/vnd.apache.arrow.stream"
 def build(workdir: Path, traces: int, tokens: int) -> tuple[Path, dict[str, int]]:
     """The workload database (cached under ``workdir``): one ``tokens``-token branch per trace."""
     import tracedb
-    from tracedb.sample import write_sample
+    from tracedb.synthetic import write_sample
 
     db_path = workdir / f"api-{traces}x{tokens}.duckdb"
     if not db_path.exists():

@@ -1,13 +1,13 @@
 """The benchmark workload: a ``traces.jsonl`` written by verifiers itself.
 
-Episode dicts come from :func:`tracedb.sample.generate_episodes` (a system prompt
+Episode dicts come from :func:`tracedb.synthetic.generate_episodes` (a system prompt
 shared by every trace, a task prompt per group of 8, compaction forks, advantages
 stamped); each one is validated into verifiers' ``WireEpisode`` (traces as
 ``WireTrace``, as ``read_episodes`` does) and appended with verifiers'
 ``write_episode``, so the file is byte for byte what verifiers writes.
 
 The file is cached under the work directory, keyed by the parameters, the source of
-``tracedb/sample.py`` and the verifiers version; a stale or partial cache is rebuilt.
+``tracedb/synthetic.py`` and the verifiers version; a stale or partial cache is rebuilt.
 """
 
 from __future__ import annotations
@@ -60,11 +60,11 @@ class Workload:
 
     def key(self) -> str:
         """Cache key: parameters, generator source, verifiers version."""
-        from tracedb import sample
+        from tracedb import synthetic
 
         h = hashlib.sha256()
         h.update(json.dumps(self.sample_kwargs(), sort_keys=True).encode())
-        h.update(inspect.getsource(sample).encode())
+        h.update(inspect.getsource(synthetic).encode())
         h.update(version("verifiers").encode())
         return h.hexdigest()[:16]
 
@@ -85,7 +85,7 @@ def _write(workload: Workload, out: Path) -> dict[str, Any]:
     from verifiers.v1 import WireEpisode, WireTrace
     from verifiers.v1.utils.trace_store import write_episode
 
-    from tracedb.sample import generate_episodes
+    from tracedb.synthetic import generate_episodes
 
     started = time.perf_counter()
     episodes = traces = nodes = tokens = sampled = 0

@@ -29,7 +29,7 @@ LAYERS: list[list[str]] = [
         "tracedb.jit",
         "tracedb.jitcache",
         "tracedb.schema",
-        "tracedb.sample",
+        "tracedb.synthetic",
     ],
     ["tracedb.graph", "tracedb.tables", "tracedb.migrations"],
     ["tracedb.runtime"],

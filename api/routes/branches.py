@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from tracedb.tables import TOKEN_COLUMNS
 
 from .. import encode, queries
-from ..deps import Backend_, CreditQuery, Reader, credit_of
+from ..deps import BackendDep, CreditQuery, Reader, credit_of
 from ..errors import JSONBody, dumps, not_found, responses
 from ..models import BranchList, BranchSelection, BranchView
 from .live import BranchIndices, Ids, LiveSelection
@@ -55,7 +55,7 @@ def list_branches(db: Reader, trace_id: TraceId, live: LiveSelection, credit: Cr
 )
 def select_branches(
     db: Reader,
-    backend: Backend_,
+    backend: BackendDep,
     live: LiveSelection,
     trace_id: Ids = None,
     group: Ids = None,
@@ -103,7 +103,7 @@ def select_branches(
 )
 def get_branch(
     db: Reader,
-    backend: Backend_,
+    backend: BackendDep,
     trace_id: TraceId,
     index: Annotated[int, Path(ge=0, le=2**31 - 1, description="Branch index (verifiers Branch.index).")],
     live: LiveSelection,

@@ -14,7 +14,7 @@ from pydantic import Field, StringConstraints
 from tracedb.selection import Selection
 
 from .. import encode, queries
-from ..deps import Backend_, CreditQuery, Reader, credit_of
+from ..deps import BackendDep, CreditQuery, Reader, credit_of
 from ..errors import JSONBody, dumps, invalid, responses
 from ..models import Stats
 
@@ -75,7 +75,7 @@ _ARROW = {
 @router.get("/micro-batches", response_class=Response, responses={**_ARROW, **responses(404, 422)})
 def get_micro_batches(
     db: Reader,
-    backend: Backend_,
+    backend: BackendDep,
     live: LiveSelection,
     seq_len: Annotated[int, Query(ge=1, le=1 << 24, description="Tokens per micro-batch, at most.")],
     ranks: Annotated[int, Query(ge=1, le=1024, description="Data-parallel ranks the plan is balanced over.")] = 1,

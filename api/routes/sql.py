@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from ..deps import Backend_, SqlAuthorized
+from ..deps import BackendDep, SqlAuthorized
 from ..errors import JSONBody, responses
 from ..models import SqlQuery, SqlResult
 
@@ -16,6 +16,6 @@ router = APIRouter(tags=["sql"], default_response_class=JSONBody)
 @router.post(
     "/sql", response_model=SqlResult, dependencies=[SqlAuthorized], responses=responses(400, 401, 403, 413, 422)
 )
-def run_sql(backend: Backend_, query: SqlQuery) -> Any:
+def run_sql(backend: BackendDep, query: SqlQuery) -> Any:
     """One SELECT (tracedb's macros available), rows and bytes capped, time-limited; anything else is refused."""
     return JSONBody(backend.read_sql(query.sql, query.limit))

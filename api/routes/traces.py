@@ -11,7 +11,7 @@ from fastapi import APIRouter, Path, Query
 from starlette.concurrency import run_in_threadpool
 
 from .. import queries
-from ..deps import Backend_, CreditQuery, Reader, credit_of
+from ..deps import BackendDep, CreditQuery, Reader, credit_of
 from ..errors import JSONBody, invalid, responses
 from ..models import LiveTracePage, TraceDetail, TracePage
 from .live import Ids, LiveSelection
@@ -25,7 +25,7 @@ WATERMARK_HEADER = "X-Tracedb-Watermark"
 @router.get("/traces", response_model=TracePage | LiveTracePage, responses=responses(422))
 async def list_traces(
     db: Reader,
-    backend: Backend_,
+    backend: BackendDep,
     live: LiveSelection,
     trace_id: Ids = None,
     group: Ids = None,

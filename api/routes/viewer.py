@@ -15,7 +15,7 @@ from fastapi.templating import Jinja2Templates
 
 from tracedb.database import Database
 
-from .. import queries, runs
+from .. import pages, queries
 from ..deps import CreditQuery, Reader, credit_of
 from ..errors import ApiError, JSONBody, dumps, invalid, not_found, responses
 from .traces import TraceId
@@ -187,7 +187,7 @@ def _compare_page(
     color: str,
 ) -> Any:
     """The trace's credit in sets ``a`` and ``b`` ((library name, display name) each)."""
-    diff = runs.credit_diff(db, meta["trace_id"], a[0], b[0])
+    diff = pages.credit_diff(db, meta["trace_id"], a[0], b[0])
     tokenizer = request.app.state.backend.tokenizer
     if tokenizer is not None:
         for strip in diff["strips"]:
@@ -225,7 +225,7 @@ By = Annotated[
         "or auto (tag:step when traces have it, else seq).",
     ),
 ]
-Bins = Annotated[int, Query(ge=1, le=runs.MAX_BINS, description="Bins over the x axis, at most.")]
+Bins = Annotated[int, Query(ge=1, le=pages.MAX_BINS, description="Bins over the x axis, at most.")]
 
 
 @router.get("/run", responses={**_HTML, **responses(422, html=True)})
@@ -238,8 +238,8 @@ def run_page(
 ) -> Any:
     """The run as it is ingested: reward, its distribution, zero-variance groups, tokens and
     the sampled share over the ingest sequence or a tag, the rejects; redrawn as traces arrive."""
-    runs.resolve_axis(by, runs.axes(db, db.watermark()))  # a bad axis is a 422 here, not a blank page
-    config = {"by": by, "bins": bins, "max_bins": runs.MAX_BINS, "refresh_s": refresh}
+    pages.resolve_axis(by, pages.axes(db, db.watermark()))  # a bad axis is a 422 here, not a blank page
+    config = {"by": by, "bins": bins, "max_bins": pages.MAX_BINS, "refresh_s": refresh}
     return templates.TemplateResponse(request, "run.html", {"config": _embed(config), **config})
 
 
@@ -259,12 +259,12 @@ def run_json(
     recent: Annotated[
         int, Query(ge=0, le=10_000_000, description="The reward histogram's window: the latest traces (0: all).")
     ] = 1000,
-    hist_bins: Annotated[int, Query(ge=1, le=runs.MAX_HIST_BINS, description="Bins of the reward histogram.")] = 20,
+    hist_bins: Annotated[int, Query(ge=1, le=pages.MAX_HIST_BINS, description="Bins of the reward histogram.")] = 20,
 ) -> Any:
     """The run page's data, aggregated in the database as of one watermark: headline numbers,
     per-bin reward (mean, std, p10, p90), zero-variance groups, tokens, sampled share, the
     reward histogram, the rejects and the latest groups."""
-    return JSONBody(runs.run_data(db, by=by, bins=bins, after=after, recent=recent, hist_bins=hist_bins))
+    return JSONBody(pages.run_data(db, by=by, bins=bins, after=after, recent=recent, hist_bins=hist_bins))
 
 
 @router.get("/view/group/{group_id}", responses={**_HTML, **responses(404, 422, html=True)})
@@ -288,13 +288,13 @@ def group_page(
     over the group's traces (``tracedb.credit.dose.compare``)."""
     name, label = _credit_set(db, "credit", credit)
     other = _credit_set(db, "compare", compare)[1] if compare and compare.strip() else None
-    group = runs.group_page(db, group_id, name)
+    group = pages.group_page(db, group_id, name)
     strips = group.pop("strips")
     tokenizer = request.app.state.backend.tokenizer
     if tokenizer is not None:
         for strip in strips:
             strip["pieces"] = _pieces(tokenizer, strip["token_ids"])
-    figures = runs.group_compare(db, group_id, label, other) if other is not None else None
+    figures = pages.group_compare(db, group_id, label, other) if other is not None else None
     payload = {"group_id": group_id, "credit": label, "color": color, "nodes": strips, "compare": figures}
     return templates.TemplateResponse(
         request,

@@ -16,7 +16,7 @@ from tracedb.errors import InputError
 
 from .. import queries
 from ..backend import Backend
-from ..deps import Authorized, Backend_, CreditQuery, Reader, backend
+from ..deps import Authorized, BackendDep, CreditQuery, Reader, backend
 from ..errors import JSONBody, invalid, responses
 from ..models import AdvantagesWrite, CreditSet, CreditSetCreate, IngestResult, WriteResult
 from .traces import TraceId
@@ -78,7 +78,7 @@ def _ingest(backend: Backend, body: bytes, strict: bool, allow_ragged: bool) -> 
     responses=responses(400, 401, 403, 404, 413, 422),
 )
 def put_advantages(
-    backend: Backend_,
+    backend: BackendDep,
     trace_id: TraceId,
     index: Annotated[int, Path(ge=0, le=2**31 - 1, description="Node index (position in Trace.nodes).")],
     body: AdvantagesWrite,
@@ -108,7 +108,7 @@ def list_credit_sets(db: Reader) -> Any:
     responses=responses(400, 401, 403, 413, 422),
     tags=["credit"],
 )
-def create_credit_set(backend: Backend_, body: CreditSetCreate) -> Any:
+def create_credit_set(backend: BackendDep, body: CreditSetCreate) -> Any:
     """Register a named credit set; its advantages are then written with ?credit=NAME."""
     with backend.writer() as db:
         db.create_credit_set(

@@ -24,7 +24,7 @@ import pytest
 import tracedb
 from tracedb.api import create_app
 from tracedb.batches import write_step
-from tracedb.sample import generate_episodes
+from tracedb.synthetic import generate_episodes
 
 from support import FIXTURES
 from support.servers import in_thread

@@ -22,7 +22,7 @@ import uvicorn
 
 import tracedb
 from tracedb.api import create_app
-from tracedb.sample import write_sample
+from tracedb.synthetic import write_sample
 
 from support import FIXTURES
 

@@ -226,18 +226,18 @@ def test_histogram(client: TestClient, run: Run, recent: int, hist_bins: int) ->
 def test_histogram_of_unscored_traces_is_empty(client: TestClient, run: Run) -> None:
     _, expected, seqs = run
     with client.app.state.backend.reader() as db:
-        h = runs_module().histogram(db, min(seqs[t] for t, g in expected.group.items() if g == "group-3") - 1, 0, 5)
+        h = pages_module().histogram(db, min(seqs[t] for t, g in expected.group.items() if g == "group-3") - 1, 0, 5)
     assert h["bins"] and h["scored"] > 0  # before group-3: scored traces
     with tracedb.connect(":memory:") as empty:
-        h = runs_module().histogram(empty, 0, 0, 5)
+        h = pages_module().histogram(empty, 0, 0, 5)
         assert h == {"recent": 0, "traces": 0, "scored": 0, "lo": None, "hi": None, "bins": []}
-        assert runs_module().run_data(empty)["bins"] == []
+        assert pages_module().run_data(empty)["bins"] == []
 
 
-def runs_module() -> Any:
-    from tracedb.api import runs
+def pages_module() -> Any:
+    from tracedb.api import pages
 
-    return runs
+    return pages
 
 
 def test_recent_groups(client: TestClient, run: Run) -> None:
@@ -300,11 +300,11 @@ def test_bad_parameters_are_422_naming_them(client: TestClient, query: str, name
 
 
 def test_library_refuses_out_of_range_directly() -> None:
-    runs = runs_module()
+    pages = pages_module()
     with tracedb.connect(":memory:") as db:
         for kwargs, name in [({"bins": 0}, "bins"), ({"hist_bins": 1000}, "hist_bins"), ({"recent": -2}, "recent")]:
             with pytest.raises(Exception, match=name):
-                runs.run_data(db, **kwargs)
+                pages.run_data(db, **kwargs)
 
 
 # --------------------------------------------------------------------------- the pages
@@ -494,11 +494,11 @@ def test_group_page_without_compare_has_no_figures(client: TestClient) -> None:
 
 
 def test_strip_budget_bounds_the_page(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
-    runs = runs_module()
-    monkeypatch.setattr(runs, "STRIP_BUDGET", 1)
+    pages = pages_module()
+    monkeypatch.setattr(pages, "STRIP_BUDGET", 1)
     data = group_payload(client.get("/view/group/group-0").text)
-    assert all(len(s["token_ids"]) <= runs.STRIP_TOKENS[0] for s in data["nodes"])
-    assert any(len(s["token_ids"]) == runs.STRIP_TOKENS[0] for s in data["nodes"])
+    assert all(len(s["token_ids"]) <= pages.STRIP_TOKENS[0] for s in data["nodes"])
+    assert any(len(s["token_ids"]) == pages.STRIP_TOKENS[0] for s in data["nodes"])
 
 
 def test_pages_hold_no_inline_code_or_external_resources(client: TestClient) -> None:

@@ -18,7 +18,7 @@ import tracedb
 from tracedb import client
 from tracedb.api import create_app
 from tracedb.cli.main import app
-from tracedb.sample import generate_episodes
+from tracedb.synthetic import generate_episodes
 
 from support import FIXTURES
 from support.servers import free_port, in_process, in_thread

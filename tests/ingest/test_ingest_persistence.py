@@ -106,7 +106,7 @@ def test_refused_open_does_not_keep_the_file_open(tmp_path):
 def test_a_large_ingest_lands_in_the_file_at_commit(tmp_path, knobs):
     """The commit of a large ingest checkpoints straight into the file (no WAL left
     behind), and the instance's checkpoint threshold is put back afterwards."""
-    from tracedb.sample import write_sample
+    from tracedb.synthetic import write_sample
 
     knobs(checkpoint_min_tokens=200_000)  # "large" from 200k tokens: this one has 240k
     jsonl = write_sample(tmp_path / "traces.jsonl", groups=2, tokens_per_trace=15_000, advantages=True)
@@ -126,7 +126,7 @@ def test_a_large_ingest_lands_in_the_file_at_commit(tmp_path, knobs):
 def test_a_small_ingest_commits_into_the_wal(tmp_path, knobs):
     """A small commit (a follower's poll) is not checkpointed at once: a checkpoint
     rewrites the key indexes whole. Its data is in the WAL, and there after a reopen."""
-    from tracedb.sample import write_sample
+    from tracedb.synthetic import write_sample
 
     knobs(checkpoint_min_tokens=10_000_000)
     jsonl = write_sample(tmp_path / "traces.jsonl", groups=2, tokens_per_trace=15_000, advantages=True)

@@ -199,7 +199,7 @@ else:
     def _process_inputs(tmp_path: Path) -> list[Path]:
         """Six small fixtures, a file of one bad line, and a larger file of distinct traces
         with a bad line in its middle (cut into byte ranges by the ingests)."""
-        from tracedb.sample import write_sample
+        from tracedb.synthetic import write_sample
 
         run = tmp_path / "runs"
         run.mkdir()
@@ -328,7 +328,7 @@ else:
 
     @pytest.mark.parametrize("seed", [3, 11])
     def test_random_forests_ingested_and_viewed_on_ray_equal_the_file_store(local_ray, tmp_path, seed):
-        from tracedb.sample import write_sample
+        from tracedb.synthetic import write_sample
 
         files = [
             write_sample(

@@ -272,7 +272,7 @@ def test_close_refused_while_busy_can_be_retried(tmp_path: Path) -> None:
 
 
 def test_concurrent_ingests_put_the_checkpoint_threshold_back(tmp_path: Path, knobs) -> None:
-    from tracedb.sample import write_sample
+    from tracedb.synthetic import write_sample
 
     files = [write_sample(tmp_path / f"t{i}.jsonl", groups=1, tokens_per_trace=4_000, seed=i) for i in range(2)]
     knobs(checkpoint_min_tokens=0)  # every ingest lowers the threshold around its commit

@@ -11,7 +11,7 @@ import pytest
 import tracedb
 from tracedb.handle import handle_of
 from tracedb.lake import move
-from tracedb.sample import generate_episodes
+from tracedb.synthetic import generate_episodes
 
 
 def _lines(path, seed: int, groups: int = 2) -> None:

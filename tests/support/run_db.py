@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import tracedb
-from tracedb.sample import generate_episodes
+from tracedb.synthetic import generate_episodes
 
 REWARDS: dict[str, list[float | None]] = {
     "group-0": [1.0, 0.0, 1.0, 0.0],

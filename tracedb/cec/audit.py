@@ -84,13 +84,13 @@ def check(db: HandleOf, *, rel_tol: float = 1e-6) -> CheckReport:
     2^-24 of itself relatively, so a sum may drift by 2^-24 * sum|stored|. The tolerance
     is ``rel_tol`` relative plus twice that float32 bound.
     """
-    db = handle_of(db)
-    df = selection(db)
-    missing = [name for name in (CREDIT_SETS["M"], CREDIT_SETS["B"]) if not credit_sets.exists(db, name)]
+    handle = handle_of(db)
+    df = selection(handle)
+    missing = [name for name in (CREDIT_SETS["M"], CREDIT_SETS["B"]) if not credit_sets.exists(handle, name)]
     if missing:
         raise CecError(f"credit sets {missing} do not exist: run `tracedb cec stamp` first")
-    sums_m = _sums(db, CREDIT_SETS["M"])
-    sums_b = _sums(db, CREDIT_SETS["B"])
+    sums_m = _sums(handle, CREDIT_SETS["M"])
+    sums_b = _sums(handle, CREDIT_SETS["B"])
     report = CheckReport()
     rows = df.filter((pl.col("intervention") == "usable") & pl.col("valid")).iter_rows(named=True)
     for row in rows:
@@ -138,8 +138,8 @@ QUANTILES = {"p05": 0.05, "median": 0.5, "p95": 0.95}
 
 def report(db: HandleOf) -> dict[str, Any]:
     """The signal-availability table of the current plan (see docs/cec.md for each row)."""
-    db = handle_of(db)
-    df = selection(db)
+    handle = handle_of(db)
+    df = selection(handle)
     planned = df.filter(pl.col("query") == "planned")
     issued = planned.filter(pl.col("intervention") != "pending")
     usable = planned.filter(pl.col("intervention") == "usable")

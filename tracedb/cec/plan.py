@@ -276,19 +276,19 @@ def plan(
     terminal group advantage as for ``grpo`` (validity: scored, ok, not timed out).
     Returns counts by selection, query and intervention status.
     """
-    db = handle_of(db)
+    handle = handle_of(db)
     if not (lam > 0 and math.isfinite(lam)) or not (cap > 0 and math.isfinite(cap)):
         raise CecError(f"lam and cap must be positive numbers, got lam={lam}, cap={cap}")
-    ensure_installed(db)
-    data = _plan_inputs(db)
-    advantages = _advantages(db, reward, group_by, include_failed)
+    ensure_installed(handle)
+    data = _plan_inputs(handle)
+    advantages = _advantages(handle, reward, group_by, include_failed)
     rows = [_plan_trace(t, data, advantages[t], lam, cap) for t in sorted(data["traces"])]
     table = pa.Table.from_pylist(rows, schema=_SELECTION_ROWS)
     columns = ", ".join(_SELECTION_ROWS.names)
-    with db.transaction():
-        db.con.execute("DELETE FROM cec_selection")
-        with db.registered("_tdb_cec_plan", table):
-            db.con.execute(f"INSERT INTO cec_selection ({columns}) SELECT {columns} FROM _tdb_cec_plan")
+    with handle.transaction():
+        handle.con.execute("DELETE FROM cec_selection")
+        with handle.registered("_tdb_cec_plan", table):
+            handle.con.execute(f"INSERT INTO cec_selection ({columns}) SELECT {columns} FROM _tdb_cec_plan")
     return _plan_summary(rows, lam, cap)
 
 
@@ -324,12 +324,12 @@ def selection(db: Handle) -> pl.DataFrame:
 def queries(db: HandleOf, *, pending_only: bool = False) -> list[dict[str, Any]]:
     """The planned counterfactual queries: what a harness needs to build each
     intervention (:func:`tracedb.cec.git.intervene`) and verify it."""
-    db = handle_of(db)
-    df = selection(db).filter(pl.col("query") == "planned")
+    handle = handle_of(db)
+    df = selection(handle).filter(pl.col("query") == "planned")
     if pending_only:
         df = df.filter(pl.col("intervention") == "pending")
     records = dict(
-        db.con.execute("SELECT trace_id, instance_id || '|' || rep || '|' || cache_salt FROM cec_traces").fetchall()
+        handle.con.execute("SELECT trace_id, instance_id || '|' || rep || '|' || cache_salt FROM cec_traces").fetchall()
     )
     return [
         {
@@ -367,17 +367,17 @@ def stamp(
     selected block's turns (0 elsewhere) for M / E. A trace excluded from its group has
     A = 0 and C = 0: it is stamped with zeros, not left unassigned.
     """
-    db = handle_of(db)
+    handle = handle_of(db)
     params = {"lam": lam, "cap": cap, "reward": reward, "group_by": group_by, "include_failed": include_failed}
-    with db.transaction():
-        summary = plan(db, lam, cap, reward=reward, group_by=group_by, include_failed=include_failed)
-        df = selection(db)
-        nodes = _sampled_nodes(db)
+    with handle.transaction():
+        summary = plan(handle, lam, cap, reward=reward, group_by=group_by, include_failed=include_failed)
+        df = selection(handle)
+        nodes = _sampled_nodes(handle)
         nodes_written = {}
         for arm in ARMS:
             name = CREDIT_SETS[arm]
             nodes_written[name] = writeback.stamp(
-                db,
+                handle,
                 name,
                 _arm_credit(df, nodes, arm),
                 algorithm="cec",

@@ -156,27 +156,27 @@ def _key(record: Any) -> tuple[str, Any]:
 
 def install(db: HandleOf) -> None:
     """Create the ``cec_*`` tables when missing (``schema/cec.sql``; idempotent)."""
-    db = handle_of(db)
-    found = db.scalar("SELECT value FROM tracedb_meta WHERE key = 'cec_schema_version'")
+    handle = handle_of(db)
+    found = handle.scalar("SELECT value FROM tracedb_meta WHERE key = 'cec_schema_version'")
     if found is not None:
         if int(found) != CEC_SCHEMA_VERSION:
-            raise CecError(f"{db.path}: cec schema version {found}, this tracedb reads {CEC_SCHEMA_VERSION}")
+            raise CecError(f"{handle.path}: cec schema version {found}, this tracedb reads {CEC_SCHEMA_VERSION}")
         return
-    with db.transaction():
-        db.con.execute(load_sql("cec.sql"))
-        db.con.execute(
+    with handle.transaction():
+        handle.con.execute(load_sql("cec.sql"))
+        handle.con.execute(
             "INSERT OR REPLACE INTO tracedb_meta VALUES ('cec_schema_version', ?)", [str(CEC_SCHEMA_VERSION)]
         )
 
 
 def ensure_installed(db: HandleOf) -> None:
     """Install when writable; a read-only file without the tables is an error, not a crash."""
-    db = handle_of(db)
+    handle = handle_of(db)
     try:
-        install(db)
+        install(handle)
     except Exception as e:  # DuckDB refuses DDL on a read-only file
         if "read-only" in str(e).lower() or "read only" in str(e).lower():
-            raise CecError(f"{db.path} has no cec tables yet: ingest cec records first") from None
+            raise CecError(f"{handle.path} has no cec tables yet: ingest cec records first") from None
         raise
 
 
@@ -214,9 +214,9 @@ def ingest_records(db: HandleOf, paths: str | Path | Iterable[str | Path], *, st
     is idempotent: a record whose key (trace; trace and node; trace and role) is stored
     with the same content is skipped, with different content it is rejected.
     """
-    db = handle_of(db)
+    handle = handle_of(db)
     started = time.perf_counter()
-    ensure_installed(db)
+    ensure_installed(handle)
     if isinstance(paths, (str, Path)):
         paths = [paths]
     files = find_files(paths)
@@ -248,9 +248,9 @@ def ingest_records(db: HandleOf, paths: str | Path | Iterable[str | Path], *, st
 
     good = [item[0] for item in parsed if not isinstance(item[0], RecordError)]
     trace_ids = sorted({r.trace_id for r in good})
-    known_traces = db.existing("traces", "trace_id", trace_ids)
-    nodes = _node_roles(db, trace_ids)
-    stored = _stored_records(db, trace_ids)
+    known_traces = handle.existing("traces", "trace_id", trace_ids)
+    nodes = _node_roles(handle, trace_ids)
+    stored = _stored_records(handle, trace_ids)
     rows: dict[str, list[dict[str, Any]]] = {"trace": [], "turn": [], "verification": []}
     for record, source, number, raw in parsed:
         if isinstance(record, RecordError):
@@ -290,9 +290,9 @@ def ingest_records(db: HandleOf, paths: str | Path | Iterable[str | Path], *, st
         where.field, reason = problem
         reject(RecordError(reason, where), raw)
 
-    with db.transaction():
-        _insert(db, rows)
-        record_rejects(db, rejects)
+    with handle.transaction():
+        _insert(handle, rows)
+        record_rejects(handle, rejects)
     report.seconds = time.perf_counter() - started
     return report
 

@@ -535,7 +535,7 @@ def demo(
     tokens: Annotated[int, typer.Option(help="Tokens per trace.")] = 30_000,
 ) -> None:
     """The main job end to end on generated sample data: ingest, views, SQL, export."""
-    from tracedb.sample import write_sample
+    from tracedb.synthetic import write_sample
 
     if not data.exists():
         write_sample(data, groups=groups, group_size=group_size, tokens_per_trace=tokens, advantages=True)

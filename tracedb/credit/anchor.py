@@ -67,7 +67,7 @@ def anchor(
     ``reward_field`` names a per-turn reward node field. ``history`` (>= 0, TIGPO) needs
     ``task_key`` and ``order_by``.
     """
-    db = handle_of(db)
+    handle = handle_of(db)
     omega = check_finite("omega", omega)
     eps = check_finite("eps", eps, minimum=0.0)
     if episode_stats not in EPISODE_STATS:
@@ -76,9 +76,9 @@ def anchor(
         raise ValueError(f"history must be a whole number >= 0 (earlier groups), got {history!r}")
     if history and (task_key is None or order_by is None):
         raise ValueError("history > 0 needs task_key (which task) and order_by (which groups came earlier)")
-    meta = _task_order(db, task_key, order_by) if task_key is not None or order_by is not None else None
+    meta = _task_order(handle, task_key, order_by) if task_key is not None or order_by is not None else None
     st = state_turns(
-        db,
+        handle,
         gamma=gamma,
         key_field=key_field,
         group_by=group_by,

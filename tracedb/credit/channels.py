@@ -66,16 +66,16 @@ def channels(
     """Channel credit per node: ``trace_id, node_index, values`` (one value per sampled
     token). ``channels`` is the selector -> reward map (a mapping or its JSON text); see the
     module notes. ``group_by``, ``scale_std``, ``eps`` and ``include_failed`` are grpo's."""
-    db = handle_of(db)
+    handle = handle_of(db)
     parsed = _parse(channels)
-    _check_names(db, parsed)
+    _check_names(handle, parsed)
 
     # One grpo per distinct reward; a trace a reward leaves out reads 0.0 in that channel.
     rewards = sorted({reward for *_, reward in parsed})
     advantage: pl.DataFrame | None = None
     for k, reward in enumerate(rewards):
         table = grpo(
-            db,
+            handle,
             reward=None if reward == ALL_REWARDS else reward,
             group_by=group_by,
             scale_std=scale_std,
@@ -103,8 +103,8 @@ def channels(
                 "tdb_mask(n.n_tokens, n.mask_prefix, n.mask_slots)), []::FLOAT[])"
             )
             columns.append(f"list_transform(list_resize({stream}, n.n_sampled, 0.0::FLOAT), lambda x: x <> 0) AS c{k}")
-    with db.registered(_TRACES, advantage.select("trace_id", "trace_code").to_arrow()):
-        rows = db.sql(
+    with handle.registered(_TRACES, advantage.select("trace_id", "trace_code").to_arrow()):
+        rows = handle.sql(
             f"SELECT n.trace_id, n.node_index, n.n_sampled, x.trace_code, {', '.join(columns)} "
             f"FROM nodes n JOIN {_TRACES} x USING (trace_id) WHERE n.n_sampled > 0 "
             "ORDER BY n.trace_id, n.node_index",

@@ -66,11 +66,11 @@ def dose(
     per set (the figures summed over every trace; coverage and concentration over all the
     sampled tokens; ``traces_assigned`` counts the traces the set assigns). ``trace_ids``:
     only those traces (each must exist), as if the database held no others."""
-    db = handle_of(db)
-    ids = _traces(db, trace_ids)
+    handle = handle_of(db)
+    ids = _traces(handle, trace_ids)
     tables = [
-        db.sql("SELECT ?::VARCHAR AS credit_set, * FROM credit_dose(credit := ?)", [name, name])
-        for name in _sets(db, sets)
+        handle.sql("SELECT ?::VARCHAR AS credit_set, * FROM credit_dose(credit := ?)", [name, name])
+        for name in _sets(handle, sets)
     ]
     per = pl.from_arrow(pa.concat_tables(tables))
     if ids is not None:
@@ -99,13 +99,13 @@ def agreement(
     """Each pair of ``sets`` (in the order given): the tokens both assign, their sign
     agreement and correlation, per trace or over every token (``credit_agreement``);
     ``trace_ids``: over those traces' tokens only."""
-    db = handle_of(db)
-    names = _sets(db, sets)
-    ids = _traces(db, trace_ids)
+    handle = handle_of(db)
+    names = _sets(handle, sets)
+    ids = _traces(handle, trace_ids)
     if len(names) < 2:
         raise ValueError("agreement needs two or more credit sets")
     tables = [
-        db.sql(
+        handle.sql(
             "SELECT ?::VARCHAR AS set_a, ?::VARCHAR AS set_b, * "
             "FROM credit_agreement(?, ?, per_trace := ?, trace_ids := ?::VARCHAR[]) ORDER BY trace_id",
             [a, b, a, b, per_trace, ids],
@@ -121,11 +121,11 @@ def compare(
 ) -> dict[str, pa.Table]:
     """:func:`dose` of every set and :func:`agreement` of every pair (none for one set),
     over ``trace_ids`` only when given."""
-    db = handle_of(db)
-    names = _sets(db, sets)
-    out = {"dose": dose(db, names, per_trace=per_trace, trace_ids=trace_ids)}
+    handle = handle_of(db)
+    names = _sets(handle, sets)
+    out = {"dose": dose(handle, names, per_trace=per_trace, trace_ids=trace_ids)}
     if len(names) > 1:
-        out["agreement"] = agreement(db, names, per_trace=per_trace, trace_ids=trace_ids)
+        out["agreement"] = agreement(handle, names, per_trace=per_trace, trace_ids=trace_ids)
     return out
 
 
@@ -136,12 +136,12 @@ def match(db: HandleOf, table: pa.Table, reference: str) -> tuple[pa.Table, dict
     values. Returns the table (same columns and types) and what was done: ``matched_to``,
     ``rescaled`` (traces), ``left_as_is`` (traces in the table: zero mass on either side
     or unassigned by the reference) and, of those, ``unassigned_in_reference``."""
-    db = handle_of(db)
+    handle = handle_of(db)
     try:
-        credit_sets.resolve(db, reference)
+        credit_sets.resolve(handle, reference)
     except NotFound as e:
         raise NotFound(f"matched_to: {e}") from None
-    ref = db.sql("SELECT trace_id, abs_mass, sampled_tokens FROM credit_dose(credit := ?)", [reference])
+    ref = handle.sql("SELECT trace_id, abs_mass, sampled_tokens FROM credit_dose(credit := ?)", [reference])
     trace_ids = table.column("trace_id").combine_chunks().cast(pa.string())
     # Each row's trace, numbered; its row in the reference's dose (-1: not in the database).
     codes = pc.dictionary_encode(trace_ids).indices.to_numpy().astype(np.int64)
@@ -150,7 +150,7 @@ def match(db: HandleOf, table: pa.Table, reference: str) -> tuple[pa.Table, dict
     at = pc.fill_null(at, -1).to_numpy().astype(np.int64)
     reference_mass = np.append(pc.fill_null(ref.column("abs_mass"), np.nan).to_numpy(), np.nan)[at]
     if "node_index" in table.column_names:
-        row_mass = _row_mass(db, table)
+        row_mass = _row_mass(handle, table)
     else:  # one value per trace, over the trace's sampled tokens
         sampled = np.append(ref.column("sampled_tokens").to_numpy().astype(np.float64), 0.0)[at][codes]
         row_mass = np.abs(pc.fill_null(table.column("value").cast(pa.float64()), 0.0).to_numpy()) * sampled

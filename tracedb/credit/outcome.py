@@ -29,7 +29,7 @@ def trace_rewards(
     invalid (left unassigned, out of every mean) when it has no reward, or, unless
     ``include_failed``, when it is not ok or timed out.
     """
-    db = handle_of(db)
+    handle = handle_of(db)
     known = set(tables.TRACES.names)  # the stored layout (an open file always has it)
     reward_params: list = []
     group_params: list = []
@@ -53,7 +53,7 @@ def trace_rewards(
     extra = "".join(f", t.{quote_identifier(c)}" for c in columns)
     failed = "" if include_failed else " AND coalesce(t.ok, false) AND NOT coalesce(t.is_timeout, false)"
     # Sorted here rather than in SQL: an ORDER BY costs DuckDB more than the whole scan.
-    table = db.sql(
+    table = handle.sql(
         f'SELECT t.trace_id, {group_sql} AS "group", {reward_sql} AS reward, '
         f"({reward_sql} IS NOT NULL{failed}) AS valid{extra} FROM traces t",
         group_params + reward_params + reward_params,
@@ -87,8 +87,8 @@ def grpo(
     one has none and gets 0). Equal rewards give zeros, not None. Excluded rollouts
     (failed, timed out, unscored) stay unassigned and do not enter the mean.
     """
-    db = handle_of(db)
-    df = trace_rewards(db, reward=reward, group_by=group_by, include_failed=include_failed)
+    handle = handle_of(db)
+    df = trace_rewards(handle, reward=reward, group_by=group_by, include_failed=include_failed)
     centered = pl.col("reward") - pl.col("reward").mean().over("group")
     if scale_std:
         std = pl.col("reward").std(ddof=1).over("group").fill_null(0.0).fill_nan(0.0)
@@ -104,8 +104,8 @@ def rloo(
     include_failed: bool = False,
 ) -> pa.Table:
     """RLOO: A = r - mean of the other valid members' rewards; a group of one gets 0."""
-    db = handle_of(db)
-    df = trace_rewards(db, reward=reward, group_by=group_by, include_failed=include_failed)
+    handle = handle_of(db)
+    df = trace_rewards(handle, reward=reward, group_by=group_by, include_failed=include_failed)
     n = pl.len().over("group")
     others = (pl.col("reward").sum().over("group") - pl.col("reward")) / (n - 1)
     advantage = pl.when(n > 1).then(pl.col("reward") - others).otherwise(0.0)

@@ -48,10 +48,10 @@ def potential(
     (None: histories only); ``reward``, ``group_by``, ``include_failed`` and
     ``reward_field`` as in :func:`tracedb.credit.anchor.anchor`.
     """
-    db = handle_of(db)
+    handle = handle_of(db)
     kappa = check_finite("kappa", kappa, minimum=0.0)
     st = state_turns(
-        db,
+        handle,
         gamma=gamma,
         key_field=key_field,
         group_by=group_by,

@@ -59,26 +59,26 @@ def redistribute(
     ``epsilon`` (within [0, 1]) of uniform, after a seeded in-trace permutation of the
     weights when ``shuffle_seed`` (an integer >= 0) is given. Returns ``trace_id,
     node_index, values``; see the module notes."""
-    db = handle_of(db)
+    handle = handle_of(db)
     if isinstance(epsilon, bool) or not isinstance(epsilon, int | float) or not 0.0 <= epsilon <= 1.0:
         raise ValueError(f"epsilon must be a number within [0, 1], got {epsilon!r}")
     if shuffle_seed is not None and (
         isinstance(shuffle_seed, bool) or not isinstance(shuffle_seed, int) or shuffle_seed < 0
     ):
         raise ValueError(f"shuffle_seed must be an integer >= 0 (or None), got {shuffle_seed!r}")
-    if weight_field is not None and (not isinstance(weight_field, str) or not field_exists(db, weight_field)):
+    if weight_field is not None and (not isinstance(weight_field, str) or not field_exists(handle, weight_field)):
         raise ValueError(
             f"weight_field {weight_field!r}: no node has that field (neither a nodes column nor a key of a node record)"
         )
     if base is not None and not isinstance(base, str):
         raise ValueError(f"base must name a credit set, got {base!r}")
     try:
-        credit = credit_sets.resolve(db, base)
+        credit = credit_sets.resolve(handle, base)
     except NotFound as e:
         raise NotFound(f"base: {e}") from None
 
     params: dict[str, object] = {}
-    w_sql = node_field(weight_field, set(db.columns("nodes")), "weight_field", params)
+    w_sql = node_field(weight_field, set(handle.columns("nodes")), "weight_field", params)
     weights = f"SELECT n.trace_id, n.node_index, {w_sql} AS w FROM nodes n"
     if base is None:
         # No set named: GRPO as it would be stamped (one value per trace, broadcast).
@@ -86,7 +86,7 @@ def redistribute(
             f"SELECT n.trace_id, n.node_index, n.n_sampled, b.value AS lo, b.value AS hi "
             f"FROM nodes n JOIN {_BASE} b USING (trace_id) WHERE n.n_sampled > 0"
         )
-        registered = grpo(db)
+        registered = grpo(handle)
     else:
         # A stored set as spreading reads it: a compact list cut or zero-padded to the node.
         params["base"] = credit
@@ -102,8 +102,8 @@ def redistribute(
         "dense_rank() OVER (ORDER BY a.trace_id) - 1 AS trace_code "
         f"FROM a JOIN ({weights}) w USING (trace_id, node_index) ORDER BY a.trace_id, a.node_index"
     )
-    with db.registered(_BASE, registered):
-        rows = db.sql(query, params or None)
+    with handle.registered(_BASE, registered):
+        rows = handle.sql(query, params or None)
     if rows.num_rows == 0:
         return NODE_CREDIT.empty_table()
 

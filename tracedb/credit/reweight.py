@@ -61,7 +61,7 @@ def reweight(
     before the per-trace normalization. A trace whose clipped weights sum to 0 (possible
     only with ``min_weight=0``) keeps its advantages unchanged.
     """
-    db = handle_of(db)
+    handle = handle_of(db)
     if weights not in WEIGHT_STREAMS:
         raise ValueError(f"unknown weight stream {weights!r}; choose one of {list(WEIGHT_STREAMS)}")
     if weights == "loss_weights" and not weight_name:
@@ -72,7 +72,7 @@ def reweight(
         math.isfinite(min_weight) and math.isfinite(max_weight) and 0 <= min_weight <= max_weight and max_weight > 0
     ):
         raise ValueError(f"need 0 <= min_weight <= max_weight, max_weight > 0; got {min_weight}, {max_weight}")
-    credit = credit_sets.resolve(db, source)  # None for the default set; a missing named set raises NotFound
+    credit = credit_sets.resolve(handle, source)  # None for the default set; a missing named set raises NotFound
 
     params: list = [credit]
     if weights == "loss_weights":
@@ -81,7 +81,7 @@ def reweight(
         params.append(weight_name)
     else:
         raw = f"n.{quote_identifier(weights)}"
-    rows = db.sql(
+    rows = handle.sql(
         "SELECT a.trace_id, a.node_index, a.n_sampled, "
         "       dense_rank() OVER (ORDER BY a.trace_id) - 1 AS trace_code, "
         "       list_resize(a.advantages, a.n_sampled, 0.0::FLOAT) AS adv, "

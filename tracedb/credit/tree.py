@@ -92,8 +92,8 @@ def prefix_trie(
     a node. ``reward``, ``group_by`` and ``include_failed`` select rewards, groups and valid
     traces as :func:`tracedb.credit.outcome.grpo` does; a trace without a group is its own
     group."""
-    db = handle_of(db)
-    rewards = trace_rewards(db, reward=reward, group_by=group_by, include_failed=include_failed)
+    handle = handle_of(db)
+    rewards = trace_rewards(handle, reward=reward, group_by=group_by, include_failed=include_failed)
     valid = rewards.filter(pl.col("valid")).with_columns(
         pl.coalesce(pl.col("group"), pl.lit("trace:") + pl.col("trace_id")).alias("group")
     )
@@ -104,8 +104,8 @@ def prefix_trie(
     group_code = valid.get_column("group").rank("dense").cast(pl.Int64).to_numpy() - 1
     reward_arr = valid.get_column("reward").cast(pl.Float64).to_numpy()
 
-    con = db.con
-    with db.registered("_tdb_tree_traces", trace_codes.to_arrow()):
+    con = handle.con
+    with handle.registered("_tdb_tree_traces", trace_codes.to_arrow()):
         nodes = con.sql(
             "WITH n AS ("
             "  SELECT n.trace_id, n.node_index, n.parent, n.n_sampled, t.trace_code, "
