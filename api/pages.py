@@ -48,13 +48,13 @@ CREDIT_COLUMNS = 12
 # --------------------------------------------------------------------------- axes
 
 
-def axes(db: Database, through: int) -> list[str]:
+def axes(db: Database, mark: int) -> list[str]:
     """The x axes on offer: ``seq`` and ``tag:NAME`` for each tag some trace holds a number in
     (the ``AXIS_TAGS`` most common)."""
     rows = db.sql(
         "SELECT g.name FROM trace_tags g JOIN traces t USING (trace_id) "
         "WHERE g.number IS NOT NULL AND t.seq <= ? GROUP BY g.name ORDER BY count(*) DESC, g.name LIMIT ?",
-        [through, AXIS_TAGS],
+        [mark, AXIS_TAGS],
     ).to_pylist()
     return ["seq", *(f"tag:{r['name']}" for r in rows)]
 
@@ -102,22 +102,22 @@ def run_data(
         raise invalid(f"hist_bins: expected 1 to {MAX_HIST_BINS}, got {hist_bins}")
     if recent < 0:
         raise invalid(f"recent: expected 0 (all) or a count of traces, got {recent}")
-    through = db.watermark()
-    state = {"watermark": through, "rejects": rejects(db)}
-    if after is not None and after == through:
+    mark = db.watermark()
+    state = {"watermark": mark, "rejects": rejects(db)}
+    if after is not None and after == mark:
         return {**state, "changed": False}
-    offered = axes(db, through)
+    offered = axes(db, mark)
     axis = resolve_axis(by, offered)
-    series, layout = _bins(db, axis, bins, through)
+    series, layout = _bins(db, axis, bins, mark)
     return {
         **state,
         "changed": True,
-        "summary": summary(db, through),
+        "summary": summary(db, mark),
         "axes": offered,
         "axis": {"by": axis, "requested": by, "bins": bins, **layout},
         "bins": series,
-        "histogram": histogram(db, through, recent, hist_bins),
-        "recent_groups": recent_groups(db, through),
+        "histogram": histogram(db, mark, recent, hist_bins),
+        "recent_groups": recent_groups(db, mark),
     }
 
 
@@ -137,8 +137,8 @@ def rejects(db: Database) -> dict[str, Any]:
     return row
 
 
-def summary(db: Database, through: int) -> dict[str, Any]:
-    """The headline numbers of the traces up to ``through``."""
+def summary(db: Database, mark: int) -> dict[str, Any]:
+    """The headline numbers of the traces up to the watermark ``mark``."""
     row = db.sql(
         "SELECT count(*) AS traces, count(DISTINCT group_id) AS groups, count(reward) AS scored, "
         "  count(*) - count(reward) AS unscored, avg(reward) AS reward_mean, stddev_pop(reward) AS reward_std, "
@@ -146,14 +146,14 @@ def summary(db: Database, through: int) -> dict[str, Any]:
         "  max(ingested_at) AS last_arrival, "
         "  date_diff('millisecond', max(ingested_at), current_timestamp::TIMESTAMP) / 1000.0 AS age_s "
         "FROM traces WHERE seq <= ?",
-        [through],
+        [mark],
     ).to_pylist()[0]
     row["last_arrival"] = _iso(row["last_arrival"])
     groups = db.sql(
         "SELECT count(*) FILTER (WHERE scored >= 1) AS eligible, "
         "  count(*) FILTER (WHERE zero_variance) AS zero_variance "
         "FROM group_rewards(through := ?)",
-        [through],
+        [mark],
     ).to_pylist()[0]
     row["groups_scored"] = groups["eligible"]
     row["groups_zero_variance"] = groups["zero_variance"]
@@ -200,13 +200,13 @@ FROM b LEFT JOIN gb USING (bin) ORDER BY bin
 """
 
 
-def _bins(db: Database, axis: str, bins: int, through: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def _bins(db: Database, axis: str, bins: int, mark: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Per-bin rows over ``axis`` and how the axis was cut (``layout``: width, values or range)."""
-    params: dict[str, Any] = {"through": through}
+    params: dict[str, Any] = {"through": mark}
     if axis == "seq":
         rows = _X_SEQ
-        width = max(1, math.ceil(through / bins))
-        key, layout = _KEY_WIDTH, {"layout": "width", "width": width, "through": through, "untagged": 0}
+        width = max(1, math.ceil(mark / bins))
+        key, layout = _KEY_WIDTH, {"layout": "width", "width": width, "through": mark, "untagged": 0}
         params["width"] = width
     else:
         rows = _X_TAG
@@ -214,7 +214,7 @@ def _bins(db: Database, axis: str, bins: int, through: int) -> tuple[list[dict[s
         stats = db.sql(
             f"SELECT count(DISTINCT x) AS n, min(x) AS lo, max(x) AS hi, count(*) AS tagged FROM ({rows})", params
         ).to_pylist()[0]
-        untagged = db.scalar("SELECT count(*) FROM traces WHERE seq <= ?", [through]) - stats["tagged"]
+        untagged = db.scalar("SELECT count(*) FROM traces WHERE seq <= ?", [mark]) - stats["tagged"]
         if stats["n"] <= bins:
             key, layout = _KEY_VALUE, {"layout": "values", "untagged": untagged}
         else:
@@ -243,11 +243,11 @@ def _edges(row: dict[str, Any], layout: dict[str, Any]) -> None:
     row.update(lo=lo, hi=hi, x=(lo + hi) / 2)
 
 
-def histogram(db: Database, through: int, recent: int, bins: int) -> dict[str, Any]:
+def histogram(db: Database, mark: int, recent: int, bins: int) -> dict[str, Any]:
     """The scored rewards of the latest ``recent`` traces (0: all) in ``bins`` equal-width
     bins over their range (one bin when they are all equal); the last bin holds its top edge."""
     window = "SELECT reward FROM traces WHERE seq <= $through ORDER BY seq DESC LIMIT $recent"
-    params = {"through": through, "recent": recent or None}
+    params = {"through": mark, "recent": recent or None}
     stats = db.sql(
         f"SELECT count(*) AS traces, count(reward) AS scored, min(reward) AS lo, max(reward) AS hi FROM ({window})",
         params,
@@ -271,13 +271,13 @@ def histogram(db: Database, through: int, recent: int, bins: int) -> dict[str, A
     return out
 
 
-def recent_groups(db: Database, through: int) -> list[dict[str, Any]]:
+def recent_groups(db: Database, mark: int) -> list[dict[str, Any]]:
     """The ``RECENT_GROUPS`` groups whose newest member arrived last, with their reward spread."""
     return db.sql(
         "SELECT group_id, traces, scored, reward_mean AS mean, reward_std AS std, reward_min AS min, "
         "  reward_max AS max, zero_variance, last_seq "
         "FROM group_rewards(through := ?) ORDER BY last_seq DESC, group_id LIMIT ?",
-        [through, RECENT_GROUPS],
+        [mark, RECENT_GROUPS],
     ).to_pylist()
 
 
