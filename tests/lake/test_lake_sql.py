@@ -17,7 +17,7 @@ pytest.importorskip("pyiceberg_core", reason="the lake extra is not installed (p
 from pyiceberg.io.pyarrow import PyArrowFileIO  # noqa: E402
 
 import tracedb.lake as lakes  # noqa: E402
-from tracedb.lake import read, sqlscan  # noqa: E402
+from tracedb.lake import read, sqlplan, sqlscan  # noqa: E402
 from tracedb.sqltext import load_sql  # noqa: E402
 
 
@@ -170,7 +170,7 @@ def test_projections_and_joins_narrow_the_reads(lake, picks, monkeypatch):
     _, report = sqlscan.run(lake, query)
     group_size = report.rows["traces"]
     assert opened.count("nodes") <= group_size < _data_files(lake, "nodes")  # the group's trace ids reach nodes
-    scans = sqlscan.plan("SELECT * FROM node_credit() WHERE trace_id IN ('a', 'b')")
+    scans = sqlplan.plan("SELECT * FROM node_credit() WHERE trace_id IN ('a', 'b')")
     assert [s.table for s in scans] == ["nodes", "nodes"]  # DuckDB pins one scan, the join pins the other
     assert sqlscan.read_for(lake, scans)[1].rows["nodes"] == 0
 
