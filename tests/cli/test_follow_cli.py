@@ -75,7 +75,8 @@ class Following:
 def test_a_follower_process_reports_a_truncate_and_regrow_and_exits_0(tmp_path: Path) -> None:
     path = tmp_path / "traces.jsonl"
     db = tmp_path / "runs.duckdb"
-    old, new = lines(17, "old", SMALL), lines(4, "new", LARGE)
+    # The first line is over 4 KiB: the first bytes' hash alone does not see the cut.
+    old, new = lines(1, "first", LARGE) + lines(16, "old", SMALL), lines(4, "new", LARGE)
     path.write_bytes(b"".join(old))
     following = Following(path, db)
     try:
