@@ -352,6 +352,24 @@ def test_a_copy_whose_bytes_differ_is_not_taken(db, follow, tmp_path):
     assert "shrunk to 0 bytes" in message
 
 
+def test_a_compressed_copy_is_named_in_the_restart(db, follow, tmp_path):
+    """logrotate compress without delaycompress: the copy is gzipped before the follower
+    looks; it is not read, and the restart says what that means."""
+    path = tmp_path / "traces.jsonl"
+    path.write_bytes(b"".join(lines(4, "a")))
+    follower = follow([path])
+    follower.poll()
+    append(path, lines(2, "b"))
+    (tmp_path / "traces.jsonl.1.gz").write_bytes(b"\x1f\x8b not read")
+    with open(path, "r+b") as f:
+        f.truncate(0)
+    follower.poll()
+    assert len(stored(db)) == 4 and rejects(db) == 0
+    (message,) = follower.report.restarts
+    assert "after line 4 before the truncation is not read" in message
+    assert "traces.jsonl.1.gz: compressed, not read" in message
+
+
 def test_bad_rotated_patterns_are_refused(db, tmp_path):
     with pytest.raises(ValueError, match=r"--rotated '\{nope\}'"):
         Follower(db.handle, [tmp_path], rotated=["{nope}"])

@@ -75,7 +75,7 @@ def ingest(
             "--rotated",
             metavar="PATTERN",
             help="--follow: where a rotated copy of a followed file may be, a glob in its directory ({name}: the "
-            "file's name, {stem}: without .jsonl), looked at before NAME.1, NAME.<n>, NAME-<date>; a file cut "
+            "file's name, {stem}: without .jsonl), looked at besides NAME.1, NAME.<n>, NAME-<date>; a file cut "
             "back (logrotate copytruncate) is finished from the copy whose bytes match what was read (repeatable).",
         ),
     ] = None,

@@ -19,7 +19,15 @@ from pathlib import Path
 from tracedb.errors import InputError
 from tracedb.ingest.files import SUFFIXES, open_input
 from tracedb.ingest.positions import FollowEvent, Position
-from tracedb.ingest.rotation import OpenFiles, changed, find_inode, identity, rotated_names, tail_of
+from tracedb.ingest.rotation import (
+    OpenFiles,
+    changed,
+    compressed_copies,
+    find_inode,
+    identity,
+    rotated_names,
+    tail_of,
+)
 
 log = logging.getLogger("tracedb.follow")
 
@@ -291,7 +299,15 @@ class Planner:
             return
         copy = None if position.rotated_from else self._copy_of(position, stats, claimed, known_ids)
         if copy is None:
-            plan.note("restart", followed, f"{path}: {why}; read again from its start")
+            note = ""
+            if fst.st_size < position.offset and not position.rotated_from:
+                packed = compressed_copies(path, self.rotated)
+                note = (
+                    f"; no rotated copy holds its bytes up to there: if it was copied and truncated, what it got "
+                    f"after line {position.line} before the truncation is not read"
+                    + (f" ({', '.join(p.name for p in packed)}: compressed, not read)" if packed else "")
+                )
+            plan.note("restart", followed, f"{path}: {why}; read again from its start{note}")
             plan.reads.append(Read(path, fd, fresh, followed, position.path, position.rotated_from, store=True))
             return
         source, copy_fd, copy_st, copy_key = copy

@@ -124,7 +124,7 @@ class Follower:
     is new once; :meth:`run` polls until stopped; :meth:`close` lets go of the files.
 
     ``rotated``: globs (in a followed file's directory; ``{name}`` is its name, ``{stem}``
-    that name without ``.jsonl``) where a rotated copy of it may be, looked at before
+    that name without ``.jsonl``) where a rotated copy of it may be, looked at besides
     ``NAME.1``, ``NAME.<n>`` and ``NAME-<date>``. ``on_event`` is called with each
     :class:`FollowEvent` once the poll that found it has committed."""
 

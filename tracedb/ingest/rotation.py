@@ -17,7 +17,7 @@ import glob
 import hashlib
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +26,7 @@ HASH_BYTES = 4096
 ROTATED = ("{name}.1", "{name}.[0-9]*", "{name}-[0-9]*")
 """Where a rotated copy of a followed file ``NAME`` is looked for (globs in its
 directory): ``NAME.1``, ``NAME.<n>`` (logrotate's numbered copies) and ``NAME-<date>``
-(``dateext``). A follower's ``rotated`` patterns are looked at first."""
+(``dateext``). A follower's ``rotated`` patterns are looked at too."""
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".Z", ".zip")
 """Rotated names ending so are compressed copies: never read as plain lines."""
 
@@ -96,24 +96,33 @@ def stem_of(name: str) -> str:
     return name
 
 
-def rotated_names(path: Path, patterns: Sequence[str]) -> list[Path]:
-    """The plain files the rotated-name patterns (``patterns`` first, then :data:`ROTATED`)
-    name for ``path``, newest first; compressed ones (:data:`COMPRESSED`) left out."""
-    found: dict[str, tuple[int, Path]] = {}
+def _named(path: Path, patterns: Sequence[str]) -> Iterator[str]:
     base = glob.escape(str(path.parent))
     for pattern in (*patterns, *ROTATED):
         text = pattern.format(name=glob.escape(path.name), stem=glob.escape(stem_of(path.name)))
-        for hit in glob.glob(text if os.path.isabs(text) else os.path.join(base, text)):
-            candidate = Path(hit).absolute()
-            if candidate == path or hit.endswith(COMPRESSED) or str(candidate) in found:
-                continue
-            try:
-                st = candidate.stat()
-            except OSError:
-                continue
-            if os.path.isfile(candidate):
-                found[str(candidate)] = (st.st_mtime_ns, candidate)
+        yield from glob.glob(text if os.path.isabs(text) else os.path.join(base, text))
+
+
+def rotated_names(path: Path, patterns: Sequence[str]) -> list[Path]:
+    """The plain files the rotated-name patterns (``patterns`` and :data:`ROTATED`) name for
+    ``path``, the most recently modified first; compressed ones (:data:`COMPRESSED`) left out."""
+    found: dict[str, tuple[int, Path]] = {}
+    for hit in _named(path, patterns):
+        candidate = Path(hit).absolute()
+        if candidate == path or hit.endswith(COMPRESSED) or str(candidate) in found:
+            continue
+        try:
+            st = candidate.stat()
+        except OSError:
+            continue
+        if os.path.isfile(candidate):
+            found[str(candidate)] = (st.st_mtime_ns, candidate)
     return [p for _, p in sorted(found.values(), key=lambda t: -t[0])]
+
+
+def compressed_copies(path: Path, patterns: Sequence[str]) -> list[Path]:
+    """The compressed files the rotated-name patterns name for ``path`` (never read)."""
+    return sorted({Path(hit) for hit in _named(path, patterns) if hit.endswith(COMPRESSED)})
 
 
 def find_inode(directory: Path, device: int, inode: int) -> Path | None:
