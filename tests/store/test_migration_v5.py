@@ -13,6 +13,7 @@ from pathlib import Path
 
 import duckdb
 import pytest
+import zstandard
 
 import tracedb
 from tracedb.ingest.follow import Follower, follow_positions
@@ -154,3 +155,19 @@ def test_a_follower_continues_from_a_migrated_position(tmp_path):
         (message,) = follower.report.restarts
         assert str(main) in message and "rewritten" in message
         assert db.stats()["rejects"] == 1  # no bogus reject from reading on mid-line
+
+
+def test_a_compressed_files_position_without_a_tail_gets_one(tmp_path):
+    """As a schema-4 position of a ``.jsonl.zst`` is after the migration (no tail): taken
+    as it is, its tail hashed and committed, the file not read again."""
+    path = tmp_path / "part.jsonl.zst"
+    path.write_bytes(zstandard.ZstdCompressor().compress((FIXTURES / "zero_credit.traces.jsonl").read_bytes()))
+    with tracedb.connect(tmp_path / "runs.duckdb") as db:
+        with Follower(db.handle, [path], settle=0) as follower:
+            assert follower.poll().traces == 1
+        db.sql("UPDATE follow_positions SET tail = NULL")
+        with Follower(db.handle, [path], settle=0) as follower:
+            assert follower.poll() is None and follower.report.restarts == []
+        (position,) = follow_positions(db.handle)
+        assert position.tail == blake(path.read_bytes()[-4096:])
+        assert db.stats()["traces"] == 1

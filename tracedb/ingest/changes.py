@@ -269,9 +269,12 @@ class Planner:
                 plan.note("restart", followed, f"{path}: {why}; read again from its start")
             else:
                 self.open.checked(identity(st), position.offset, st)
+                if position.tail is None and position.offset > 0:  # a position schema 4 wrote
+                    start = replace(position, tail=self._tail_by_name(path, position.offset))
+                    plan.touched[position.path] = start
             if self._ready(path, st, start):
                 plan.reads.append(
-                    Read(path, None, start, followed, position.path, compressed=True, store=start is fresh)
+                    Read(path, None, start, followed, position.path, compressed=True, store=start.offset == 0)
                 )
             return
         opened = self.open.open(path, identity(st))
@@ -331,6 +334,16 @@ class Planner:
         )
         watch.cut_first = True
         plan.reads.append(Read(path, fd, fresh, followed, position.path, store=True, cut_first=True, loss=loss))
+
+    def _tail_by_name(self, path: Path, offset: int) -> bytes | None:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            return tail_of(fd, offset)
+        finally:
+            os.close(fd)
 
     def _changed_by_name(self, path: Path, position: Position) -> str | None:
         try:
