@@ -336,6 +336,11 @@ class LiveFollower:
             "behind": self.follower.behind,
             "waiting": dict(report.waiting),
             "restarts": list(report.restarts)[-20:],
+            "rotations": list(report.rotations)[-20:],
+            "lost": [{"file": e.file, "bytes": e.bytes, "lines": e.lines, "message": e.message} for e in report.lost][
+                -20:
+            ],
+            "lost_bytes": report.lost_bytes,
             "errors": self.errors,
             "last_error": self.last_error,
             "last_error_at": _iso(self.last_error_at),
@@ -354,6 +359,7 @@ class LiveFollower:
             self._thread.join(5.0)
         if self._thread.is_alive():
             return False
+        self.follower.close()
         self.db.close()
         return True
 

@@ -24,6 +24,15 @@ CreditStatus = Annotated[
 ]
 
 
+class FollowerLoss(BaseModel):
+    """Bytes a follower knows were in a followed file, are in no file now, and were not ingested."""
+
+    file: str = Field(description="The followed file.")
+    bytes: int = Field(description="At least this many bytes.")
+    lines: int = Field(description="Of at least this many lines.")
+    message: str
+
+
 class FollowerStatus(BaseModel):
     """The run a server follows (``tracedb serve --follow``): what its follower did so far."""
 
@@ -42,7 +51,16 @@ class FollowerStatus(BaseModel):
     watermark: int = Field(description="The watermark after the follower's last commit.")
     behind: bool = Field(description="The last poll stopped at its byte budget with more to read.")
     waiting: dict[str, str] = Field(description="Compressed files not taken yet, and why.")
-    restarts: list[str] = Field(description="Files read again from their start (shrunk, replaced), the last 20.")
+    restarts: list[str] = Field(
+        description="Files read again from their start (shrunk, replaced, cut back and grown again), the last 20."
+    )
+    rotations: list[str] = Field(
+        description="Rotations followed (renamed away, copied and truncated, deleted), the last 20."
+    )
+    lost: list[FollowerLoss] = Field(
+        description="Bytes no file holds any more and that were not ingested (copytruncate, deletion), the last 20."
+    )
+    lost_bytes: int = Field(description="Bytes lost in all (at least).")
     errors: int = Field(description="Polls that failed.")
     last_error: str | None
     last_error_at: str | None

@@ -51,15 +51,19 @@ CREATE TABLE IF NOT EXISTS trace_tags (
 );
 
 -- Where `tracedb ingest --follow` is in each file it follows, committed with the lines
--- read up to there (so a restart continues exactly where the last commit ended).
+-- read up to there (so a restart continues exactly where the last commit ended). The
+-- file is known by its identity (device, inode) and by hashes of the bytes it was read
+-- from (docs/live.md: what a truncation or a rotation can and cannot lose).
 CREATE TABLE IF NOT EXISTS follow_positions (
-    path       VARCHAR PRIMARY KEY, -- the file, absolute
-    device     BIGINT,
-    inode      BIGINT,
-    "offset"   BIGINT NOT NULL,    -- bytes consumed: the end of the last whole line read
-    line       BIGINT NOT NULL,    -- lines consumed
-    head       BLOB,               -- BLAKE2b of the first bytes consumed (up to 4 KiB): a rewrite changes it
-    updated_at TIMESTAMP DEFAULT current_timestamp
+    path         VARCHAR PRIMARY KEY, -- the file, absolute (where it is now)
+    device       BIGINT,
+    inode        BIGINT,
+    "offset"     BIGINT NOT NULL,    -- bytes consumed: the end of the last whole line read
+    line         BIGINT NOT NULL,    -- lines consumed
+    head         BLOB,               -- BLAKE2b of the first bytes consumed (up to 4 KiB): a rewrite changes it
+    updated_at   TIMESTAMP DEFAULT current_timestamp,
+    tail         BLOB,               -- BLAKE2b of the bytes just before "offset" (up to 4 KiB): a regrow past it changes it (schema 5)
+    rotated_from VARCHAR             -- a rotated file still read by its identity: the followed path it was renamed away from (schema 5)
 );
 
 -- Token ids stored once per distinct content (system prompts, task prompts).

@@ -25,7 +25,7 @@ from tracedb.ingest import IngestReport, ingest_files
 from tracedb.selection import Selection
 
 if TYPE_CHECKING:
-    from tracedb.ingest.follow import Follower
+    from tracedb.ingest.follow import Follower, FollowEvent
 
 
 class Database:
@@ -134,7 +134,9 @@ class Database:
         settle: float = 2.0,
         tags: Iterable[str] = (),
         allow_ragged: bool = False,
+        rotated: Iterable[str] = (),
         on_commit: Callable[[IngestReport], None] | None = None,
+        on_event: Callable[[FollowEvent], None] | None = None,
     ) -> Follower:
         """A follower of a live run into this database: :meth:`~tracedb.ingest.follow.Follower.poll`
         ingests the whole lines added to ``paths`` (files or directories, followed
@@ -142,9 +144,13 @@ class Database:
         every ``interval`` seconds until stopped. Positions are committed with the lines,
         so a follower started again on the same database goes on where the last one
         stopped. Compressed and ``.json`` files are ingested once unchanged for ``settle``
-        seconds. ``tags`` and ``allow_ragged`` are :meth:`ingest`'s; ``on_commit`` is called
-        with each commit's report. Give the follower a database of its own when other
-        threads use this one."""
+        seconds. A rotated file (renamed, or copied and truncated: ``rotated`` adds glob
+        patterns of the copies' names, ``{name}``/``{stem}`` standing for the file's) is read
+        to its end first; what no file holds any more is reported (see ``docs/live.md``).
+        ``tags`` and ``allow_ragged`` are :meth:`ingest`'s; ``on_commit`` is called with each
+        commit's report, ``on_event`` with each restart, rotation and loss. Close the
+        follower (it holds descriptors on the files) when done; give it a database of its own
+        when other threads use this one."""
         from tracedb.ingest.follow import Follower
 
         chosen = [paths] if isinstance(paths, str | Path) else list(paths)
@@ -155,7 +161,9 @@ class Database:
             settle=settle,
             tags=list(tags),
             allow_ragged=allow_ragged,
+            rotated=list(rotated),
             on_commit=on_commit,
+            on_event=on_event,
         )
 
     def watermark(self) -> int:

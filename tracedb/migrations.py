@@ -18,7 +18,7 @@ import duckdb
 
 from tracedb.sqltext import WATERMARK_KEY
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """The stored layout this tracedb reads and writes."""
 
 
@@ -95,7 +95,24 @@ def _v3_to_v4(con: duckdb.DuckDBPyConnection) -> None:
     con.execute("DROP TABLE _tdb_per_trace")
 
 
-MIGRATIONS: dict[int, Callable[[duckdb.DuckDBPyConnection], None]] = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4}
+def _v4_to_v5(con: duckdb.DuckDBPyConnection) -> None:
+    """A follower's position also holds the hash of the bytes just before its offset
+    (``tail``: a file truncated and grown again past the offset changes them) and, for a
+    rotated file still read by its identity, the followed path it was renamed away from
+    (``rotated_from``). A position schema 4 wrote gets no ``tail`` (the migration does not
+    read the followed files, which may be on another machine): the first poll of a
+    follower that finds the file as the position says (same device, inode and first
+    bytes) takes the bytes before the offset as they are then, and commits their hash."""
+    con.execute("ALTER TABLE follow_positions ADD COLUMN tail BLOB")
+    con.execute("ALTER TABLE follow_positions ADD COLUMN rotated_from VARCHAR")
+
+
+MIGRATIONS: dict[int, Callable[[duckdb.DuckDBPyConnection], None]] = {
+    1: _v1_to_v2,
+    2: _v2_to_v3,
+    3: _v3_to_v4,
+    4: _v4_to_v5,
+}
 """``MIGRATIONS[n]`` upgrades a file of version ``n`` to ``n + 1``."""
 
 

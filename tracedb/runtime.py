@@ -112,6 +112,10 @@ class Settings:
     follow_batch_bytes: int = 64 << 20
     """A follower reads about this many new bytes per transaction at most (more when one
     line is longer), so a backlog is committed in steps."""
+    follow_open_files: int = 512
+    """A follower keeps a descriptor open on at most this many of its plain files (the
+    ones that grew last), so that a file renamed away or deleted is still read to its end;
+    past it, a renamed file is found by its inode in its directory."""
     max_line_bytes: int = 128 << 20
     """A line longer than this is rejected without being read into memory."""
     reject_record_bytes: int = 64 << 10

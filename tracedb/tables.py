@@ -107,6 +107,8 @@ FOLLOW_POSITIONS = pa.schema(
         _col("line", pa.int64(), required=True),
         _col("head", pa.binary()),
         _col("updated_at", pa.timestamp("us"), default=NOW),
+        _col("tail", pa.binary()),
+        _col("rotated_from", pa.string()),
     ]
 )
 

@@ -143,7 +143,7 @@ def test_a_failed_commit_moves_no_position(db: tracedb.Database, tmp_path: Path,
     path.write_bytes(b"".join(distinct(3)))
     follower = Follower(db.handle, [path], settle=0)
 
-    def broken(moved: Any) -> None:
+    def broken(*args: Any) -> None:
         raise OSError("disk full (simulated)")
 
     monkeypatch.setattr(follower, "_store", broken)

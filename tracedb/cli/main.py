@@ -69,6 +69,16 @@ def ingest(
     settle: Annotated[
         float, typer.Option(help="--follow: take a .jsonl.zst once it has not changed for this long (s).")
     ] = 2.0,
+    rotated: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--rotated",
+            metavar="PATTERN",
+            help="--follow: where a rotated copy of a followed file may be, a glob in its directory ({name}: the "
+            "file's name, {stem}: without .jsonl), looked at besides NAME.1, NAME.<n>, NAME-<date>; a file cut "
+            "back (logrotate copytruncate) is finished from the copy whose bytes match what was read (repeatable).",
+        ),
+    ] = None,
     memory_limit_: MemoryLimitOption = None,
     as_json: JsonOption = False,
 ) -> None:
@@ -76,7 +86,11 @@ def ingest(
 
     With --follow, tails the files and directories (a line is taken once its line break is
     there; positions are committed with the lines, so a restart continues where it ended)
-    and exits 0 on Ctrl-C or SIGTERM after finishing the transaction under way."""
+    and exits 0 on Ctrl-C or SIGTERM after finishing the transaction under way. A file cut
+    back or rewritten before its position is read again from its start; a file renamed away
+    (rotated) is read to its end, found by its inode, before the new one; a copytruncate
+    is finished from the copy. What no file holds any more is reported as LOST on stderr
+    (and in --json), naming the file (docs/live.md)."""
     memory_limit(memory_limit_)
     tags = tag or []
     if follow:
@@ -95,6 +109,7 @@ def ingest(
                     tags=tags,
                     allow_ragged=allow_ragged,
                     as_json=as_json,
+                    rotated=rotated,
                 )
             except (TraceDBError, ValueError) as e:
                 raise fail(e, 2 if isinstance(e, ValueError) else 1) from None

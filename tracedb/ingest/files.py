@@ -280,10 +280,15 @@ class Appended:
     the chunks (numbered on from the position's line), then :attr:`offset` and
     :attr:`line` are the position after the last whole line read. A last line without its
     line break yet is left for later (a writer may be in the middle of it), and so is a
-    line over ``max_line_bytes`` until its end is there."""
+    line over ``max_line_bytes`` until its end is there. ``fd``: read through this open
+    descriptor (a follower's, on a file that may have been renamed or deleted since) rather
+    than by opening ``path``."""
 
-    def __init__(self, path: Path, offset: int, line: int, budget: int, chunk_bytes: int | None = None) -> None:
+    def __init__(
+        self, path: Path, offset: int, line: int, budget: int, chunk_bytes: int | None = None, fd: int | None = None
+    ) -> None:
         self.path = path
+        self.fd = fd
         self.offset = offset
         self.line = line
         self.budget = budget
@@ -295,7 +300,10 @@ class Appended:
     def __iter__(self) -> Iterator[Chunk | LongLine]:
         lines = _Lines(self.chunk_bytes, self.line + 1)
         limit = lines.knobs.max_line_bytes
-        with open(self.path, "rb", buffering=0) as raw:
+        opened = (
+            open(self.path, "rb", buffering=0) if self.fd is None else os.fdopen(os.dup(self.fd), "rb", buffering=0)
+        )
+        with opened as raw:
             end = os.fstat(raw.fileno()).st_size
             stop = min(end, self.offset + max(self.budget, limit + 1))
             self.more = stop < end

@@ -3,18 +3,38 @@
 verifiers appends one finished episode per line to ``traces.jsonl`` while a run goes on.
 A :class:`Follower` polls its paths (files, and directories in which new ``.jsonl`` /
 ``.jsonl.zst`` files appear, recursively) and ingests what is new, one transaction per
-poll. Rules:
+poll. Rules (``docs/live.md`` says what each can and cannot lose):
 
 - **Whole lines only.** A line is taken when its line break is there; the bytes after the
   last one wait for the next poll.
-- **Exactly once.** Where the follower is in each file (the file's identity, the byte
-  offset and line number after the last whole line read, and a hash of its first bytes)
-  is written to ``follow_positions`` in the same transaction as the lines read up to
-  there, so a follower killed at any moment and started again continues where the last
-  commit ended: nothing lost, nothing twice.
-- **Files that shrink or are replaced** (smaller than the position, another inode, or
-  other first bytes) are reported and read again from their start; ingest being
-  idempotent by trace id, the database then holds the union of both contents.
+- **Exactly once.** Where the follower is in each file (its identity, the byte offset and
+  line number after the last whole line read, hashes of its first bytes and of the bytes
+  just before the offset) is written to ``follow_positions`` in the same transaction as
+  the lines read up to there, so a follower killed at any moment and started again
+  continues where the last commit ended: nothing lost, nothing twice.
+- **The identity rule.** Every poll, a followed file must still hold, at its first bytes
+  and just before the committed offset, the bytes whose hashes were committed (at most
+  8 KiB read per file and poll; none for a file whose size and times have not moved since
+  a check). A file that shrank below its position, or holds other bytes there (cut back
+  and grown again past the offset: a writer resuming from a checkpoint), is reported
+  (``FollowReport.restarts``) and read again from its start: ingest being idempotent by
+  trace id, its old traces are "already present" and its new ones are added.
+- **Rotation.** A followed file renamed away (``traces.jsonl.1``, any other name, another
+  directory) is found by its identity (device and inode): through the descriptor the
+  follower holds on it, or in its directory. It is read to its end first, and followed
+  under its new name while it grows (a writer may still be writing to it); then the file
+  that took its name is read from its start. A rename inside the followed paths (to
+  ``traces.1.jsonl`` in a followed directory) keeps its position under the new name. A
+  file deleted while followed is read to its end through the held descriptor.
+- **copytruncate.** A file cut back under the same inode is looked for in a copy
+  (``NAME.1``, ``NAME.<n>``, ``NAME-<date>`` and the ``rotated`` patterns) whose bytes up
+  to the position hash to what was read; its lines after the position are read, then the
+  file from its start. What the writer wrote between the copy and the truncation is in
+  neither file: what the follower can establish of it (a line the copy ends inside, bytes
+  seen at the last poll past the copy's end, a line's end at the start of the truncated
+  file) is reported as lost with its bytes and lines (``FollowReport.lost``), never
+  ingested as a bogus reject; lines written after the last poll and before the truncation
+  leave no trace and cannot be counted (said in the rotation message).
 - **Compressed files** (``.jsonl.zst``, ``.json``) are taken whole once they have not
   changed for ``settle`` seconds and (zstd) their last frame is complete; until then
   they are waited for, not rejected. One that grows later is read again, its lines up to
@@ -24,95 +44,42 @@ poll. Rules:
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
-import pyarrow as pa
+import numpy as np
+import simdjson
 
-from tracedb import runtime, tables
+from tracedb import runtime
 from tracedb.errors import InputError
 from tracedb.handle import Handle
-from tracedb.ingest.files import SUFFIXES, Appended, Chunk, LongLine, open_input, read_chunks
+from tracedb.ingest import positions
+from tracedb.ingest.changes import Plan, Planner, Read
+from tracedb.ingest.files import Appended, Chunk, LongLine, read_chunks
+from tracedb.ingest.positions import FollowEvent, FollowReport, Position, follow_positions
+from tracedb.ingest.rotation import HASH_BYTES, OpenFiles, check_patterns, head_of, identity, tail_of
 from tracedb.ingest.run import IngestReport, IngestRun, transaction_for_ingest
 from tracedb.ingest.tags import Tag, parse_tags
 
+__all__ = ["FollowEvent", "FollowReport", "Follower", "Position", "follow_positions"]
 log = logging.getLogger("tracedb.follow")
-HEAD_BYTES = 4096
-"""How many of a file's first bytes its position's hash covers."""
 
 
-@dataclass
-class Position:
-    """Where the follower is in one file: everything before ``offset`` (``line`` lines)
-    is in the database."""
-
-    path: str
-    device: int
-    inode: int
-    offset: int
-    line: int
-    head: bytes | None
+class _Changed(Exception):
+    """A file's bytes before the position changed while it was read: the poll is undone."""
 
 
-@dataclass
-class FollowReport:
-    """What a follower did since it started."""
-
-    polls: int = 0
-    commits: int = 0
-    traces: int = 0
-    skipped: int = 0
-    lines: int = 0
-    rejected: int = 0
-    bytes: int = 0
-    watermark: int = 0
-    files: int = 0
-    """Files followed (seen so far)."""
-    restarts: list[str] = field(default_factory=list)
-    """Files read again from their start, each with the reason (shrunk, replaced, rewritten)."""
-    waiting: dict[str, str] = field(default_factory=dict)
-    """Compressed files not taken yet, and why."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def __str__(self) -> str:
-        text = (
-            f"followed {self.files} files: {self.traces} traces in {self.commits} commits "
-            f"({self.lines} lines, {self.bytes} bytes), watermark {self.watermark}"
-        )
-        if self.skipped:
-            text += f"; {self.skipped} already present"
-        if self.rejected:
-            text += f"; {self.rejected} rejected (see `tracedb rejects`)"
-        if self.restarts:
-            text += f"; {len(self.restarts)} file(s) read again from the start"
-        return text
-
-
-def _identity(st: os.stat_result) -> tuple[int, int]:
-    return st.st_dev, st.st_ino
-
-
-def _head(path: Path, upto: int) -> bytes | None:
-    """BLAKE2b of the file's first ``min(upto, HEAD_BYTES)`` bytes (as stored, compressed
-    or not); None for an empty prefix."""
-    n = min(upto, HEAD_BYTES)
-    if n <= 0:
-        return None
-    with open(path, "rb") as f:
-        return hashlib.blake2b(f.read(n), digest_size=16).digest()
-
-
-def _compressed(path: Path) -> bool:
-    return path.name.endswith(".zst") or path.suffix == ".json"
+def _json_object(data: bytes) -> bool:
+    """Whether ``data`` is one whole JSON object (a record, not the end of a cut line)."""
+    try:
+        return isinstance(simdjson.Parser().parse(data), simdjson.Object)
+    except (ValueError, TypeError):
+        return False
 
 
 def _skip_lines(chunks: Iterable[Chunk | LongLine], upto: int) -> Iterator[Chunk | LongLine]:
@@ -151,26 +118,15 @@ class _Counted:
             yield chunk
 
 
-def _complete(path: Path) -> str | None:
-    """Why a compressed file cannot be taken yet (None: it can): its last zstd frame is
-    cut short. Damage of another kind is for the ingest to reject."""
-    if not path.name.endswith(".zst"):
-        return None
-    try:
-        with open_input(path) as f:
-            while f.read(1 << 20):
-                pass
-            f.read(1)  # a damage reads as the end once, and is raised by the read after
-    except InputError as e:
-        if e.reason.startswith("truncated"):
-            return e.reason
-    return None
-
-
 class Follower:
     """Follows ``paths`` into the database of ``handle`` (which it writes through; give it
     a handle of its own when other threads use the database). :meth:`poll` ingests what
-    is new once; :meth:`run` polls until stopped."""
+    is new once; :meth:`run` polls until stopped; :meth:`close` lets go of the files.
+
+    ``rotated``: globs (in a followed file's directory; ``{name}`` is its name, ``{stem}``
+    that name without ``.jsonl``) where a rotated copy of it may be, looked at besides
+    ``NAME.1``, ``NAME.<n>`` and ``NAME-<date>``. ``on_event`` is called with each
+    :class:`FollowEvent` once the poll that found it has committed."""
 
     def __init__(
         self,
@@ -182,7 +138,9 @@ class Follower:
         tags: Iterable[str | Tag] = (),
         allow_ragged: bool = False,
         batch_bytes: int | None = None,
+        rotated: Iterable[str] = (),
         on_commit: Callable[[IngestReport], None] | None = None,
+        on_event: Callable[[FollowEvent], None] | None = None,
     ) -> None:
         if interval <= 0 or settle < 0:
             raise ValueError(f"interval must be > 0 and settle >= 0 (got {interval}, {settle})")
@@ -192,189 +150,224 @@ class Follower:
         self.settle = settle
         self.tags = parse_tags(tags)
         self.allow_ragged = allow_ragged
-        self.batch_bytes = batch_bytes or runtime.settings().follow_batch_bytes
+        knobs = runtime.settings()
+        self.batch_bytes = batch_bytes or knobs.follow_batch_bytes
         self.on_commit = on_commit
+        self.on_event = on_event
         self.report = FollowReport(watermark=handle.watermark())
-        self.positions = self._load()
-        self._changes: dict[str, tuple[int, int, float]] = {}  # compressed file -> (size, mtime_ns, since)
+        self.positions = positions.load(handle)
+        self.open = OpenFiles(knobs.follow_open_files)
+        self.planner = Planner(
+            self.paths,
+            self.positions,
+            settle=settle,
+            rotated=check_patterns(rotated),
+            open_files=self.open,
+            waiting=self.report.waiting,
+        )
         self.behind = False
         """The last poll stopped at its byte budget with more to read."""
 
-    # ----------------------------------------------------------------- positions
+    def close(self) -> None:
+        """Close the descriptors held on the followed files."""
+        self.open.close()
 
-    def _load(self) -> dict[str, Position]:
-        rows = self.handle.con.execute(
-            'SELECT path, device, inode, "offset", line, head FROM follow_positions'
-        ).fetchall()
-        return {r[0]: Position(*r) for r in rows}
+    def __enter__(self) -> Follower:
+        return self
 
-    def _store(self, moved: list[Position]) -> None:
-        """Write the new positions (inside the ingest's transaction)."""
-        columns = {
-            "path": pa.array([p.path for p in moved], pa.string()),
-            "device": pa.array([p.device for p in moved], pa.int64()),
-            "inode": pa.array([p.inode for p in moved], pa.int64()),
-            "offset": pa.array([p.offset for p in moved], pa.int64()),
-            "line": pa.array([p.line for p in moved], pa.int64()),
-            "head": pa.array([p.head for p in moved], pa.binary()),
-        }
-        rows = tables.table_from(tables.inserted(tables.FOLLOW_POSITIONS), columns)
-        with self.handle.registered("_tdb_positions", rows):
-            self.handle.con.execute("DELETE FROM follow_positions WHERE path IN (SELECT path FROM _tdb_positions)")
-            self.handle.con.execute(
-                'INSERT INTO follow_positions (path, device, inode, "offset", line, head) '
-                'SELECT path, device, inode, "offset", line, head FROM _tdb_positions'
-            )
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
-    # ----------------------------------------------------------------- files
+    def _store(self, moved: list[Position], drops: set[str]) -> None:
+        """Write the new positions and remove the dropped ones (inside the ingest's transaction)."""
+        positions.store(self.handle, moved, drops)
 
     def files(self) -> list[Path]:
         """The files the paths name now (a path that does not exist yet names none)."""
-        out: list[Path] = []
-        for p in self.paths:
-            if p.is_dir():
-                out.extend(sorted(q for q in p.rglob("*") if q.is_file() and q.name.endswith(SUFFIXES)))
-            elif p.is_file():
-                out.append(p)
-        return [q.absolute() for q in out]
-
-    def _start_of(self, path: Path, st: os.stat_result) -> Position:
-        """Where to read ``path`` from: its stored position, or its start when it is new,
-        shrunk, replaced or rewritten (reported)."""
-        key = str(path)
-        known = self.positions.get(key)
-        fresh = Position(key, st.st_dev, st.st_ino, 0, 0, None)
-        if known is None:
-            return fresh
-        why = None
-        if (known.device, known.inode) != _identity(st):
-            why = "replaced (another file under the same name)"
-        elif st.st_size < known.offset:
-            why = f"shrunk to {st.st_size} bytes (it was read up to byte {known.offset})"
-        elif known.head is not None and _head(path, known.offset) != known.head:
-            why = "rewritten (its first bytes changed)"
-        if why is None:
-            return known
-        message = f"{path}: {why}; read again from its start"
-        log.warning(message)
-        self.report.restarts.append(message)
-        return fresh
-
-    def _ready(self, path: Path, st: os.stat_result, start: Position) -> bool:
-        """Whether a compressed file is to be read now: changed since its position, still
-        for ``settle`` seconds, its last frame complete."""
-        key = str(path)
-        if start.offset == st.st_size and start.head is not None:
-            self._changes.pop(key, None)
-            self.report.waiting.pop(key, None)
-            return False  # read whole already, unchanged
-        now = time.monotonic()
-        seen = self._changes.get(key)
-        if seen is None or seen[:2] != (st.st_size, st.st_mtime_ns):
-            self._changes[key] = (st.st_size, st.st_mtime_ns, now)
-            if self.settle > 0:
-                self.report.waiting[key] = f"changed; taken once it has not changed for {self.settle:g} s"
-                return False
-        elif now - seen[2] < self.settle:
-            return False
-        why = _complete(path)
-        if why is not None:
-            self.report.waiting[key] = f"{why}; waiting for the rest"
-            return False
-        self.report.waiting.pop(key, None)
-        return True
-
-    # ----------------------------------------------------------------- polling
+        return self.planner.files()
 
     def poll(self) -> IngestReport | None:
         """Ingest what is new in the files, in one transaction; None when there was nothing."""
         self.report.polls += 1
-        work: list[tuple[Path, os.stat_result, Position]] = []
-        listed = self.files()
-        for path in listed:
-            try:
-                st = path.stat()
-            except FileNotFoundError:
-                continue  # gone between the listing and now
-            start = self._start_of(path, st)
-            if _compressed(path):
-                if self._ready(path, st, start):
-                    work.append((path, st, start))
-            elif st.st_size > start.offset and (
-                start is not self.positions.get(str(path)) or _whole_line(path, start.offset, st.st_size)
-            ):
-                work.append((path, st, start))
-        self.report.files = len({str(p) for p in listed} | set(self.positions))
-        if not work:
+        plan = self.planner.plan()
+        self.report.files = plan.files
+        if not plan.reads and not plan.touched and not plan.drops:
+            self._after(plan)
             return None
-        return self._ingest(work)
+        return self._ingest(plan)
 
-    def _ingest(self, work: list[tuple[Path, os.stat_result, Position]]) -> IngestReport | None:
-        report = IngestReport(files=len(work))
+    # ----------------------------------------------------------------- reading
+
+    def _ingest(self, plan: Plan) -> IngestReport | None:
+        report = IngestReport(files=len({str(r.source) for r in plan.reads}))
         run = IngestRun(self.handle, report, strict=False, allow_ragged=self.allow_ragged, tags=self.tags)
-        moved: list[Position] = []
+        moved: dict[str, Position] = dict(plan.touched)
+        done: list[tuple[Read, int, int]] = []  # (read, from, to)
         budget = self.batch_bytes
         self.behind = False
-        with transaction_for_ingest(self.handle):
-            try:
-                run.start([path for path, _, _ in work], progress=False)
-                for path, st, start in work:
-                    if budget <= 0:
-                        self.behind = True  # the rest at once, in the next poll
-                        break
-                    position = self._read(run, path, st, start, budget)
-                    if position is not None:
-                        moved.append(position)
-                        budget -= position.offset - start.offset
-                # Nothing moved (a writer was mid-line everywhere): an empty commit, no positions.
-                run.finish(before_commit=lambda: self._store(moved) if moved else None)
-            except BaseException:
-                run.abort()
-                raise
-            finally:
-                run.close()
-        for position in moved:
-            self.positions[position.path] = position
-        if not moved:
+        drops: set[str] = set()
+        try:
+            with transaction_for_ingest(self.handle):
+                try:
+                    run.start([r.source for r in plan.reads if r.source.exists()], progress=False)
+                    deferred: set[str] = set()
+                    for r in plan.reads:
+                        deferrable = r.key is not None and not r.store and not r.final
+                        if deferrable and (budget <= 0 or r.followed in deferred):
+                            self.behind = True  # the rest at once, in the next poll
+                            deferred.add(r.followed)
+                            continue
+                        end, position = self._read(run, r, budget)
+                        done.append((r, r.start.offset, end))
+                        if r.notice is not None and (end > r.start.offset or (r.loss is not None and r.loss.bytes)):
+                            plan.note("rotation", r.followed, r.notice)
+                        if position is not None:
+                            moved[position.path] = position
+                        budget -= max(0, end - r.start.offset)
+                    drops = plan.drops - set(moved)
+                    # Nothing moved (a writer was mid-line everywhere): an empty commit, no positions.
+                    run.finish(
+                        before_commit=lambda: self._store(list(moved.values()), drops) if moved or drops else None
+                    )
+                except BaseException:
+                    run.abort()
+                    raise
+                finally:
+                    run.close()
+        except _Changed as e:
+            log.info("%s changed while it was read; read again at the next poll", e)
             return None
-        self._count(report, moved, work)
+        for name in drops:
+            self.positions.pop(name, None)
+        for position in moved.values():
+            self.positions[position.path] = position
+        for r, _, _ in done:
+            if r.cut_first and r.fd is not None and r.key is not None and r.key in moved and moved[r.key].line > 0:
+                self.open.watch(identity(os.fstat(r.fd))).cut_first = False
+        self._after(plan)
+        progressed = any(r.key in moved and moved[r.key] is not plan.touched.get(r.key) for r, _, _ in done)
+        if not progressed and not report.lines:
+            return None  # positions only (a tail hash taken, a rename): not a commit of lines
+        self._count(report, done)
         if self.on_commit is not None:
             self.on_commit(report)
         return report
 
-    def _read(self, run: IngestRun, path: Path, st: os.stat_result, start: Position, budget: int) -> Position | None:
-        """Read ``path`` from ``start`` into the ingest; the position after it (None: no
-        whole line was there yet)."""
-        source = str(path)
-        if _compressed(path):
-            counted = _Counted(path, start.line)
-            try:
-                run.read(source, counted)
-            except InputError as e:
-                run.unreadable(e)  # damaged (not merely unfinished): rejected, and not read again until it changes
-            return Position(
-                source, st.st_dev, st.st_ino, st.st_size, max(counted.lines, start.line), _head(path, st.st_size)
-            )
-        appended = Appended(path, start.offset, start.line, budget)
-        run.read(source, appended)
-        self.behind = self.behind or appended.more
-        restarted = source in self.positions and start is not self.positions[source]
-        if appended.offset == start.offset and not restarted:
-            return None  # no whole line yet (a restart's position is stored all the same)
-        head = start.head if start.offset >= HEAD_BYTES and start.head is not None else _head(path, appended.offset)
-        return Position(source, st.st_dev, st.st_ino, appended.offset, appended.line, head)
+    def _after(self, plan: Plan) -> None:
+        """Once the poll is over: let go of the files no longer followed, publish what happened."""
+        followed = {(p.device, p.inode) for p in self.positions.values()}
+        for key in plan.forget - followed:
+            self.open.forget(key)
+        events = list(plan.events)
+        for loss in plan.losses:
+            if loss.bytes:
+                # The bytes known lost are of at least one line; how many more cannot be told.
+                message = f"{loss.file}: lost at least {loss.bytes} bytes (1 line): " + "; ".join(loss.notes)
+                events.append(FollowEvent("loss", loss.file, message, loss.bytes, 1))
+        for event in events:
+            if event.kind == "restart":
+                self.report.restarts.append(event.message)
+            elif event.kind == "rotation":
+                self.report.rotations.append(event.message)
+            else:
+                self.report.lost.append(event)
+                self.report.lost_bytes += event.bytes
+                self.report.lost_lines += event.lines
+            if self.on_event is not None:
+                log.info(event.message)
+                self.on_event(event)  # its owner says it
+            else:
+                (log.error if event.kind == "loss" else log.warning)(event.message)
 
-    def _count(
-        self, report: IngestReport, moved: list[Position], work: list[tuple[Path, os.stat_result, Position]]
-    ) -> None:
+    def _read(self, run: IngestRun, r: Read, budget: int) -> tuple[int, Position | None]:
+        """Read one file into the ingest: the offset reached, and the position to store."""
+        if r.compressed:
+            return self._read_compressed(run, r)
+        assert r.fd is not None
+        start = r.start
+        whole = r.final or r.key is None
+        appended = Appended(r.source, start.offset, start.line, sys.maxsize if whole else budget, fd=r.fd)
+        chunks: Iterable[Chunk | LongLine] = appended
+        if r.cut_first and start.line == 0:
+            chunks = self._cut_first(appended, r)
+        run.read(str(r.source), chunks)
+        self.behind = self.behind or appended.more
+        if start.offset > 0 and start.tail is not None and tail_of(r.fd, start.offset) != start.tail:
+            raise _Changed(str(r.source))
+        end, line = appended.offset, appended.line
+        if r.final:
+            size = os.fstat(r.fd).st_size
+            if size > end:
+                line += 1
+                self._fragment(run, r, end, size, line)
+                end = size
+        st = os.fstat(r.fd)
+        self.open.watch(identity(st)).behind = appended.more
+        if r.key is None:
+            return end, None
+        if end == start.offset and not r.store:
+            return end, None  # no whole line yet
+        head = start.head if start.offset >= HASH_BYTES and start.head is not None else head_of(r.fd, end)
+        return end, Position(r.key, st.st_dev, st.st_ino, end, line, head, tail_of(r.fd, end), r.rotated_from)
+
+    def _cut_first(self, chunks: Iterable[Chunk | LongLine], r: Read) -> Iterator[Chunk | LongLine]:
+        """The chunks, without the first line when it is not a JSON object (the end of a
+        line cut by a truncation, counted as lost)."""
+        first = True
+        for chunk in chunks:
+            if first and isinstance(chunk, Chunk) and len(chunk.numbers):
+                first = False
+                raw = chunk.raw(0)
+                if raw.strip() and not _json_object(raw):
+                    assert r.loss is not None  # a cut-first read has one
+                    r.loss.add(
+                        len(raw), f"line 1 of {r.source} is the end of a line cut by the truncation ({len(raw)} bytes)"
+                    )
+                    keep = np.arange(len(chunk.numbers)) > 0
+                    chunk = Chunk(chunk.data, chunk.starts[keep], chunk.ends[keep], chunk.numbers[keep])
+                    if not len(chunk.numbers):
+                        continue
+            elif isinstance(chunk, LongLine):
+                first = False
+            yield chunk
+
+    def _fragment(self, run: IngestRun, r: Read, end: int, size: int, line: int) -> None:
+        """The unfinished last line of a file that will not grow: ingested when it is a
+        whole JSON object (only its line break was missing), else counted as lost."""
+        assert r.fd is not None
+        n = size - end
+        if n <= runtime.settings().max_line_bytes:
+            data = os.pread(r.fd, n, end)
+            if _json_object(data):
+                one = np.zeros(1, np.int64)
+                run.read(str(r.source), [Chunk(data + b"\n", one, one + n, one + line)])
+                return
+        assert r.loss is not None  # a final read has one
+        r.loss.add(n, f"line {line} of {r.source} ends the file unfinished ({n} bytes, no line break)")
+
+    def _read_compressed(self, run: IngestRun, r: Read) -> tuple[int, Position | None]:
+        path, start = r.source, r.start
+        counted = _Counted(path, start.line)
+        try:
+            run.read(str(path), counted)
+        except InputError as e:
+            run.unreadable(e)  # damaged (not merely unfinished): rejected, and not read again until it changes
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            head, tail = head_of(f.fileno(), st.st_size), tail_of(f.fileno(), st.st_size)
+        position = Position(
+            r.key or str(path), st.st_dev, st.st_ino, st.st_size, max(counted.lines, start.line), head, tail
+        )
+        return st.st_size, position
+
+    def _count(self, report: IngestReport, done: list[tuple[Read, int, int]]) -> None:
         total = self.report
-        starts = {str(p): s for p, _, s in work}
         total.commits += 1
         total.traces += report.traces
         total.skipped += report.skipped
         total.lines += report.lines
         total.rejected += len(report.rejected)
-        total.bytes += sum(p.offset - starts[p.path].offset for p in moved if p.offset >= starts[p.path].offset)
+        total.bytes += sum(max(0, b - a) for _, a, b in done)
         if report.watermark is not None:
             total.watermark = report.watermark
 
@@ -392,25 +385,3 @@ class Follower:
             if result is None or not self.behind:
                 stop.wait(max(0.0, self.interval - (time.monotonic() - began)))
         return self.report
-
-
-def _whole_line(path: Path, offset: int, size: int) -> bool:
-    """Whether ``path`` has a line break between ``offset`` and ``size`` (looked for from
-    the end: the bytes after the last one are a line still being written)."""
-    with open(path, "rb") as f:
-        end = size
-        while end > offset:
-            start = max(offset, end - (1 << 16))
-            f.seek(start)
-            if b"\n" in f.read(end - start):
-                return True
-            end = start
-    return False
-
-
-def follow_positions(handle: Handle) -> list[Position]:
-    """The stored positions (every file a follower of this database has read)."""
-    rows = handle.con.execute(
-        'SELECT path, device, inode, "offset", line, head FROM follow_positions ORDER BY path'
-    ).fetchall()
-    return [Position(*r) for r in rows]
