@@ -13,6 +13,7 @@ routes) goes through :func:`resolve`, so "does this set exist" has one answer.
 from __future__ import annotations
 
 import json
+import unicodedata
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,6 +28,24 @@ LAYOUTS = ("node", "trace")
 """How a named set is stored: ``node`` (table ``credit``), ``trace`` (table ``trace_credit``)."""
 TABLES = {"node": "credit", "trace": "trace_credit"}
 """The table each layout's rows are in."""
+
+
+def check_name(name: object) -> str:
+    """``name`` if it can name a new credit set, else :class:`WriteError` saying why: it
+    must be a non-empty string with no whitespace at either end and no control characters
+    (a set is named on command lines, in URLs and in tables), and not ``default`` (the
+    ingested credit). Every path that creates a set calls this."""
+    if not isinstance(name, str):
+        raise WriteError(f"a credit set name is a string, not {type(name).__name__} {name!r}")
+    if not name.strip():
+        raise WriteError(f"{name!r} cannot name a credit set: the name is empty")
+    if name != name.strip():
+        raise WriteError(f"{name!r} cannot name a credit set: it has whitespace at its start or end")
+    if any(unicodedata.category(c).startswith("C") for c in name):
+        raise WriteError(f"{name!r} cannot name a credit set: it holds a control character")
+    if name == DEFAULT_SET:
+        raise WriteError(f"{name!r} cannot name a credit set (the default set is the ingested credit)")
+    return name
 
 
 def exists(handle: Handle, name: str) -> bool:
@@ -90,8 +109,7 @@ def create(
     ``"trace"`` stores one value per trace and takes only per-trace scalars
     (``write_traces`` with ``value``, a ``(trace_id, value)`` stamp). ``replace=True``
     drops an existing set of that name and its credit first."""
-    if not name or name == DEFAULT_SET:
-        raise WriteError(f"{name!r} cannot name a credit set (the default set is the ingested credit)")
+    check_name(name)
     if layout not in LAYOUTS:
         raise WriteError(f"credit set {name!r}: layout must be one of {list(LAYOUTS)}, not {layout!r}")
     with handle.transaction():

@@ -97,6 +97,19 @@ def emit(data: Any, as_json: bool, title: str | None = None) -> None:
     out.print(table)
 
 
+def checked_name(name: str | None) -> None:
+    """A credit command's ``--name``: exit 2 with the reason when no set may have it
+    (empty, whitespace at an end, ...), before any work; None: the algorithm's name."""
+    from tracedb.credit_sets import check_name
+
+    if name is None:
+        return
+    try:
+        check_name(name)
+    except TraceDBError as e:
+        raise fail(f"--name: {e}", 2) from None
+
+
 def key_value(text: str) -> tuple[str, Any]:
     """``key=value`` of a ``--param``: the value as JSON, else as the text."""
     key, sep, value = text.partition("=")

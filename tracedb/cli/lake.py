@@ -19,6 +19,7 @@ from tracedb.cli.common import (
     JsonOption,
     TagFilterOption,
     ThroughOption,
+    checked_name,
     emit,
     err,
     fail,
@@ -258,6 +259,7 @@ def credit(
     as_json: JsonOption = False,
 ) -> None:
     """Compute group credit (grpo, rloo) over the lake in a Ray groupby and append it as a set."""
+    checked_name(name)
     opened = _open(lake)
     params = dict(key_value(p) for p in param or [])
     started = _started_ray(ray_address, workers)

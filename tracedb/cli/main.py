@@ -21,6 +21,7 @@ from tracedb.cli.common import (
     MemoryLimitOption,
     TagFilterOption,
     ThroughOption,
+    checked_name,
     emit,
     err,
     fail,
@@ -357,6 +358,7 @@ def credit(
         emit(rows, as_json, title="credit algorithms")
         return
     params = dict(key_value(p) for p in param or [])
+    checked_name(name)
     with open_db(db) as database:
         try:
             result = credit_lib.run(database, algorithm, name, replace=replace, **params)

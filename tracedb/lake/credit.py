@@ -21,6 +21,7 @@ from pyiceberg.expressions import EqualTo
 
 from tracedb import credit as credit_lib
 from tracedb.credit.outcome import trace_rewards
+from tracedb.credit_sets import check_name
 from tracedb.errors import WriteError
 from tracedb.lake import catalog
 from tracedb.lake.scan import visible_traces
@@ -99,9 +100,7 @@ def compute(lake: catalog.Opened, algorithm: str, **params: Any) -> pa.Table:
 
 def run(lake: catalog.Opened, algorithm: str, name: str | None = None, **params: Any) -> dict[str, Any]:
     """See :meth:`tracedb.lake.Lake.credit`."""
-    name = name or algorithm
-    if not name or name == "default":
-        raise WriteError(f"{name!r} cannot name a credit set (the default set is the ingested credit)")
+    name = check_name(algorithm if name is None else name)
     sets = lake.table("credit_sets").scan(selected_fields=("name",)).to_arrow().column("name").to_pylist()
     if name in sets:
         raise WriteError(
