@@ -30,6 +30,7 @@ LAYERS: list[list[str]] = [
         "tracedb.jitcache",
         "tracedb.schema",
         "tracedb.sample",
+        "tracedb.publish",
     ],
     ["tracedb.graph", "tracedb.tables", "tracedb.migrations"],
     ["tracedb.runtime"],

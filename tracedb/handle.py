@@ -31,7 +31,7 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from tracedb import migrations, runtime
+from tracedb import migrations, publish, runtime
 from tracedb.errors import DatabaseError, DatabaseLocked, SchemaVersionError
 from tracedb.migrations import SCHEMA_VERSION
 from tracedb.sqltext import load_sql, quote_identifier
@@ -408,6 +408,7 @@ def create_whole(path: str) -> None:
         con, _, _, _, release = runtime.attach(tmp, read_only=False)
         con.close()
         release()  # detached: a whole, empty DuckDB file
+        publish.sync_file(Path(tmp))
         try:
             os.link(tmp, path)  # fails if another process made it meanwhile: that one stands
         except FileExistsError:
@@ -415,6 +416,7 @@ def create_whole(path: str) -> None:
         except OSError:  # no hard links here
             if not os.path.lexists(path):
                 os.rename(tmp, path)
+        publish.sync_dir(Path(folder))  # the new name survives a crash of the machine
     finally:
         for leftover in (tmp, tmp + ".wal"):
             if os.path.lexists(leftover):
