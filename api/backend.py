@@ -36,8 +36,10 @@ from typing import Any
 
 import duckdb
 
+from tracedb import sqlcheck
 from tracedb.batches import Plan
 from tracedb.database import Database
+from tracedb.errors import SqlRefused
 from tracedb.handle import Handle, PerThread
 from tracedb.ingest.follow import Follower
 
@@ -172,14 +174,11 @@ class Backend:
         con = db.con
         try:
             try:
-                statements = con.extract_statements(text)
+                sqlcheck.check(con, text, explain=False, single=True)  # one SELECT, by DuckDB's parser
             except duckdb.Error as e:
                 raise ApiError(400, "bad_sql", f"{type(e).__name__}: {e}") from None
-            if len(statements) != 1:
-                raise ApiError(403, "not_a_read", f"send exactly one SELECT statement, got {len(statements)}")
-            kind = statements[0].type
-            if kind != duckdb.StatementType.SELECT:
-                raise ApiError(403, "not_a_read", f"only SELECT is allowed here; this is {kind.name}")
+            except SqlRefused as e:
+                raise ApiError(403, "not_a_read", str(e)) from None
             timer = threading.Timer(self.sql_timeout_s, con.interrupt)
             started = time.perf_counter()
             con.execute("BEGIN TRANSACTION READ ONLY")

@@ -17,7 +17,7 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from tracedb import batches, credit_sets, readback, views, writeback
+from tracedb import batches, credit_sets, readback, sqlcheck, views, writeback
 from tracedb.export import export
 from tracedb.handle import SCHEMA_VERSION, Handle
 from tracedb.ingest import IngestReport, ingest_files
@@ -73,8 +73,17 @@ class Database:
 
     # ----------------------------------------------------------------- queries
 
-    def sql(self, query: str, params: Sequence[Any] | dict[str, Any] | None = None) -> pa.Table:
-        """Run SQL (tracedb's macros are available) and return the result as Arrow."""
+    def sql(
+        self, query: str, params: Sequence[Any] | dict[str, Any] | None = None, *, read_only: bool = False
+    ) -> pa.Table:
+        """Run SQL (tracedb's macros are available) and return the result as Arrow.
+
+        ``read_only=True`` (``tracedb sql`` without ``--write``) first checks that every
+        statement only reads (SELECT, EXPLAIN of one, ``COPY (query) TO 'file'``), with
+        DuckDB's parser, whatever the file was opened as; :class:`~tracedb.errors.SqlRefused`
+        before anything runs otherwise (:mod:`tracedb.sqlcheck`)."""
+        if read_only:
+            sqlcheck.check(self.handle.con, query, copy_to_file=True)
         return self.handle.sql(query, params)
 
     def stats(self) -> dict[str, Any]:

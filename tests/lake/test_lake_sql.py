@@ -226,3 +226,52 @@ def test_a_filter_keeping_only_a_losing_writers_row_shows_nothing(tmp_path):
         assert got.equals(_full(lake, query))
     assert lake.sql("SELECT count(*) AS n FROM traces WHERE reward < -5").column("n")[0].as_py() == 0
     assert lake.sql("SELECT reward FROM traces WHERE trace_id = ?", [one]).column("reward")[0].as_py() != -9.0
+
+
+def _lake_bytes(root):
+    return {str(p): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_lake_sql_runs_reads_only(lake, tmp_path):
+    """As ``tracedb sql`` without ``--write`` (``tests/faults/test_sql_reads.py``): every
+    statement is judged before any runs; a COPY may write a file, not one of the lake's."""
+    from pathlib import Path
+
+    where = lake.location.where
+    warehouse = Path(where).resolve() / "warehouse"
+    before = _lake_bytes(Path(where))
+    other = tmp_path / "other.duckdb"
+    refused = {
+        "attach-write": f"ATTACH '{other}' AS w; CREATE TABLE w.t AS SELECT * FROM traces",
+        "use": "USE memory",
+        "write-after-a-read": "SELECT count(*) FROM traces; CREATE TABLE t AS SELECT 1",
+        "set": "SET enable_external_access = false",
+        "export": f"EXPORT DATABASE '{tmp_path / 'exported'}'",
+        "copy-into-the-warehouse": f"COPY (SELECT * FROM traces) TO '{warehouse}/x.parquet'",
+        "copy-over-the-catalog": f"COPY (SELECT 1 AS x) TO '{where}/catalog.db' (FORMAT csv)",
+        "explain-analyze-create": "EXPLAIN ANALYZE CREATE TABLE t AS SELECT 1",
+        "call": "CALL checkpoint()",
+    }
+    for name, sql in refused.items():
+        with pytest.raises(tracedb.errors.SqlRefused) as e:
+            lake.sql(sql)
+        assert not other.exists(), name
+        if name.startswith("copy"):
+            assert "would write over or into" in str(e.value), (name, str(e.value))
+    assert _lake_bytes(Path(where)) == before
+    assert lake.sql("SELECT count(*) AS n FROM traces").column("n")[0].as_py() > 0
+    assert lake.sql("EXPLAIN SELECT * FROM traces").num_rows
+    out = tmp_path / "ids.csv"
+    lake.sql(f"COPY (SELECT trace_id FROM traces) TO '{out}' (HEADER false)")
+    assert len(out.read_text().splitlines()) == lake.sql("SELECT count(*) AS n FROM traces").column("n")[0].as_py()
+
+
+def test_lake_sql_command_refuses_in_one_line(lake):
+    from typer.testing import CliRunner
+
+    from tracedb.cli.main import app
+
+    done = CliRunner().invoke(app, ["lake", "sql", "USE memory; SELECT 1", "--lake", lake.location.where])
+    assert done.exit_code == 2, done.output
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "does not only read" in lines[0], done.stderr

@@ -29,7 +29,7 @@ from tracedb.cli.common import (
     report_pack,
     write_pack,
 )
-from tracedb.errors import TraceDBError
+from tracedb.errors import SqlRefused, TraceDBError
 
 app = typer.Typer(
     help="The same store as Apache Iceberg tables (needs the lake extra: pip install 'tracedb[lake]').",
@@ -310,11 +310,15 @@ def sql(
     as_json: JsonOption = False,
     limit: Annotated[int, typer.Option(help="Print at most this many rows (table output).")] = 50,
 ) -> None:
-    """Run SQL over the lake's visible rows; tracedb's macros (branch_stats(), ...) are there."""
+    """Run SQL over the lake's visible rows; tracedb's macros (branch_stats(), ...) are there.
+    Only reads run (SELECT, DESCRIBE/SHOW, EXPLAIN of a read, COPY (query) TO 'file' outside
+    the lake; every statement is checked before any runs)."""
     opened = _open(lake)
     text = sys.stdin.read() if query == "-" else query
     try:
         table = opened.sql(text)  # type: ignore[attr-defined]
+    except SqlRefused as e:
+        raise fail(e, 2) from None
     except TraceDBError as e:
         raise fail(e) from None
     except Exception as e:  # DuckDB's own message says what is wrong with the query

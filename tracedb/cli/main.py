@@ -37,7 +37,7 @@ from tracedb.cli.common import (
 from tracedb.cli.follow import follow as run_follower
 from tracedb.cli.lake import app as lake_app
 from tracedb.credit import dose as dose_lib
-from tracedb.errors import TraceDBError
+from tracedb.errors import SqlRefused, TraceDBError
 
 app = typer.Typer(
     help="Trace storage for RL of LLM agents: verifiers v1 message graphs in DuckDB, branch-spread token views.",
@@ -129,9 +129,10 @@ def sql(
 ) -> None:
     """Run SQL against the database; tracedb's macros (branch_tokens(), node_credit(), ...) are there.
 
-    The file is opened read-only (other readers may have it open too) unless --write. With
-    --url, one SELECT goes through the server (started with --allow-sql), within its row
-    and byte limits."""
+    Without --write only reads run (SELECT, DESCRIBE/SHOW, EXPLAIN of a read, COPY (query)
+    TO 'file'; every statement is checked before any runs) and the file is opened read-only
+    (other readers may have it open too). With --url, one SELECT goes through the server
+    (started with --allow-sql), within its row and byte limits."""
     text = sys.stdin.read() if query == "-" else query
     if url:
         if write:
@@ -146,7 +147,9 @@ def sql(
         return
     with open_db(db, read_only=not write) as database:
         try:
-            table = database.sql(text)
+            table = database.sql(text, read_only=not write)
+        except SqlRefused as e:
+            raise fail(f"{e} (pass --write for statements that change the database)", 2) from None
         except Exception as e:  # DuckDB's own message says what is wrong with the query
             raise fail(f"{type(e).__name__}: {e}") from None
     rows = table.to_pylist()

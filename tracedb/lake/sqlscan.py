@@ -44,6 +44,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import reduce
 from typing import Any
+from urllib.parse import unquote
 
 import duckdb
 import pyarrow as pa
@@ -64,6 +65,7 @@ from pyiceberg.expressions import (
     Or,
 )
 
+from tracedb import sqlcheck
 from tracedb.lake import read
 from tracedb.lake.catalog import BATCH, lake_tables, per_trace
 from tracedb.lake.scan import scan_keys, visible_traces
@@ -130,8 +132,10 @@ class ScanReport:
 
 def run(lake: Any, query: str, params: Sequence[Any] | dict[str, Any] | None = None) -> tuple[pa.Table, ScanReport]:
     """The result of ``query`` (with ``params``) over the lake's visible rows and the
-    :class:`ScanReport` of what was read for it."""
-    scans = plan(query, params)
+    :class:`ScanReport` of what was read for it. Only reads run: every statement is
+    checked first (:mod:`tracedb.sqlcheck`; ``COPY (query) TO 'file'`` outside the lake's
+    own files is allowed), :class:`~tracedb.errors.SqlRefused` otherwise."""
+    scans = plan(query, params, protected=lake_files(lake))
     if scans is None:
         tables, report = read.visible(lake), ScanReport(pushed=False)
     else:
@@ -147,19 +151,38 @@ def run(lake: Any, query: str, params: Sequence[Any] | dict[str, Any] | None = N
         con.close()
 
 
-def plan(query: str, params: Sequence[Any] | dict[str, Any] | None = None) -> list[Scan] | None:
+def plan(
+    query: str, params: Sequence[Any] | dict[str, Any] | None = None, *, protected: Sequence[str] = ()
+) -> list[Scan] | None:
     """The scans of lake tables in the optimized plan of ``query``, planned over empty
     tables of the stored schemas (in a connection of its own); None when the plan cannot
-    be read. A query DuckDB refuses raises its error here."""
+    be read. A statement that does not only read (a COPY may not write into
+    ``protected``) raises :class:`~tracedb.errors.SqlRefused`, a query DuckDB refuses
+    its error, here, before anything of it ran."""
     con = duckdb.connect()
     try:
-        return _plan(con, query, params)
+        return _plan(con, query, params, protected)
     finally:
         con.close()
 
 
+def lake_files(lake: Any) -> list[str]:
+    """The local files and directories of a lake's catalog and warehouse (none for a
+    remote one): what its SQL may not write into."""
+    properties = lake.location.properties
+    out = []
+    for key, scheme in (("uri", "sqlite:///"), ("warehouse", "file://")):
+        value = properties.get(key, "")
+        if value.startswith(scheme):
+            out.append("/" + unquote(value[len(scheme) :]).lstrip("/"))
+    return out
+
+
 def _plan(
-    con: duckdb.DuckDBPyConnection, query: str, params: Sequence[Any] | dict[str, Any] | None
+    con: duckdb.DuckDBPyConnection,
+    query: str,
+    params: Sequence[Any] | dict[str, Any] | None,
+    protected: Sequence[str] = (),
 ) -> list[Scan] | None:
     schemas = lake_tables()
     for name, schema in schemas.items():
@@ -167,6 +190,7 @@ def _plan(
         con.execute(f"CREATE TABLE {quote_identifier(name)} AS SELECT * FROM _tdb_empty")
         con.unregister("_tdb_empty")
     con.execute(load_sql("macros.sql"))
+    sqlcheck.check(con, query, copy_to_file=True, protected=protected)
     con.execute(f"SET disabled_optimizers = '{PLANNING_OFF}'")
     serialized = json.loads(
         con.execute("SELECT json_serialize_plan(?, optimize := true, skip_null := true)", [query]).fetchone()[0]
