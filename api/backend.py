@@ -20,14 +20,10 @@ neither a worker thread nor a cursor).
 from __future__ import annotations
 
 import asyncio
-import base64
 import datetime
-import decimal
 import logging
-import math
 import threading
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -36,7 +32,7 @@ from typing import Any
 
 import duckdb
 
-from tracedb import sqlcheck
+from tracedb import sqlcheck, sqlvalues
 from tracedb.batches import Plan
 from tracedb.database import Database
 from tracedb.errors import SqlRefused
@@ -201,8 +197,11 @@ class Backend:
         return answer
 
     def _answer(self, con: duckdb.DuckDBPyConnection, text: str, cap: int, started: float) -> dict[str, Any]:
-        relation = con.sql(text).limit(cap + 1)
-        columns = [{"name": name, "type": str(kind)} for name, kind in zip(relation.columns, relation.types)]
+        query = con.sql(text)
+        columns = [{"name": name, "type": str(kind)} for name, kind in zip(query.columns, query.types)]
+        # Values Arrow or Python cannot hold faithfully (128-bit integers, dates past 9999
+        # or infinite, ...) come as DuckDB's text of them (tracedb.sqlvalues).
+        relation = sqlvalues.portable(query).limit(cap + 1)
         rows: list[list[Any]] = []
         size = 2  # "[]"
         truncated_by = None
@@ -214,7 +213,7 @@ class Backend:
                     if len(rows) == cap:
                         truncated_by = "rows"
                         break
-                    values = [_jsonable(v) for v in row.values()]
+                    values = [sqlvalues.jsonable(v) for v in row.values()]
                     cost = len(dumps(values)) + 1
                     if size + cost > self.sql_max_bytes:
                         truncated_by = "bytes"
@@ -487,26 +486,3 @@ def _iso(seconds: float | None) -> str | None:
     if seconds is None:
         return None
     return datetime.datetime.fromtimestamp(seconds, datetime.UTC).isoformat()
-
-
-def _jsonable(value: Any) -> Any:
-    """A SQL value JSON can carry: huge integers and decimals as strings, bytes as base64."""
-    if value is None or isinstance(value, bool | str):
-        return value
-    if isinstance(value, int):
-        return value if -(2**63) <= value < 2**64 else str(value)
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, decimal.Decimal):
-        return str(value)
-    if isinstance(value, bytes):
-        return base64.b64encode(value).decode()
-    if isinstance(value, datetime.date | datetime.time | datetime.datetime):
-        return value.isoformat()
-    if isinstance(value, datetime.timedelta | uuid.UUID):
-        return str(value)
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    return str(value)

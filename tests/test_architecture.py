@@ -32,7 +32,7 @@ LAYERS: list[list[str]] = [
         "tracedb.sample",
         "tracedb.publish",
     ],
-    ["tracedb.graph", "tracedb.tables", "tracedb.migrations", "tracedb.sqlcheck"],
+    ["tracedb.graph", "tracedb.tables", "tracedb.migrations", "tracedb.sqlcheck", "tracedb.sqlvalues"],
     ["tracedb.runtime"],
     ["tracedb.handle"],
     ["tracedb.credit_sets"],

@@ -74,17 +74,25 @@ class Database:
     # ----------------------------------------------------------------- queries
 
     def sql(
-        self, query: str, params: Sequence[Any] | dict[str, Any] | None = None, *, read_only: bool = False
+        self,
+        query: str,
+        params: Sequence[Any] | dict[str, Any] | None = None,
+        *,
+        read_only: bool = False,
+        portable: bool = False,
     ) -> pa.Table:
         """Run SQL (tracedb's macros are available) and return the result as Arrow.
 
         ``read_only=True`` (``tracedb sql`` without ``--write``) first checks that every
         statement only reads (SELECT, EXPLAIN of one, ``COPY (query) TO 'file'``), with
         DuckDB's parser, whatever the file was opened as; :class:`~tracedb.errors.SqlRefused`
-        before anything runs otherwise (:mod:`tracedb.sqlcheck`)."""
+        before anything runs otherwise (:mod:`tracedb.sqlcheck`). ``portable=True`` gives
+        values Arrow or Python cannot hold faithfully (128-bit integers, dates past year
+        9999 or infinite, times with a time zone, intervals, ...) as DuckDB's text of them,
+        nesting kept (:mod:`tracedb.sqlvalues`; what ``tracedb sql`` prints)."""
         if read_only:
             sqlcheck.check(self.handle.con, query, copy_to_file=True)
-        return self.handle.sql(query, params)
+        return self.handle.sql(query, params, portable=portable)
 
     def stats(self) -> dict[str, Any]:
         """Counts and sizes: episodes, traces, nodes, branches, tokens, bytes, dedup ratio."""

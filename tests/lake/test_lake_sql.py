@@ -275,3 +275,27 @@ def test_lake_sql_command_refuses_in_one_line(lake):
     assert done.exit_code == 2, done.output
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "does not only read" in lines[0], done.stderr
+
+
+def test_lake_sql_prints_every_type(lake):
+    """Dates past year 9999 or infinite and 128-bit integers printed a traceback or came
+    back wrong (``tests/faults/test_sql_values.py`` checks the file store's every value)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from tracedb.cli.main import app
+
+    runner = CliRunner()
+    sql = "SELECT * FROM test_all_types()"
+    done = runner.invoke(app, ["lake", "sql", sql, "--lake", lake.location.where, "--json"])
+    assert done.exit_code == 0, done.output[-2000:]
+    rows = json.loads(done.stdout)
+    assert [r["uhugeint"] for r in rows] == ["0", str(2**128 - 1), None]
+    assert [r["hugeint"] for r in rows] == [str(-(2**127)), str(2**127 - 1), None]
+    assert [r["date"] for r in rows] == ["5877642-06-25 (BC)", "5881580-07-10", None]
+    assert rows[1]["date_array"] == ["1970-01-01", "infinity", "-infinity", None, "2022-05-12"]
+    table = runner.invoke(app, ["lake", "sql", sql, "--lake", lake.location.where])
+    assert table.exit_code == 0 and "Traceback" not in table.output, table.output[-2000:]
+    edges = lake.sql("SELECT 'infinity'::TIMESTAMP AS t, '10000-01-01'::DATE AS d", portable=True).to_pylist()
+    assert edges == [{"t": "infinity", "d": "10000-01-01"}]

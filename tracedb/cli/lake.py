@@ -21,6 +21,7 @@ from tracedb.cli.common import (
     ThroughOption,
     checked_name,
     emit,
+    emit_sql_rows,
     err,
     fail,
     key_value,
@@ -316,20 +317,14 @@ def sql(
     opened = _open(lake)
     text = sys.stdin.read() if query == "-" else query
     try:
-        table = opened.sql(text)  # type: ignore[attr-defined]
+        table = opened.sql(text, portable=True)  # type: ignore[attr-defined]
     except SqlRefused as e:
         raise fail(e, 2) from None
     except TraceDBError as e:
         raise fail(e) from None
     except Exception as e:  # DuckDB's own message says what is wrong with the query
         raise fail(f"{type(e).__name__}: {e}") from None
-    rows = table.to_pylist()
-    if as_json:
-        emit(rows, True)
-        return
-    emit(rows[:limit], False)
-    if len(rows) > limit:
-        err.print(f"{len(rows)} rows, {limit} shown (--limit)")
+    emit_sql_rows(table, as_json, limit)
 
 
 __all__ = ["app", "out"]

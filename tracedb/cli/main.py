@@ -23,6 +23,7 @@ from tracedb.cli.common import (
     ThroughOption,
     checked_name,
     emit,
+    emit_sql_rows,
     err,
     fail,
     key_value,
@@ -147,18 +148,12 @@ def sql(
         return
     with open_db(db, read_only=not write) as database:
         try:
-            table = database.sql(text, read_only=not write)
+            table = database.sql(text, read_only=not write, portable=True)
         except SqlRefused as e:
             raise fail(f"{e} (pass --write for statements that change the database)", 2) from None
         except Exception as e:  # DuckDB's own message says what is wrong with the query
             raise fail(f"{type(e).__name__}: {e}") from None
-    rows = table.to_pylist()
-    if as_json:
-        emit(rows, True)
-        return
-    emit(rows[:limit], False)
-    if len(rows) > limit:
-        err.print(f"{len(rows)} rows, {limit} shown (--limit)")
+    emit_sql_rows(table, as_json, limit)
 
 
 @app.command()

@@ -65,7 +65,7 @@ from pyiceberg.expressions import (
     Or,
 )
 
-from tracedb import sqlcheck
+from tracedb import sqlcheck, sqlvalues
 from tracedb.lake import read
 from tracedb.lake.catalog import BATCH, lake_tables, per_trace
 from tracedb.lake.scan import scan_keys, visible_traces
@@ -130,11 +130,14 @@ class ScanReport:
     """The row filter each table was scanned with."""
 
 
-def run(lake: Any, query: str, params: Sequence[Any] | dict[str, Any] | None = None) -> tuple[pa.Table, ScanReport]:
+def run(
+    lake: Any, query: str, params: Sequence[Any] | dict[str, Any] | None = None, *, portable: bool = False
+) -> tuple[pa.Table, ScanReport]:
     """The result of ``query`` (with ``params``) over the lake's visible rows and the
     :class:`ScanReport` of what was read for it. Only reads run: every statement is
     checked first (:mod:`tracedb.sqlcheck`; ``COPY (query) TO 'file'`` outside the lake's
-    own files is allowed), :class:`~tracedb.errors.SqlRefused` otherwise."""
+    own files is allowed), :class:`~tracedb.errors.SqlRefused` otherwise. ``portable``:
+    :func:`tracedb.sqlvalues.portable`."""
     scans = plan(query, params, protected=lake_files(lake))
     if scans is None:
         tables, report = read.visible(lake), ScanReport(pushed=False)
@@ -146,7 +149,9 @@ def run(lake: Any, query: str, params: Sequence[Any] | dict[str, Any] | None = N
             con.register(name, table)
         con.execute(load_sql("macros.sql"))
         result = con.sql(query, params=params)
-        return (pa.table({}) if result is None else result.to_arrow_table()), report
+        if result is None:
+            return pa.table({}), report
+        return (sqlvalues.portable(result) if portable else result).to_arrow_table(), report
     finally:
         con.close()
 
