@@ -86,6 +86,7 @@ class Handle:
         check_path(text)
         fresh = True
         handle = None
+        own_instance = isolated  # asked for: its limits are the process's (not so when joining another's)
         try:
             if not read_only:
                 create_whole(text)
@@ -106,7 +107,10 @@ class Handle:
                 except duckdb.ResourceInUseException:
                     isolated = True  # a plain duckdb.connect of this process holds it: join that instance
             if isolated:
-                con = duckdb.connect(text, read_only=read_only)
+                if own_instance:
+                    con = runtime.connect_isolated(text, read_only=read_only)
+                else:
+                    con = duckdb.connect(text, read_only=read_only)
                 handle = cls(con, path=text, catalog=None, instance_key=con, read_only=read_only, release=con.close)
         except duckdb.IOException as e:
             raise _refusal(text, e, read_only) from None
