@@ -61,14 +61,15 @@ def create_app(
     included); ``sql_needs_token`` puts it behind the bearer token too. ``tokenizer`` is
     a local Hugging Face ``tokenizer.json`` path (or a loaded ``tokenizers.Tokenizer``)
     for the viewer's decoded tokens.
-    Bodies over ``max_body_bytes`` are refused with 413. Branch views of recently asked
-    traces are kept up to ``view_cache_tokens`` tokens (0: no cache) until the next
-    write. Only requests whose Host is one of ``allowed_hosts`` are served (default: the
-    loopback names; ``"*"`` any). ``read_only`` opens the file read-only (default: when
-    there is no ``token`` and nothing to follow, so other processes can read the file
-    beside the server). ``GET /branches`` answers at most ``branch_token_limit`` view
-    tokens (whole traces, saying so when it stops there); a long-poll waits at most
-    ``max_wait_s`` seconds.
+    Bodies over ``max_body_bytes`` are refused with 413, a body on a route that takes
+    none with 400, and none is read before the route's token check
+    (:class:`.security.BodyGate`). Branch views of recently asked traces are kept up to
+    ``view_cache_tokens`` tokens (0: no cache) until the next write. Only requests whose
+    Host is one of ``allowed_hosts`` are served (default: the loopback names; ``"*"``
+    any). ``read_only`` opens the file read-only (default: when there is no ``token``
+    and nothing to follow, so other processes can read the file beside the server).
+    ``GET /branches`` answers at most ``branch_token_limit`` view tokens (whole traces,
+    saying so when it stops there); a long-poll waits at most ``max_wait_s`` seconds.
 
     ``follow`` (files and directories of a run being written) makes the server the
     file's owner: it opens it read-write (writes over REST still need the ``token``) and
@@ -115,10 +116,12 @@ def create_app(
     app.state.token = token
     app.state.sql_needs_token = sql_needs_token
     errors.install(app)
-    app.add_middleware(errors.BodyLimit, max_bytes=max_body_bytes)
+    modules = (health, traces, branches, live, groups, writes, sql, viewer)
+    routes = [route for module in modules for route in module.router.routes]  # the gate's: each route's body rules
+    app.add_middleware(security.BodyGate, routes=routes, state=app.state, max_bytes=max_body_bytes)
     app.add_middleware(security.HostCheck, allowed=list(allowed_hosts or security.LOOPBACK_HOSTS))
     app.add_middleware(security.SecurityHeaders)
-    for module in (health, traces, branches, live, groups, writes, sql, viewer):
+    for module in modules:
         app.include_router(module.router)
     app.mount("/static", StaticFiles(directory=resources.files("tracedb.api").joinpath("static")), name="static")
     return app

@@ -20,14 +20,10 @@ neither a worker thread nor a cursor).
 from __future__ import annotations
 
 import asyncio
-import base64
 import datetime
-import decimal
 import logging
-import math
 import threading
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -36,13 +32,16 @@ from typing import Any
 
 import duckdb
 
+from tracedb import runtime, sqlcheck, sqlvalues
 from tracedb.batches import Plan
 from tracedb.database import Database
 from tracedb.dbfile import open_handle
+from tracedb.errors import SqlRefused
 from tracedb.handle import Handle, PerThread
 
 from .cache import ViewCache
 from .errors import ApiError, dumps
+from .watch import Watch
 
 log = logging.getLogger("tracedb.api")
 
@@ -91,6 +90,10 @@ class Backend:
             # User SQL must not reach files or the network; tracedb itself only reads
             # and writes files from Python, so the whole instance can go without.
             self.root.con.execute("SET enable_external_access = false")
+        self.sql_memory_limit = self.root.scalar("SELECT current_setting('memory_limit')")
+        """The memory limit user SQL runs under: the server's (its instance's), as DuckDB says it."""
+        self.sql_memory_bytes = runtime.size_bytes(self.sql_memory_limit)
+        """The same in bytes: also how much the process may grow during one query (:class:`.watch.Watch`)."""
         self._readers = PerThread(self.root)
         self.db = Database.on(self._readers)
         """The read handle: each thread that uses it reads on its own cursor."""
@@ -162,8 +165,11 @@ class Backend:
         hide a write in a CTE). Rows are read a batch at a time and turned into JSON as
         they come: the answer stops growing at ``sql_row_limit`` rows or ``sql_max_bytes``
         of JSON, and says which (``truncated``, ``truncated_by``). The time limit covers
-        the query and the answer: a timer interrupts the query past ``sql_timeout_s``, and
-        building the answer stops there too.
+        the query and the answer: a :class:`.watch.Watch` interrupts the query past
+        ``sql_timeout_s``, and building the answer stops there too. The query runs under
+        the server's memory limit (its instance's ``memory_limit``); DuckDB's out-of-memory
+        error, or the process growing past that limit meanwhile (the watch interrupts it),
+        is 422 ``sql_out_of_memory``.
         """
         if not self.allow_sql:
             raise ApiError(403, "sql_disabled", "SQL is disabled on this server; start it with --allow-sql")
@@ -172,50 +178,54 @@ class Backend:
         con = db.con
         try:
             try:
-                statements = con.extract_statements(text)
+                sqlcheck.check(con, text, explain=False, single=True)  # one SELECT, by DuckDB's parser
             except duckdb.Error as e:
                 raise ApiError(400, "bad_sql", f"{type(e).__name__}: {e}") from None
-            if len(statements) != 1:
-                raise ApiError(403, "not_a_read", f"send exactly one SELECT statement, got {len(statements)}")
-            kind = statements[0].type
-            if kind != duckdb.StatementType.SELECT:
-                raise ApiError(403, "not_a_read", f"only SELECT is allowed here; this is {kind.name}")
-            timer = threading.Timer(self.sql_timeout_s, con.interrupt)
-            started = time.perf_counter()
+            except SqlRefused as e:
+                raise ApiError(403, "not_a_read", str(e)) from None
             con.execute("BEGIN TRANSACTION READ ONLY")
-            timer.start()
+            watch = Watch(con, self.sql_timeout_s, self.sql_memory_bytes)
             try:
-                answer = self._answer(con, text, cap, started)
+                with watch:
+                    answer = self._answer(con, text, cap, watch)
             except duckdb.InterruptException:
-                raise self._timeout() from None
+                raise (self._out_of_memory(None) if watch.why == "memory" else self._timeout()) from None
+            except duckdb.OutOfMemoryException as e:
+                raise self._out_of_memory(e) from None
             except duckdb.Error as e:
                 raise ApiError(400, "bad_sql", f"{type(e).__name__}: {e}") from None
+            except MemoryError:
+                raise self._out_of_memory(None) from None
             finally:
-                timer.cancel()
                 try:
                     con.execute("ROLLBACK")
                 except duckdb.Error:  # an interrupted transaction may be gone already
                     pass
-            answer["elapsed_ms"] = round((time.perf_counter() - started) * 1000, 3)
+            answer["elapsed_ms"] = round((time.perf_counter() - watch.started) * 1000, 3)
         finally:
             db.close()
         return answer
 
-    def _answer(self, con: duckdb.DuckDBPyConnection, text: str, cap: int, started: float) -> dict[str, Any]:
-        relation = con.sql(text).limit(cap + 1)
-        columns = [{"name": name, "type": str(kind)} for name, kind in zip(relation.columns, relation.types)]
+    def _answer(self, con: duckdb.DuckDBPyConnection, text: str, cap: int, watch: Watch) -> dict[str, Any]:
+        query = con.sql(text)
+        columns = [{"name": name, "type": str(kind)} for name, kind in zip(query.columns, query.types)]
+        # Values Arrow or Python cannot hold faithfully (128-bit integers, dates past 9999
+        # or infinite, ...) come as DuckDB's text of them (tracedb.sqlvalues).
+        relation = sqlvalues.portable(query).limit(cap + 1)
         rows: list[list[Any]] = []
         size = 2  # "[]"
         truncated_by = None
         with relation.to_arrow_reader(batch_size=256) as reader:
             for batch in reader:
                 for row in batch.to_pylist():
-                    if time.perf_counter() - started > self.sql_timeout_s:
+                    if watch.over() == "time":
                         raise self._timeout()
+                    if watch.why == "memory":
+                        raise self._out_of_memory(None)
                     if len(rows) == cap:
                         truncated_by = "rows"
                         break
-                    values = [_jsonable(v) for v in row.values()]
+                    values = [sqlvalues.jsonable(v) for v in row.values()]
                     cost = len(dumps(values)) + 1
                     if size + cost > self.sql_max_bytes:
                         truncated_by = "bytes"
@@ -238,6 +248,15 @@ class Backend:
             "limit": cap,
             "max_bytes": self.sql_max_bytes,
         }
+
+    def _out_of_memory(self, error: duckdb.Error | None) -> ApiError:
+        limit = self.sql_memory_limit
+        why = f"DuckDB: {str(error).strip().splitlines()[0]}" if error is not None else "stopped"
+        return ApiError(
+            422,
+            "sql_out_of_memory",
+            f"the query needed more memory than the server's limit ({limit}; --memory-limit): {why}",
+        )
 
     def _timeout(self) -> ApiError:
         return ApiError(
@@ -494,26 +513,3 @@ def _iso(seconds: float | None) -> str | None:
     if seconds is None:
         return None
     return datetime.datetime.fromtimestamp(seconds, datetime.UTC).isoformat()
-
-
-def _jsonable(value: Any) -> Any:
-    """A SQL value JSON can carry: huge integers and decimals as strings, bytes as base64."""
-    if value is None or isinstance(value, bool | str):
-        return value
-    if isinstance(value, int):
-        return value if -(2**63) <= value < 2**64 else str(value)
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, decimal.Decimal):
-        return str(value)
-    if isinstance(value, bytes):
-        return base64.b64encode(value).decode()
-    if isinstance(value, datetime.date | datetime.time | datetime.datetime):
-        return value.isoformat()
-    if isinstance(value, datetime.timedelta | uuid.UUID):
-        return str(value)
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    return str(value)

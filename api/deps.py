@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import secrets
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -33,31 +33,52 @@ def require_token(
 ) -> None:
     """For writes: 401 without a bearer token, 403 with a wrong one, when the server has
     none, or when it opened its file read-only (``read_only=True`` beside a token)."""
-    _check_bearer(request, credentials)
-    backend: Backend = request.app.state.backend
+    problem = write_problem(request.app.state, request.headers.get("authorization"))
+    if problem is not None:
+        raise problem
+
+
+def write_problem(state: Any, authorization: str | None) -> ApiError | None:
+    """Why a write with this ``Authorization`` header is refused on the app whose
+    ``state`` this is, or None. Also the body gate's check (:mod:`.security`), which asks
+    it before a byte of the body is read."""
+    problem = bearer_problem(state, authorization)
+    if problem is not None:
+        return problem
+    backend: Backend = state.backend
     if backend.read_only:
-        raise ApiError(403, "read_only", f"this server opened {backend.path} read-only: writes are refused")
+        return ApiError(403, "read_only", f"this server opened {backend.path} read-only: writes are refused")
+    return None
 
 
-def _check_bearer(request: Request, credentials: HTTPAuthorizationCredentials | None) -> None:
-    """401 without a bearer token, 403 with a wrong one or when the server has none."""
-    expected: str | None = request.app.state.token
+def bearer_problem(state: Any, authorization: str | None) -> ApiError | None:
+    """401 without a bearer token, 403 with a wrong one or when the server has none
+    (None: the token is right)."""
+    expected: str | None = state.token
     if expected is None:
-        raise ApiError(403, "writes_disabled", "writes are disabled: start the server with --token or TRACEDB_TOKEN")
-    if credentials is None or credentials.scheme.lower() != "bearer":
-        raise ApiError(
+        return ApiError(403, "writes_disabled", "writes are disabled: start the server with --token or TRACEDB_TOKEN")
+    scheme, _, given = (authorization or "").strip().partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        return ApiError(
             401, "unauthorized", "this write needs Authorization: Bearer <token>", {"WWW-Authenticate": "Bearer"}
         )
-    if not secrets.compare_digest(credentials.credentials.encode(), expected.encode()):
-        raise ApiError(403, "forbidden", "wrong bearer token")
+    if not secrets.compare_digest(given.strip().encode(), expected.encode()):
+        return ApiError(403, "forbidden", "wrong bearer token")
+    return None
+
+
+def sql_problem(state: Any, authorization: str | None) -> ApiError | None:
+    """The bearer token's check for ``/sql`` on a server started with ``--sql-needs-token``."""
+    return bearer_problem(state, authorization) if state.sql_needs_token else None
 
 
 def require_token_for_sql(
     request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> None:
     """The bearer token for ``/sql`` too, on a server started with ``--sql-needs-token``."""
-    if request.app.state.sql_needs_token:
-        _check_bearer(request, credentials)
+    problem = sql_problem(request.app.state, request.headers.get("authorization"))
+    if problem is not None:
+        raise problem
 
 
 Reader = Annotated[Database, Depends(reader)]

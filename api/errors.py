@@ -21,7 +21,6 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tracedb.errors import IngestAborted, NotFound, RecordError, TraceDBError
 
@@ -159,71 +158,3 @@ def install(app: FastAPI) -> None:
         # Sent by Starlette's outermost middleware, outside SecurityHeaders: they go on here.
         headers = {k.decode(): v.decode() for k, v in SECURITY_HEADERS}
         return _body(500, "internal_error", f"{type(exc).__name__}: {exc}", headers=headers)
-
-
-class BodyLimit:
-    """ASGI middleware: refuse request bodies over ``max_bytes`` with 413, before a route runs.
-
-    A declared Content-Length over the limit is refused at once; a chunked body is
-    read up to the limit (and refused past it) and replayed to the app.
-    """
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope.get("headers") or [])
-        declared = headers.get(b"content-length")
-        if declared is not None:
-            try:
-                size = int(declared)
-            except ValueError:
-                await self._refuse(send, 400, "bad_request", "Content-Length is not a number")
-                return
-            if size > self.max_bytes:
-                await self._too_large(send, size)
-                return
-            await self.app(scope, receive, send)
-            return
-        if b"chunked" not in headers.get(b"transfer-encoding", b""):
-            await self.app(scope, receive, send)
-            return
-        chunks, total = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                break
-            chunks.append(message.get("body", b""))
-            total += len(chunks[-1])
-            if total > self.max_bytes:
-                await self._too_large(send, None)
-                return
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
-        sent = False
-
-        async def replay() -> Message:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-    async def _too_large(self, send: Send, size: int | None) -> None:
-        got = f"{size} bytes" if size is not None else "more than that"
-        await self._refuse(
-            send, 413, "too_large", f"request body too large: the limit is {self.max_bytes} bytes, got {got}"
-        )
-
-    @staticmethod
-    async def _refuse(send: Send, status: int, error: str, detail: str) -> None:
-        body = dumps({"error": error, "detail": detail})
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})

@@ -13,6 +13,7 @@ routes) goes through :func:`resolve`, so "does this set exist" has one answer.
 from __future__ import annotations
 
 import json
+import unicodedata
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,6 +35,24 @@ def stored_name(name: str | None) -> str | None:
     ``"default"``: the ingested credit, on the nodes), else ``name`` (not checked to exist:
     :func:`resolve` checks)."""
     return None if name in (None, DEFAULT_SET) else name
+
+
+def check_name(name: object) -> str:
+    """``name`` if it can name a new credit set, else :class:`WriteError` saying why: it
+    must be a non-empty string with no whitespace at either end and no control characters
+    (a set is named on command lines, in URLs and in tables), and not ``default`` (the
+    ingested credit). Every path that creates a set calls this."""
+    if not isinstance(name, str):
+        raise WriteError(f"a credit set name is a string, not {type(name).__name__} {name!r}")
+    if not name.strip():
+        raise WriteError(f"{name!r} cannot name a credit set: the name is empty")
+    if name != name.strip():
+        raise WriteError(f"{name!r} cannot name a credit set: it has whitespace at its start or end")
+    if any(unicodedata.category(c).startswith("C") for c in name):
+        raise WriteError(f"{name!r} cannot name a credit set: it holds a control character")
+    if name == DEFAULT_SET:
+        raise WriteError(f"{name!r} cannot name a credit set (the default set is the ingested credit)")
+    return name
 
 
 def exists(handle: Handle, name: str) -> bool:
@@ -97,8 +116,7 @@ def create(
     ``"trace"`` stores one value per trace and takes only per-trace scalars
     (``write_traces`` with ``value``, a ``(trace_id, value)`` stamp). ``replace=True``
     drops an existing set of that name and its credit first."""
-    if not name or name == DEFAULT_SET:
-        raise WriteError(f"{name!r} cannot name a credit set (the default set is the ingested credit)")
+    check_name(name)
     if layout not in LAYOUTS:
         raise WriteError(f"credit set {name!r}: layout must be one of {list(LAYOUTS)}, not {layout!r}")
     with handle.transaction():

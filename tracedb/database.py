@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import duckdb
 import pyarrow as pa
 
-from tracedb import batches, credit_sets, migrations, readback, views, writeback
+from tracedb import batches, credit_sets, migrations, readback, sqlcheck, views, writeback
 from tracedb.dbfile import open_handle
 from tracedb.export import export
 from tracedb.handle import Handle
@@ -78,9 +78,26 @@ class Database:
 
     # ----------------------------------------------------------------- queries
 
-    def sql(self, query: str, params: Sequence[Any] | dict[str, Any] | None = None) -> pa.Table:
-        """Run SQL (tracedb's macros are available) and return the result as Arrow."""
-        return self.handle.sql(query, params)
+    def sql(
+        self,
+        query: str,
+        params: Sequence[Any] | dict[str, Any] | None = None,
+        *,
+        read_only: bool = False,
+        portable: bool = False,
+    ) -> pa.Table:
+        """Run SQL (tracedb's macros are available) and return the result as Arrow.
+
+        ``read_only=True`` (``tracedb sql`` without ``--write``) first checks that every
+        statement only reads (SELECT, EXPLAIN of one, ``COPY (query) TO 'file'``), with
+        DuckDB's parser, whatever the file was opened as; :class:`~tracedb.errors.SqlRefused`
+        before anything runs otherwise (:mod:`tracedb.sqlcheck`). ``portable=True`` gives
+        values Arrow or Python cannot hold faithfully (128-bit integers, dates past year
+        9999 or infinite, times with a time zone, intervals, ...) as DuckDB's text of them,
+        nesting kept (:mod:`tracedb.sqlvalues`; what ``tracedb sql`` prints)."""
+        if read_only:
+            sqlcheck.check(self.handle.con, query, copy_to_file=True)
+        return self.handle.sql(query, params, portable=portable)
 
     def scalar(self, query: str, params: Sequence[Any] | None = None) -> Any:
         """The first value of the first row of a query, or None."""

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import duckdb
 
-from tracedb import migrations, runtime
+from tracedb import migrations, publish, runtime
 from tracedb.errors import DatabaseError, DatabaseLocked, SchemaVersionError
 from tracedb.handle import Handle
 from tracedb.migrations import SCHEMA_VERSION
@@ -52,6 +52,7 @@ def open_handle(path: str | Path = ":memory:", *, read_only: bool = False, isola
     check_path(text)
     fresh = True
     handle = None
+    own_instance = isolated  # asked for: its limits are the process's (not so when joining another's)
     try:
         if not read_only:
             create_whole(text)
@@ -71,7 +72,10 @@ def open_handle(path: str | Path = ":memory:", *, read_only: bool = False, isola
             except duckdb.ResourceInUseException:
                 isolated = True  # a plain duckdb.connect of this process holds it: join that instance
         if isolated:
-            con = duckdb.connect(text, read_only=read_only)
+            if own_instance:
+                con = runtime.connect_isolated(text, read_only=read_only)
+            else:
+                con = duckdb.connect(text, read_only=read_only)
             handle = Handle(con, path=text, catalog=None, instance_key=con, read_only=read_only, release=con.close)
     except duckdb.IOException as e:
         raise _refusal(text, e, read_only) from None
@@ -223,6 +227,7 @@ def create_whole(path: str) -> None:
         con, _, _, _, release = runtime.attach(tmp, read_only=False)
         con.close()
         release()  # detached: a whole, empty DuckDB file
+        publish.sync_file(Path(tmp))
         try:
             os.link(tmp, path)  # fails if another process made it meanwhile: that one stands
         except FileExistsError:
@@ -230,6 +235,7 @@ def create_whole(path: str) -> None:
         except OSError:  # no hard links here
             if not os.path.lexists(path):
                 os.rename(tmp, path)
+        publish.sync_dir(Path(folder))  # the new name survives a crash of the machine
     finally:
         for leftover in (tmp, tmp + ".wal"):
             if os.path.lexists(leftover):

@@ -86,6 +86,11 @@ class WriteError(TraceDBError):
     """A write that cannot be applied; nothing of it was written."""
 
 
+class SqlRefused(TraceDBError):
+    """SQL refused where only reads may run (``tracedb sql`` without ``--write``, the
+    lake's SQL, ``POST /sql``): nothing of it ran (:mod:`tracedb.sqlcheck`)."""
+
+
 class InputError(TraceDBError):
     """An input file that cannot be read to its end (corrupt or truncated compression).
 

@@ -6,8 +6,6 @@ written as they come, so memory stays bounded by the batch size, not the databas
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +16,7 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from tracedb.handle import Handle
+from tracedb.publish import publishing
 from tracedb.selection import Selection, watermark_of
 from tracedb.tables import BRANCH_SCHEMA
 from tracedb.views import iter_branches
@@ -51,8 +50,10 @@ def export(
     ``format`` is ``parquet``, ``arrow`` (IPC file) or ``arrows`` (IPC stream); by
     default it follows the suffix. ``selection``, the filters and ``columns`` are those
     of ``db.branches()``, ``credit`` picks a credit set. The file is written beside
-    ``path`` (under a name of its own) and renamed into place, so a failed export leaves no
-    partial file and concurrent exports to one path do not collide. Returns
+    ``path`` (under a name of its own), fsynced and renamed into place, the directory
+    fsynced (:mod:`tracedb.publish`), so a failed export leaves no partial file, a crash
+    of the machine after the call returned loses nothing of it, and concurrent exports to
+    one path do not collide; it gets the process umask's mode. Returns
     rows, branches' tokens, bytes and the watermark the selection was read at (also in
     the file's schema metadata, ``tracedb.watermark``).
     """
@@ -60,41 +61,35 @@ def export(
     fmt = format or FORMATS.get(path.suffix.lower())
     if fmt not in ("parquet", "arrow", "arrows"):
         raise ValueError(f"cannot tell the export format of {path}; use .parquet, .arrow or .arrows, or format=")
-    # A name of its own beside the target: two exports to one path never share it.
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
-    os.close(fd)
-    tmp = Path(name)
     rows = tokens = 0
     mark = None
-    writer: Any = None
-    try:
-        for table in iter_branches(
-            handle,
-            selection,
-            trainable=trainable,
-            columns=columns,
-            train_once=train_once,
-            credit=credit,
-            batch_tokens=batch_tokens,
-        ):
-            if writer is None:  # the file's schema carries the watermark (tracedb.watermark_of)
-                writer = _writer(fmt, tmp, table.schema, compression)
-                mark = watermark_of(table)
-            if table.num_rows:
-                writer.write_table(table)
-                rows += table.num_rows
-                if "token_ids" in table.column_names:
-                    tokens += int(pc.sum(pc.list_value_length(table.column("token_ids"))).as_py() or 0)
-        if writer is None:  # nothing selected: still a valid, empty file
-            writer = _writer(fmt, tmp, BRANCH_SCHEMA, compression)
-        writer.close()
-        writer = None
-        os.replace(tmp, path)
-    finally:
-        if writer is not None:
-            writer.close()
-        if tmp.exists():
-            tmp.unlink()
+    # Written under a name of its own beside the target (two exports to one path never
+    # share it), fsynced and renamed into place, the directory fsynced (tracedb.publish).
+    with publishing(path) as tmp:
+        writer: Any = None
+        try:
+            for table in iter_branches(
+                handle,
+                selection,
+                trainable=trainable,
+                columns=columns,
+                train_once=train_once,
+                credit=credit,
+                batch_tokens=batch_tokens,
+            ):
+                if writer is None:  # the file's schema carries the watermark (tracedb.watermark_of)
+                    writer = _writer(fmt, tmp, table.schema, compression)
+                    mark = watermark_of(table)
+                if table.num_rows:
+                    writer.write_table(table)
+                    rows += table.num_rows
+                    if "token_ids" in table.column_names:
+                        tokens += int(pc.sum(pc.list_value_length(table.column("token_ids"))).as_py() or 0)
+            if writer is None:  # nothing selected: still a valid, empty file
+                writer = _writer(fmt, tmp, BRANCH_SCHEMA, compression)
+        finally:
+            if writer is not None:
+                writer.close()
     size = path.stat().st_size
     return {"path": str(path), "format": fmt, "rows": rows, "tokens": tokens, "bytes": size, "watermark": mark}
 

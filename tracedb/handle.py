@@ -28,7 +28,7 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from tracedb import runtime
+from tracedb import runtime, sqlvalues
 from tracedb.sqltext import WATERMARK_KEY, quote_identifier
 
 
@@ -187,12 +187,16 @@ class Handle:
 
     # ----------------------------------------------------------------- queries
 
-    def sql(self, query: str, params: Sequence[Any] | dict[str, Any] | None = None) -> pa.Table:
-        """Run SQL (tracedb's macros are there) and return the result as Arrow."""
+    def sql(
+        self, query: str, params: Sequence[Any] | dict[str, Any] | None = None, *, portable: bool = False
+    ) -> pa.Table:
+        """Run SQL (tracedb's macros are there) and return the result as Arrow; with
+        ``portable``, values Arrow or Python cannot hold faithfully as DuckDB's text of
+        them (:func:`tracedb.sqlvalues.portable`)."""
         result = self.con.sql(query, params=params)
         if result is None:  # a statement without a result set
             return pa.table({})
-        return result.to_arrow_table()
+        return (sqlvalues.portable(result) if portable else result).to_arrow_table()
 
     def row(self, query: str, params: Sequence[Any] | None = None) -> tuple[Any, ...] | None:
         """The first row of a query, or None; the result is always consumed whole."""

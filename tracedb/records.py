@@ -10,10 +10,12 @@ one value per True in ``mask``, ``loss_weights`` streams are per token.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 
 COMPACT_STREAMS = ("logprobs", "advantages", "reference_logprobs", "trainer_logprobs", "entropies")
 """Streams with one value per sampled token (True in ``mask``)."""
@@ -56,12 +58,55 @@ def trace_reward(rewards: Mapping[str, Any] | None) -> float | None:
     return float(total)
 
 
+def non_finite(value: Any) -> tuple[tuple[str | int, ...], float] | None:
+    """The first NaN or infinity inside a JSON value (keys and list positions down to
+    it, and the number), or None. Iterative: a record may nest deeper than Python's
+    recursion limit."""
+    stack: list[tuple[tuple[str | int, ...], Any]] = [((), value)]
+    while stack:
+        path, x = stack.pop()
+        if isinstance(x, float):
+            if not math.isfinite(x):
+                return path, x
+        elif isinstance(x, dict):
+            stack.extend((path + (k,), v) for k, v in reversed(list(x.items())))
+        elif isinstance(x, list | tuple):
+            stack.extend((path + (i,), v) for i, v in reversed(list(enumerate(x))))
+    return None
+
+
+def _refuse_non_finite(value: Any, at: tuple[str | int, ...] = ()) -> None:
+    found = non_finite(value)
+    if found is not None:
+        path, number = found
+        error = PydanticCustomError("finite_number", "Input should be a finite number")  # pydantic's own words
+        raise ValidationError.from_exception_data("finite", [InitErrorDetails(type=error, loc=at + path, input=number)])
+
+
+def _finite_json(value: Any) -> Any:
+    _refuse_non_finite(value)
+    return value
+
+
+FiniteJson = Annotated[Any, AfterValidator(_finite_json)]
+"""Free-form JSON (a message, ``info``, ``metrics``) holding no NaN or infinity."""
+
+
 class _Open(BaseModel):
     # strict: a "1" is not a parent index and a 0 is not a mask entry; values are never
-    # converted, so what is stored is what was written. No NaN or infinity in a number
-    # the contract declares (streams, rewards, weights, timestamps): Python's json reads
-    # them, but a NaN reward poisons every group mean it enters.
+    # converted, so what is stored is what was written. No NaN or infinity anywhere: not
+    # in a number the contract declares (streams, rewards, weights, timestamps), where a
+    # NaN reward poisons every group mean it enters, and not in free-form JSON (a message,
+    # info, metrics, timing, unknown fields), which tracedb hands back as JSON, which has
+    # neither. Python's json reads them; verifiers never writes them (pydantic writes
+    # null), so such a record did not come from it.
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _finite_extras(self) -> _Open:
+        for key, value in (self.__pydantic_extra__ or {}).items():
+            _refuse_non_finite(value, (key,))
+        return self
 
 
 class ParentLink(_Open):
@@ -80,7 +125,7 @@ class MessageNode(_Open):
     """Index of the predecessor node; None for a root."""
     semantic_parents: list[ParentLink] = Field(default_factory=list)
     """Typed incoming causal links."""
-    message: dict[str, Any]
+    message: dict[str, FiniteJson]
     """The system / user / assistant / tool message, kept as written."""
     sampled: bool = False
     """True when a model call produced this message."""

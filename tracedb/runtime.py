@@ -83,6 +83,12 @@ def _pool_bytes_from_env() -> int:
 
 
 DEFAULT_MEMORY_LIMIT = "1GiB"
+DEFAULT_TEMP_LIMIT = "16GiB"
+
+
+def _temp_limit_from_env() -> str | None:
+    value = os.environ.get("TRACEDB_TEMP_LIMIT") or DEFAULT_TEMP_LIMIT
+    return None if value.lower() == "none" else value
 
 
 def _memory_limit_from_env() -> str | None:
@@ -150,6 +156,12 @@ class Settings:
     ingest writes cached (about 200 MB per GB ingested) until the limit; past it blocks are
     evicted and large queries spill to the temp directory, so a long-running follower's
     memory levels off instead of growing with the run."""
+    temp_limit: str | None = dataclasses.field(default_factory=_temp_limit_from_env)
+    """The most a DuckDB instance of the process spills to its temp directory
+    (``tracedb-duckdb-<pid>`` under ``TMPDIR``): ``"16GiB"`` by default, or
+    ``TRACEDB_TEMP_LIMIT`` (``none``: DuckDB's own, 90% of the free disk, which one
+    runaway query can fill). Read when an instance starts; a query past it fails with
+    DuckDB's out-of-memory error instead of filling the disk."""
 
 
 @dataclass
@@ -190,11 +202,21 @@ class Shared:
         self.changed = threading.Condition(threading.Lock())
 
 
+def _spill_to(con: duckdb.DuckDBPyConnection, name: str) -> None:
+    """Spill to ``name`` in the system's temporary directory, at most ``temp_limit``."""
+    con.execute(f"SET temp_directory = {quote_literal(os.path.join(tempfile.gettempdir(), name))}")
+    limit = _state.settings.temp_limit
+    if limit is not None:
+        try:
+            con.execute(f"SET max_temp_directory_size = {quote_literal(limit)}")
+        except duckdb.Error as e:
+            raise ValueError(f"temp limit {limit!r}: expected a size such as 8GiB ({e})") from None
+
+
 class _Instance:
     def __init__(self) -> None:
         self.root = duckdb.connect(":memory:")
-        spill = os.path.join(tempfile.gettempdir(), f"tracedb-duckdb-{os.getpid()}")
-        self.root.execute(f"SET temp_directory = {quote_literal(spill)}")
+        _spill_to(self.root, f"tracedb-duckdb-{os.getpid()}")
         self.default_memory_limit = self.root.execute("SELECT current_setting('memory_limit')").fetchall()[0][0]
         self.memory_limit: str | None = None
         apply_memory_limit(self, _state.settings.memory_limit)
@@ -307,6 +329,55 @@ def set_memory_limit(limit: str | None) -> None:
 def memory_limit() -> str:
     """The memory limit DuckDB applies now, as it reports it."""
     return _instance().root.execute("SELECT current_setting('memory_limit')").fetchall()[0][0]
+
+
+def connect_isolated(path: str, *, read_only: bool) -> duckdb.DuckDBPyConnection:
+    """A DuckDB instance of its own for ``path`` (``tracedb.connect(isolated=True)``: the
+    REST server with user SQL) under the process's limits all the same: the memory limit
+    in force (:func:`memory_limit`, ``--memory-limit``), a spill directory of its own in
+    the system's temporary directory and ``temp_limit``. Without them it had DuckDB's
+    defaults: 80% of the machine's memory and 90% of the free disk."""
+    con = duckdb.connect(path, read_only=read_only)
+    try:
+        limit = _state.settings.memory_limit
+        if limit is not None:
+            con.execute(f"SET memory_limit = {quote_literal(limit)}")
+        _spill_to(con, f"tracedb-duckdb-{os.getpid()}-{next(_isolated)}")
+    except BaseException:
+        con.close()
+        raise
+    return con
+
+
+_isolated = itertools.count()
+
+
+def rss_bytes() -> int | None:
+    """The process's resident memory now (Linux: ``/proc/self/statm``), None elsewhere."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * mmap.PAGESIZE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_UNITS = {"bytes": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
+
+
+def size_bytes(text: str) -> int | None:
+    """A size as DuckDB writes one (``1.0 GiB``, ``953.6 MiB``, ``512 bytes``) in bytes;
+    None for text that is not one."""
+    parts = text.strip().split()
+    if len(parts) == 1:
+        number = parts[0].rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+        parts = [number, parts[0][len(number) :] or "bytes"]
+    if len(parts) != 2 or parts[1].lower() not in _UNITS:
+        return None
+    try:
+        return int(float(parts[0]) * _UNITS[parts[1].lower()])
+    except ValueError:
+        return None
 
 
 def reset() -> None:

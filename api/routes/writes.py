@@ -48,22 +48,28 @@ async def ingest(
     allow_ragged: Annotated[bool, Query(description="Accept compact streams of another length.")] = False,
 ) -> Any:
     """Ingest a traces.jsonl / .jsonl.zst body; the report lists rejected records and why."""
-    body = await request.body()
-    if not body.strip():
-        raise invalid("empty body: send traces.jsonl lines (or a .jsonl.zst file)")
-    return JSONBody(await run_in_threadpool(_ingest, backend, body, strict, allow_ragged))
-
-
-def _ingest(backend: Backend, body: bytes, strict: bool, allow_ragged: bool) -> dict[str, Any]:
-    suffix = ".jsonl.zst" if body.startswith(ZSTD_MAGIC) else ".jsonl"
     with tempfile.TemporaryDirectory(prefix="tracedb-ingest-") as tmp:
-        path = FilePath(tmp) / f"request-body{suffix}"
-        path.write_bytes(body)
-        try:
-            with backend.writer() as db:
-                report = db.ingest(path, strict=strict, allow_ragged=allow_ragged, whole_files=True)
-        except InputError as e:  # a body is one unit: nothing of it was written
-            raise invalid(f"request body: {e.reason}") from None
+        # The body goes to a file as it arrives (held in memory it cost its whole size).
+        path = FilePath(tmp) / "request-body"
+        blank = True
+        with path.open("wb") as out:
+            async for chunk in request.stream():
+                out.write(chunk)
+                blank = blank and not chunk.strip()
+        if blank:
+            raise invalid("empty body: send traces.jsonl lines (or a .jsonl.zst file)")
+        with path.open("rb") as f:
+            head = f.read(len(ZSTD_MAGIC))
+        named = path.rename(path.with_name(path.name + (".jsonl.zst" if head == ZSTD_MAGIC else ".jsonl")))
+        return JSONBody(await run_in_threadpool(_ingest, backend, named, strict, allow_ragged))
+
+
+def _ingest(backend: Backend, path: FilePath, strict: bool, allow_ragged: bool) -> dict[str, Any]:
+    try:
+        with backend.writer() as db:
+            report = db.ingest(path, strict=strict, allow_ragged=allow_ragged, whole_files=True)
+    except InputError as e:  # a body is one unit: nothing of it was written
+        raise invalid(f"request body: {e.reason}") from None
     result = report.to_dict()
     for reject in result["rejected"]:
         if reject["file"] == str(path):

@@ -24,8 +24,8 @@ import zstandard
 from fastapi.testclient import TestClient
 
 import tracedb
-import tracedb.api.backend as backend_module
 import tracedb.api.queries as queries_module
+from tracedb import sqlvalues
 from tracedb.api import create_app
 from tracedb.errors import DatabaseError
 
@@ -303,14 +303,14 @@ def test_the_row_limit_says_rows_and_small_answers_are_whole(db_path: Path) -> N
 
 
 def test_building_the_answer_counts_against_the_time_limit(db_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = backend_module._jsonable
+    real = sqlvalues.jsonable
 
     def slow(value: Any) -> Any:
         time.sleep(0.05)  # 1000 rows: 50 s without the limit
         return real(value)
 
     with serving(db_path, allow_sql=True, sql_timeout_s=0.5) as c:
-        monkeypatch.setattr(backend_module, "_jsonable", slow)
+        monkeypatch.setattr(sqlvalues, "jsonable", slow)
         started = time.perf_counter()
         response = c.post("/sql", json={"sql": "SELECT * FROM range(1000)"})
         took = time.perf_counter() - started

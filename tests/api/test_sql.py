@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -72,6 +73,28 @@ def test_values_json_cannot_hold_are_made_jsonable(sql_client: TestClient) -> No
         "CHECKPOINT",
         "SELECT 1; DELETE FROM traces",
         "EXPORT DATABASE '/tmp/tracedb-export-test'",
+        # what a read-only attachment alone does not stop (tracedb.sqlcheck judges every statement)
+        "USE memory",
+        "DETACH runs_0",
+        "USE memory; DETACH runs_0; ATTACH 'runs.duckdb' AS w; DELETE FROM w.traces",
+        "SELECT 1; SELECT 2",
+        "CREATE TEMP TABLE t AS SELECT 1",
+        "COPY (SELECT 1) TO '/tmp/tracedb-api-test-copy.csv'",
+        "COPY credit_sets FROM '/tmp/tracedb-api-test.csv'",
+        "EXPLAIN SELECT 1",
+        "EXPLAIN ANALYZE DELETE FROM traces",
+        "CALL checkpoint()",
+        "FORCE CHECKPOINT",
+        "PRAGMA force_checkpoint",
+        "IMPORT DATABASE '/tmp/tracedb-export-test'",
+        "SET enable_external_access = true",
+        "RESET threads",
+        "INSTALL json",
+        "LOAD json",
+        "UPDATE EXTENSIONS",
+        "BEGIN TRANSACTION",
+        "PIVOT (SELECT 'a' AS k, 1 AS v) ON k USING sum(v)",
+        "PREPARE p AS SELECT 1",
     ],
 )
 def test_anything_but_a_read_is_refused(sql_client: TestClient, sql: str) -> None:
@@ -79,7 +102,9 @@ def test_anything_but_a_read_is_refused(sql_client: TestClient, sql: str) -> Non
     response = sql_client.post("/sql", json={"sql": sql})
     assert response.status_code == 403, response.text
     assert response.json()["error"] == "not_a_read"
+    assert "\n" not in response.json()["detail"]
     assert counts(sql_client) == before
+    assert not Path("/tmp/tracedb-api-test-copy.csv").exists()
 
 
 def test_a_write_hidden_in_a_select_changes_nothing(sql_client: TestClient) -> None:

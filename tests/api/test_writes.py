@@ -244,6 +244,9 @@ def test_credit_set_registration(client: TestClient) -> None:
     assert dup.status_code == 422 and "exists" in dup.json()["detail"]
     assert client.post("/credit-sets", json={"name": "default"}, headers=AUTH).status_code == 422
     assert client.post("/credit-sets", json={"name": ""}, headers=AUTH).status_code == 422
+    for name in ("   ", " g", "g\n"):  # what no path may name a set
+        refused = client.post("/credit-sets", json={"name": name}, headers=AUTH)
+        assert refused.status_code == 422 and "cannot name a credit set" in refused.json()["detail"], name
     assert state(client) == before
     assert [s["name"] for s in client.get("/credit-sets").json()] == ["default", "g"]
 

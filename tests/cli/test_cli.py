@@ -220,6 +220,20 @@ def test_credit_commands(db_path: Path) -> None:
     assert malformed.exit_code == 2
 
 
+@pytest.mark.parametrize("name", ["", "   ", " g"], ids=["empty", "blank", "leading-space"])
+def test_credit_refuses_a_bad_set_name_in_one_line(db_path: Path, tmp_path: Path, name: str) -> None:
+    """``--name ""`` used to write a set named after the algorithm: now it is exit 2, one
+    line saying why, and nothing written (the lake's credit command checks it first too)."""
+    result = invoke("credit", "grpo", "--name", name, "--db", db_path)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("--name: ") and "cannot name a credit set" in lines[0], lines
+    assert [s["name"] for s in json.loads(invoke("credit-sets", "--db", db_path, "--json").stdout)] == ["default"]
+    lake = invoke("lake", "credit", "grpo", "--name", name, "--lake", tmp_path / "no-lake-here")
+    assert lake.exit_code == 2 and "cannot name a credit set" in lake.stderr, lake.output
+    assert not (tmp_path / "no-lake-here").exists()
+
+
 def test_export_and_branches_with_a_credit_set(tmp_path: Path, db_path: Path) -> None:
     invoke("credit", "rloo", "--name", "r", "--db", db_path)
     out = tmp_path / "r.parquet"

@@ -110,7 +110,7 @@ def test_sql_changes_the_file_only_with_write(tmp_path):
     db = tmp_path / "runs.duckdb"
     assert invoke("ingest", FIXTURES / "linear.traces.jsonl", "--db", db, "--no-progress").exit_code == 0
     refused = invoke("sql", "DELETE FROM traces", "--db", db)
-    assert refused.exit_code == 1 and "read-only" in refused.stderr
+    assert refused.exit_code == 2 and "does not only read" in refused.stderr and "--write" in refused.stderr
     assert traces_in(db) == 1
     done = invoke("sql", "DELETE FROM traces", "--db", db, "--write")
     assert done.exit_code == 0, done.stderr

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -368,14 +367,38 @@ def test_a_non_finite_reward_or_timestamp_is_rejected_naming_the_field(tmp_path,
     assert "finite" in reject.reason
 
 
-@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
-def test_a_non_finite_number_in_a_free_form_field_is_kept(tmp_path, scanner, literal):
-    path = write_lines(tmp_path / "metrics.jsonl", [scalar_line("metrics", literal)])
+FREE_FORM = {
+    "metrics": (lambda t: t.__setitem__("metrics", {"turns": 5.0, "m": PLACEHOLDER}), None, "metrics.m"),
+    "info-nested": (lambda t: t.__setitem__("info", {"a": [{"b": [0, PLACEHOLDER]}]}), None, "info.a.0.b.1"),
+    "timing": (lambda t: t.__setitem__("timing", {"agent": {"end": PLACEHOLDER}}), None, "timing.agent.end"),
+    "message": (lambda t: t["nodes"][2]["message"].__setitem__("x_score", PLACEHOLDER), 2, "message.x_score"),
+    "unknown-node-field": (lambda t: t["nodes"][1].__setitem__("x_note", [PLACEHOLDER]), 1, "x_note.0"),
+}
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e400"])
+@pytest.mark.parametrize("where", list(FREE_FORM))
+def test_a_non_finite_number_in_free_form_json_is_rejected_naming_its_path(tmp_path, scanner, where, literal):
+    """verifiers never writes a NaN or an infinity (pydantic writes null); one kept in a
+    record came back from ``tracedb trace`` as ``NaN``, which no strict JSON reader takes."""
+    mutate, node, field = FREE_FORM[where]
+    reject = the_one_reject(tmp_path, with_literal(episode_with(lambda e: mutate(e["traces"][0])), literal))
+    assert (reject.node, reject.field) == (node, field)
+    assert reason_is_finite(reject.reason)
+
+
+def reason_is_finite(reason: str) -> bool:
+    return reason.startswith("Input should be a finite number (got ")
+
+
+def test_a_non_finite_number_in_an_episode_field_is_rejected(tmp_path, scanner):
+    line = with_literal(episode_with(lambda e: e.__setitem__("task", {"data": {"w": PLACEHOLDER}})), "NaN")
+    path = between_good_lines(tmp_path, line)
     with tracedb.connect(":memory:") as db:
-        assert db.ingest(path).ok
-        got = db.trace(BASE_TRACE)["metrics"]["m"]
-        want = float(literal.lower().replace("infinity", "inf"))
-        assert math.isnan(got) if literal == "NaN" else got == want
+        report = db.ingest(path)
+        (reject,) = report.rejected
+        assert (reject.line, reject.trace_id, reject.node, reject.field) == (2, None, None, "task.data.w")
+        assert reason_is_finite(reject.reason) and stored_ids(db) == good_ids()
 
 
 SCAN_CASES = {

@@ -295,6 +295,54 @@ def test_one_episode_over_two_lines_is_stored_once(fresh_db, tmp_path, knobs, ba
     assert ids == [first["id"]]
 
 
+@pytest.mark.parametrize("scanner", ["always", "never"])
+@pytest.mark.parametrize("batch_tokens", [None, 1], ids=["one-batch", "batch-per-line"])
+def test_a_stored_trace_under_a_new_episode_id_adds_no_empty_episode(fresh_db, tmp_path, knobs, scanner, batch_tokens):
+    """Re-ingesting a trace inside an episode line of another id skips the trace and adds
+    no episode row (it would hold no trace); a new episode with a new trace still gets its
+    row, also after such a line and in the same batch, and an empty episode line (no
+    traces at all) keeps its row as before."""
+    knobs(scanner=scanner)
+    if batch_tokens is not None:
+        knobs(batch_tokens=batch_tokens)
+        knobs(chunk_bytes=1)  # a chunk per line
+    old = one_episode("linear")
+    fresh_db.ingest(write_jsonl(tmp_path / "a.jsonl", [old]))
+    moved = json.loads(json.dumps(old))
+    moved["id"] = old["id"] + "-again"  # the same trace, another episode id
+    new = renamed(old, "-new")
+    new["id"] = moved["id"]  # the same new episode id, now with a trace of its own
+    other = renamed(one_episode("forest"), "-other")
+    empty = {**renamed(old, "-empty"), "traces": []}
+    bad = renamed(old, "-bad")
+    bad["traces"][0]["nodes"][2]["logprobs"] = bad["traces"][0]["nodes"][2]["logprobs"][:-1]
+    elsewhere = {**moved, "id": old["id"] + "-elsewhere"}  # only ever the stored trace
+    lines = [moved, other, bad, elsewhere, new, empty]
+    report = fresh_db.ingest(write_jsonl(tmp_path / "b.jsonl", lines))
+    assert [r.line for r in report.rejected] == [3]  # the bad line is still rejected
+    assert (report.traces, report.skipped, report.episodes) == (2, 2, 3)
+    rows = fresh_db.sql(
+        "SELECT e.episode_id, count(t.trace_id) AS n FROM episodes e LEFT JOIN traces t USING (episode_id) "
+        "GROUP BY 1 ORDER BY 1"
+    ).to_pylist()
+    assert rows == sorted(
+        [
+            {"episode_id": old["id"], "n": 1},
+            {"episode_id": moved["id"], "n": 1},  # from the line of ``new``, whose trace is new
+            {"episode_id": other["id"], "n": 1},
+            {"episode_id": empty["id"], "n": 0},
+        ],
+        key=lambda r: r["episode_id"],
+    )
+    stored = fresh_db.sql("SELECT line FROM episodes WHERE episode_id = ?", [moved["id"]]).column("line")
+    assert stored.to_pylist() == [5]
+    assert fresh_db.sql(f"SELECT episode_id FROM traces WHERE trace_id = '{old['traces'][0]['id']}'").to_pylist() == [
+        {"episode_id": old["id"]}
+    ]
+    again = fresh_db.ingest(tmp_path / "b.jsonl")  # all of it stored now: nothing added
+    assert (again.traces, again.episodes) == (0, 0)
+
+
 # --------------------------------------------------------------------------- segment dedup
 
 

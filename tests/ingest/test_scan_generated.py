@@ -93,11 +93,24 @@ def _escaped(text: str, style: dict[str, Any]) -> bool:
     return json.dumps(text, **style)[1:-1] != text
 
 
+def _huge(value: Any) -> bool:
+    """A float of decimal order 308 or more anywhere in ``value`` (the scanner leaves such
+    a number to the parser: it may read as an infinity, which no record may hold)."""
+    if isinstance(value, float):
+        return abs(value) >= 1e308
+    if isinstance(value, dict):
+        return any(_huge(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_huge(v) for v in value)
+    return False
+
+
 def _meant(ep: dict[str, Any], style: dict[str, Any]) -> bool:
     """Whether the scanner is meant to take the episode written in ``style``: not with a
     ``loss_weights`` object, nor with an escaped key in the episode, a trace, a node, a
-    message or a link, nor with an escaped role or link type."""
-    if any(_escaped(k, style) for k in ep):
+    message or a link, nor with an escaped role or link type, nor with a float of order 308
+    or more."""
+    if any(_escaped(k, style) for k in ep) or _huge(ep):
         return False
     for trace in ep["traces"]:
         if any(_escaped(k, style) for k in trace):

@@ -196,3 +196,13 @@ def test_values_a_dead_writer_left_are_refused_then_compacted_away(store, tmp_pa
     with tracedb.connect(store, read_only=True) as a, tracedb.connect(pulled, read_only=True) as b:
         for table in CREDIT:
             assert _credit(b, table).equals(_credit(a, table)), table
+
+
+@pytest.mark.parametrize("name", ["", "  ", " g"], ids=["empty", "blank", "leading-space"])
+def test_lake_credit_refuses_a_bad_set_name_before_any_work(tmp_path, name):
+    """As the file store's: an empty name used to become the algorithm's. Refused before
+    Ray is asked for anything (none runs here) and before the lake is read."""
+    lake = lakes.init(tmp_path / "L")
+    with pytest.raises(WriteError, match="cannot name a credit set"):
+        lake.credit("grpo", name)
+    assert lake.table("credit_sets").scan().to_arrow().num_rows == 0

@@ -226,3 +226,76 @@ def test_a_filter_keeping_only_a_losing_writers_row_shows_nothing(tmp_path):
         assert got.equals(_full(lake, query))
     assert lake.sql("SELECT count(*) AS n FROM traces WHERE reward < -5").column("n")[0].as_py() == 0
     assert lake.sql("SELECT reward FROM traces WHERE trace_id = ?", [one]).column("reward")[0].as_py() != -9.0
+
+
+def _lake_bytes(root):
+    return {str(p): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_lake_sql_runs_reads_only(lake, tmp_path):
+    """As ``tracedb sql`` without ``--write`` (``tests/faults/test_sql_reads.py``): every
+    statement is judged before any runs; a COPY may write a file, not one of the lake's."""
+    from pathlib import Path
+
+    where = lake.location.where
+    warehouse = Path(where).resolve() / "warehouse"
+    before = _lake_bytes(Path(where))
+    other = tmp_path / "other.duckdb"
+    refused = {
+        "attach-write": f"ATTACH '{other}' AS w; CREATE TABLE w.t AS SELECT * FROM traces",
+        "use": "USE memory",
+        "write-after-a-read": "SELECT count(*) FROM traces; CREATE TABLE t AS SELECT 1",
+        "set": "SET enable_external_access = false",
+        "export": f"EXPORT DATABASE '{tmp_path / 'exported'}'",
+        "copy-into-the-warehouse": f"COPY (SELECT * FROM traces) TO '{warehouse}/x.parquet'",
+        "copy-over-the-catalog": f"COPY (SELECT 1 AS x) TO '{where}/catalog.db' (FORMAT csv)",
+        "explain-analyze-create": "EXPLAIN ANALYZE CREATE TABLE t AS SELECT 1",
+        "call": "CALL checkpoint()",
+    }
+    for name, sql in refused.items():
+        with pytest.raises(tracedb.errors.SqlRefused) as e:
+            lake.sql(sql)
+        assert not other.exists(), name
+        if name.startswith("copy"):
+            assert "would write over or into" in str(e.value), (name, str(e.value))
+    assert _lake_bytes(Path(where)) == before
+    assert lake.sql("SELECT count(*) AS n FROM traces").column("n")[0].as_py() > 0
+    assert lake.sql("EXPLAIN SELECT * FROM traces").num_rows
+    out = tmp_path / "ids.csv"
+    lake.sql(f"COPY (SELECT trace_id FROM traces) TO '{out}' (HEADER false)")
+    assert len(out.read_text().splitlines()) == lake.sql("SELECT count(*) AS n FROM traces").column("n")[0].as_py()
+
+
+def test_lake_sql_command_refuses_in_one_line(lake):
+    from typer.testing import CliRunner
+
+    from tracedb.cli.main import app
+
+    done = CliRunner().invoke(app, ["lake", "sql", "USE memory; SELECT 1", "--lake", lake.location.where])
+    assert done.exit_code == 2, done.output
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "does not only read" in lines[0], done.stderr
+
+
+def test_lake_sql_prints_every_type(lake):
+    """Dates past year 9999 or infinite and 128-bit integers printed a traceback or came
+    back wrong (``tests/faults/test_sql_values.py`` checks the file store's every value)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from tracedb.cli.main import app
+
+    runner = CliRunner()
+    sql = "SELECT * FROM test_all_types()"
+    done = runner.invoke(app, ["lake", "sql", sql, "--lake", lake.location.where, "--json"])
+    assert done.exit_code == 0, done.output[-2000:]
+    rows = json.loads(done.stdout)
+    assert [r["uhugeint"] for r in rows] == ["0", str(2**128 - 1), None]
+    assert [r["hugeint"] for r in rows] == [str(-(2**127)), str(2**127 - 1), None]
+    assert [r["date"] for r in rows] == ["5877642-06-25 (BC)", "5881580-07-10", None]
+    assert rows[1]["date_array"] == ["1970-01-01", "infinity", "-infinity", None, "2022-05-12"]
+    table = runner.invoke(app, ["lake", "sql", sql, "--lake", lake.location.where])
+    assert table.exit_code == 0 and "Traceback" not in table.output, table.output[-2000:]
+    edges = lake.sql("SELECT 'infinity'::TIMESTAMP AS t, '10000-01-01'::DATE AS d", portable=True).to_pylist()
+    assert edges == [{"t": "infinity", "d": "10000-01-01"}]

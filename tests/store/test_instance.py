@@ -407,3 +407,48 @@ def test_the_memory_limit_comes_from_the_environment_for_a_fresh_process(tmp_pat
         timeout=60,
     )
     assert bad.returncode != 0 and "Traceback" not in bad.stderr and "memory limit 'lots'" in bad.stderr + bad.stdout
+
+
+def test_an_isolated_database_has_the_process_limits(tmp_path: Path, knobs) -> None:
+    """``isolated=True`` (the REST server's user SQL) had DuckDB's defaults: 80% of the
+    machine's memory and 90% of the free disk, spilling to ./.tmp. It has the process's."""
+    import tempfile
+
+    from tracedb import runtime
+
+    setting = "SELECT current_setting('{}') AS v"
+    knobs(memory_limit="300MB")
+    with tracedb.connect(tmp_path / "own.duckdb", isolated=True) as own:
+
+        def read(name: str) -> str:
+            return own.con.execute(setting.format(name)).fetchall()[0][0]
+
+        assert read("memory_limit") == "286.1 MiB" == runtime.memory_limit()
+        assert read("max_temp_directory_size") == "16.0 GiB"
+        spill = Path(read("temp_directory"))
+        assert spill.parent == Path(tempfile.gettempdir()) and spill.name.startswith(f"tracedb-duckdb-{os.getpid()}-")
+    plain = duckdb.connect(str(tmp_path / "plain.duckdb"))  # a client's own instance is not retuned
+    try:
+        mine = plain.execute(setting.format("memory_limit")).fetchall()[0][0]
+        with tracedb.connect(tmp_path / "plain.duckdb"):
+            pass
+        assert plain.execute(setting.format("memory_limit")).fetchall()[0][0] == mine
+    finally:
+        plain.close()
+    assert runtime.size_bytes("1.0 GiB") == 1 << 30 and runtime.size_bytes("244.1 MiB") == int(244.1 * (1 << 20))
+    assert runtime.size_bytes("512 bytes") == 512 and runtime.size_bytes("lots") is None
+
+
+def test_the_temp_limit_comes_from_the_environment(tmp_path: Path) -> None:
+    import subprocess
+
+    code = (
+        "import tracedb; db = tracedb.connect(':memory:'); "
+        "print(db.sql(\"SELECT current_setting('max_temp_directory_size') AS t\").column('t')[0])"
+    )
+    env = {**os.environ, "TRACEDB_TEMP_LIMIT": "2GiB"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "2.0 GiB", out.stderr
+    env["TRACEDB_TEMP_LIMIT"] = "plenty"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "temp limit 'plenty'" in out.stderr

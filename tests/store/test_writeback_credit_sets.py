@@ -168,6 +168,33 @@ def test_run_refuses_an_existing_set_unless_replace(fixture_db):
     assert [r["algorithm"] for r in fixture_db.credit_sets().to_pylist() if r["name"] == "g"] == ["rloo"]
 
 
+BAD_NAMES = ["", " ", "  \t", " grpo", "grpo ", "a\nb", "tab\there", "default"]
+"""Names no credit set may have: empty, whitespace only, whitespace at an end, control
+characters, the default set's."""
+
+
+@pytest.mark.parametrize("name", BAD_NAMES, ids=repr)
+def test_a_bad_credit_set_name_is_refused_on_every_path(fixture_db, name: str):
+    """``credit.run`` (an empty name used to become the algorithm's), ``create_credit_set``
+    and ``writeback.stamp`` (what cec writes through) refuse it, saying why, and write
+    nothing; None still means the algorithm's name."""
+    from tracedb import writeback
+
+    before = state(fixture_db)
+    for call in (
+        lambda: tracedb.credit.run(fixture_db, "grpo", name),
+        lambda: fixture_db.create_credit_set(name),
+        lambda: fixture_db.create_credit_set(name, layout="trace", replace=True),
+        lambda: writeback.stamp(fixture_db.handle, name, tracedb.credit.compute(fixture_db, "grpo"), algorithm="x"),
+    ):
+        with pytest.raises(WriteError, match="cannot name a credit set") as refused:
+            call()
+        assert repr(name) in str(refused.value)
+    assert state(fixture_db) == before
+    assert [r["name"] for r in fixture_db.credit_sets().to_pylist()] == ["default"]
+    assert tracedb.credit.run(fixture_db, "grpo")["name"] == "grpo"
+
+
 def test_drop_credit_set(fixture_db):
     tracedb.credit.run(fixture_db, "grpo", "g")
     tracedb.credit.run(fixture_db, "rloo", "r")

@@ -107,6 +107,77 @@ def _nested(key: str) -> Callable[[dict[str, Any]], None]:
     return mutate
 
 
+def _set_trace(key: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    def mutate(e: dict[str, Any]) -> None:
+        e["traces"][0][key] = value
+
+    return mutate
+
+
+def _message_with(value: Any) -> Callable[[dict[str, Any]], None]:
+    def mutate(e: dict[str, Any]) -> None:
+        node(e)["message"]["x_score"] = value
+
+    return mutate
+
+
+def _literal(mutate: Callable[[dict[str, Any]], None], literal: str) -> bytes:
+    """BASE changed by ``mutate`` (which writes the string ``"@@"`` once), then ``"@@"``
+    replaced by ``literal`` as written (``1e400``: a number JSON allows, beyond the doubles)."""
+    e = copy.deepcopy(BASE)
+    mutate(e)
+    text = json.dumps(e)
+    assert text.count('"@@"') == 1
+    return text.replace('"@@"', literal).encode()
+
+
+NAN, INF = float("nan"), float("inf")
+NON_FINITE: list[Case] = [
+    # Free-form JSON holds no NaN or infinity either (verifiers never writes one; JSON has none):
+    # rejected naming the path down to the number, on both parse paths.
+    Case("metrics_nan", _set_trace("metrics", {"turns": NAN}), field="metrics.turns", node=None, needles=("finite",)),
+    Case(
+        "info_nested_infinity",
+        _set_trace("info", {"a": [1, {"b": INF}]}),
+        field="info.a.1.b",
+        node=None,
+        needles=("finite",),
+    ),
+    Case(
+        "timing_minus_infinity",
+        _set_trace("timing", {"agent": {"start": 0.0, "end": -INF}}),
+        field="timing.agent.end",
+        node=None,
+        needles=("finite",),
+    ),
+    Case(
+        "metrics_1e400",
+        raw=_literal(_set_trace("metrics", {"turns": 5.0, "big": "@@"}), "1e400"),
+        field="metrics.big",
+        node=None,
+        needles=("finite",),
+    ),
+    Case(
+        "info_minus_1e400_in_a_list",
+        raw=_literal(_set_trace("info", {"xs": [0.5, "@@"]}), "-1e400"),
+        field="info.xs.1",
+        node=None,
+        needles=("finite",),
+    ),
+    Case("message_nan", _message_with(NAN), field="message.x_score", needles=("finite",)),
+    Case("message_1e400", raw=_literal(_message_with("@@"), "1e400"), field="message.x_score", needles=("finite",)),
+    Case("unknown_node_field_infinity", set_node("x_note", {"v": [INF]}), field="x_note.v.0", needles=("finite",)),
+    Case(
+        "episode_field_nan",
+        lambda e: e.__setitem__("x_episode_score", NAN),
+        field="x_episode_score",
+        node=None,
+        trace_id=None,
+        needles=("finite",),
+    ),
+]
+
+
 CASES: list[Case] = [
     # per-token layouts
     Case(
@@ -192,6 +263,7 @@ CASES: list[Case] = [
     ),
     Case("json_array_line", raw=b"[1, 2, 3]", field=None, node=None, trace_id=None, needles=("object", "list")),
     Case("json_string_line", raw=b'"traces"', field=None, node=None, trace_id=None, needles=("object",)),
+    *NON_FINITE,
 ]
 CASE_IDS = [c.id for c in CASES]
 LAYOUT = [c for c in CASES if c.layout]

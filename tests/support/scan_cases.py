@@ -96,6 +96,14 @@ in a column the block validates): no line of the file is taken."""
 SURROGATE = "lone UTF-16 surrogate"
 """What the reason of a reject for a lone surrogate says."""
 TOO_DEEP = "^nested too deeply"
+
+
+def NON_FINITE(field: str, node: int | None = None, trace: str | None = "tr-x") -> Rejected:  # noqa: N802
+    """The reject of a line whose ``field`` (the path down to the number) holds a NaN or
+    an infinity (``1e400`` reads as one)."""
+    return Rejected("^Input should be a finite number", field, node, trace)
+
+
 """How the reason of a reject for a value Python's ``json`` cannot read begins."""
 
 
@@ -508,9 +516,60 @@ ADVERSARIAL = [
     case("logprobs-infinity", episode(node(',"token_ids":[1],"mask":[true],"logprobs":[Infinity]'))),
     case("logprobs-minus-infinity", episode(node(',"token_ids":[1],"mask":[true],"logprobs":[-Infinity]'))),
     case("timestamp-nan", episode(node(',"timestamp":NaN'))),
-    case("episode-field-nan", episode(USER, episode_extra=',"x":NaN')),
-    case("message-infinity", episode('{"message":{"role":"user","n":Infinity}}')),
-    case("unknown-nan", episode(node(',"x_note":NaN'))),
+    # ... nor anywhere in free-form JSON: rejected naming the path down to the number
+    case("episode-field-nan", episode(USER, episode_extra=',"x":NaN'), outcome=NON_FINITE("x", None, None)),
+    case(
+        "message-infinity",
+        episode('{"message":{"role":"user","n":Infinity}}'),
+        outcome=NON_FINITE("message.n", 0),
+    ),
+    case("unknown-nan", episode(node(',"x_note":NaN')), outcome=NON_FINITE("x_note", 0)),
+    case("metrics-nan", episode(USER, trace_extra=',"metrics":{"turns":NaN}'), outcome=NON_FINITE("metrics.turns")),
+    case(
+        "info-nested-minus-infinity",
+        episode(USER, trace_extra=',"info":{"a":[1,{"b":-Infinity}]}'),
+        outcome=NON_FINITE("info.a.1.b"),
+    ),
+    case(
+        "metrics-1e400",
+        episode(USER, trace_extra=',"metrics":{"turns":5,"big":1e400}'),
+        alone=True,
+        outcome=NON_FINITE("metrics.big"),
+    ),
+    case(
+        "timing-minus-1e400",
+        episode(USER, trace_extra=',"timing":{"agent":{"end":-1.5e400}}'),
+        alone=True,
+        outcome=NON_FINITE("timing.agent.end"),
+    ),
+    case(
+        "message-1e400",
+        episode('{"message":{"role":"user","x":[0.5,1E+400]}}'),
+        alone=True,
+        outcome=NON_FINITE("message.x.1", 0),
+    ),
+    case(
+        "message-long-fraction-beyond-double",
+        episode('{"message":{"role":"user","x":' + "9" * 320 + ".5}}"),
+        alone=True,
+        outcome=NON_FINITE("message.x", 0),
+    ),
+    case(
+        "unknown-0.1e310",
+        episode(node(',"x_note":{"v":0.1e310}')),
+        alone=True,
+        outcome=NON_FINITE("x_note.v", 0),
+    ),
+    # finite however they are written: kept (the largest doubles go through the parser)
+    case("message-1.7e308", episode('{"message":{"role":"user","x":1.7e308}}'), alone=True, outcome=ACCEPTED),
+    case("message-tiny", episode('{"message":{"role":"user","x":1e-400}}'), True, outcome=ACCEPTED),
+    case("message-1e307", episode('{"message":{"role":"user","x":1e307}}'), True, outcome=ACCEPTED),
+    case(
+        "message-400-digit-integer",
+        episode('{"message":{"role":"user","x":' + "9" * 400 + "}}"),
+        True,
+        outcome=ACCEPTED,
+    ),
     # deep nesting: the scanner takes values up to 512 levels deep (a message's value
     # counts its own level) and leaves deeper ones to the legacy path, which reads what
     # Python's json reads (about 900 levels, depending on the stack) and rejects the rest

@@ -2,17 +2,17 @@
 
 ``write_step(plan, out)`` writes, per rank ``r``, ``rank_{r}.arrow`` (an Arrow IPC file
 whose record batches are that rank's micro-batches, in order) and ``rank_{r}.samples.arrow``
-(one samples table, with a ``micro_batch`` column), each under a temporary name renamed
-into place, and ``manifest.json`` last (the arguments, the report, the files): a trainer
-that waits for the manifest never reads half a step. :func:`read_micro_batches` reads one
+(one samples table, with a ``micro_batch`` column), and ``manifest.json`` last (the
+arguments, the report, the files), each published by :func:`tracedb.publish.publishing`
+(written under a temporary name, fsynced, renamed into place, the directory fsynced; the
+process umask's mode): a trainer that waits for the manifest never reads half a step, also
+after a crash of the machine. :func:`read_micro_batches` reads one
 rank back as the same :class:`~tracedb.batches.plan.MicroBatch` objects.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ import pyarrow.ipc as ipc
 
 from tracedb.batches.plan import SAMPLES_SCHEMA, MicroBatch, Plan
 from tracedb.errors import TraceDBError
+from tracedb.publish import publishing, sync_dir
 
 MANIFEST = "manifest.json"
 FORMAT = "tracedb-micro-batches/1"
@@ -33,22 +34,22 @@ def _rank_files(rank: int) -> tuple[str, str]:
 
 
 def _replace_into(path: Path, write: Any) -> None:
-    """``write(tmp_path)`` then rename onto ``path`` (a reader sees the whole file or none)."""
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
-    os.close(fd)
-    try:
-        write(Path(name))
-        os.replace(name, path)
-    finally:
-        if os.path.exists(name):
-            os.unlink(name)
+    """``write(tmp_path)``, then publish it as ``path`` (a reader sees the whole file or none)."""
+    with publishing(path) as tmp:
+        write(tmp)
 
 
 def write_step(plan: Plan, out: str | Path) -> dict[str, Any]:
     """Write ``plan`` into the directory ``out`` (created); returns the manifest."""
     out = Path(out)
+    made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    (out / MANIFEST).unlink(missing_ok=True)  # a step being rewritten is not a step until its manifest is back
+    if made:
+        sync_dir(out.parent)  # the step directory's own name survives a crash with its files
+    manifest_path = out / MANIFEST
+    if manifest_path.exists():  # a step being rewritten is not a step until its manifest is back
+        manifest_path.unlink()
+        sync_dir(out)
     files = []
     for rank, batches in enumerate(plan):
         tokens_name, samples_name = _rank_files(rank)

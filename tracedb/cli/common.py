@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 import tracedb
 from tracedb import runtime
@@ -88,13 +89,44 @@ def emit(data: Any, as_json: bool, title: str | None = None) -> None:
         sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
         return
     rows = data if isinstance(data, list) else [{"key": k, "value": v} for k, v in data.items()]
-    table = Table(title=title)
-    if rows:
+    table = Table(title=None if title is None else Text(title))
+    if rows:  # cells are text, never markup: a value (a SQL result's) may hold "[/bold]"
         for column in rows[0]:
-            table.add_column(str(column))
+            table.add_column(Text(str(column)))
         for row in rows:
-            table.add_row(*("" if v is None else str(v) for v in row.values()))
+            table.add_row(*(Text("" if v is None else str(v)) for v in row.values()))
     out.print(table)
+
+
+def checked_name(name: str | None) -> None:
+    """A credit command's ``--name``: exit 2 with the reason when no set may have it
+    (empty, whitespace at an end, ...), before any work; None: the algorithm's name."""
+    from tracedb.credit_sets import check_name
+
+    if name is None:
+        return
+    try:
+        check_name(name)
+    except TraceDBError as e:
+        raise fail(f"--name: {e}", 2) from None
+
+
+def emit_sql_rows(table: Any, as_json: bool, limit: int) -> None:
+    """A SQL result (a portable one: :func:`tracedb.sqlvalues.portable`) as JSON (every
+    row; values as :func:`tracedb.sqlvalues.jsonable` gives them, as ``POST /sql`` does)
+    or as a table of at most ``limit`` rows."""
+    from tracedb.sqlvalues import jsonable
+
+    try:
+        rows = table.to_pylist()
+    except (OverflowError, ValueError, NotImplementedError) as e:  # a type tracedb does not know yet
+        raise fail(f"a value of this result cannot be shown: {type(e).__name__}: {e}") from None
+    if as_json:
+        emit([{k: jsonable(v) for k, v in row.items()} for row in rows], True)
+        return
+    emit(rows[:limit], False)
+    if len(rows) > limit:
+        err.print(f"{len(rows)} rows, {limit} shown (--limit)")
 
 
 def key_value(text: str) -> tuple[str, Any]:

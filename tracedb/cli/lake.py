@@ -19,7 +19,9 @@ from tracedb.cli.common import (
     JsonOption,
     TagFilterOption,
     ThroughOption,
+    checked_name,
     emit,
+    emit_sql_rows,
     err,
     fail,
     key_value,
@@ -28,7 +30,7 @@ from tracedb.cli.common import (
     report_pack,
     write_pack,
 )
-from tracedb.errors import TraceDBError
+from tracedb.errors import SqlRefused, TraceDBError
 
 app = typer.Typer(
     help="The same store as Apache Iceberg tables (needs the lake extra: pip install 'tracedb[lake]').",
@@ -258,6 +260,7 @@ def credit(
     as_json: JsonOption = False,
 ) -> None:
     """Compute group credit (grpo, rloo) over the lake in a Ray groupby and append it as a set."""
+    checked_name(name)
     opened = _open(lake)
     params = dict(key_value(p) for p in param or [])
     started = _started_ray(ray_address, workers)
@@ -308,22 +311,20 @@ def sql(
     as_json: JsonOption = False,
     limit: Annotated[int, typer.Option(help="Print at most this many rows (table output).")] = 50,
 ) -> None:
-    """Run SQL over the lake's visible rows; tracedb's macros (branch_stats(), ...) are there."""
+    """Run SQL over the lake's visible rows; tracedb's macros (branch_stats(), ...) are there.
+    Only reads run (SELECT, DESCRIBE/SHOW, EXPLAIN of a read, COPY (query) TO 'file' outside
+    the lake; every statement is checked before any runs)."""
     opened = _open(lake)
     text = sys.stdin.read() if query == "-" else query
     try:
-        table = opened.sql(text)  # type: ignore[attr-defined]
+        table = opened.sql(text, portable=True)  # type: ignore[attr-defined]
+    except SqlRefused as e:
+        raise fail(e, 2) from None
     except TraceDBError as e:
         raise fail(e) from None
     except Exception as e:  # DuckDB's own message says what is wrong with the query
         raise fail(f"{type(e).__name__}: {e}") from None
-    rows = table.to_pylist()
-    if as_json:
-        emit(rows, True)
-        return
-    emit(rows[:limit], False)
-    if len(rows) > limit:
-        err.print(f"{len(rows)} rows, {limit} shown (--limit)")
+    emit_sql_rows(table, as_json, limit)
 
 
 __all__ = ["app", "out"]

@@ -21,7 +21,9 @@ from tracedb.cli.common import (
     MemoryLimitOption,
     TagFilterOption,
     ThroughOption,
+    checked_name,
     emit,
+    emit_sql_rows,
     err,
     fail,
     key_value,
@@ -36,7 +38,7 @@ from tracedb.cli.common import (
 from tracedb.cli.follow import follow as run_follower
 from tracedb.cli.lake import app as lake_app
 from tracedb.credit import dose as dose_lib
-from tracedb.errors import TraceDBError
+from tracedb.errors import SqlRefused, TraceDBError
 
 app = typer.Typer(
     help="Trace storage for RL of LLM agents: verifiers v1 message graphs in DuckDB, branch-spread token views.",
@@ -143,9 +145,10 @@ def sql(
 ) -> None:
     """Run SQL against the database; tracedb's macros (branch_tokens(), node_credit(), ...) are there.
 
-    The file is opened read-only (other readers may have it open too) unless --write. With
-    --url, one SELECT goes through the server (started with --allow-sql), within its row
-    and byte limits."""
+    Without --write only reads run (SELECT, DESCRIBE/SHOW, EXPLAIN of a read, COPY (query)
+    TO 'file'; every statement is checked before any runs) and the file is opened read-only
+    (other readers may have it open too). With --url, one SELECT goes through the server
+    (started with --allow-sql), within its row and byte limits."""
     text = sys.stdin.read() if query == "-" else query
     if url:
         if write:
@@ -160,16 +163,12 @@ def sql(
         return
     with open_db(db, read_only=not write) as database:
         try:
-            table = database.sql(text)
+            table = database.sql(text, read_only=not write, portable=True)
+        except SqlRefused as e:
+            raise fail(f"{e} (pass --write for statements that change the database)", 2) from None
         except Exception as e:  # DuckDB's own message says what is wrong with the query
             raise fail(f"{type(e).__name__}: {e}") from None
-    rows = table.to_pylist()
-    if as_json:
-        emit(rows, True)
-        return
-    emit(rows[:limit], False)
-    if len(rows) > limit:
-        err.print(f"{len(rows)} rows, {limit} shown (--limit)")
+    emit_sql_rows(table, as_json, limit)
 
 
 @app.command()
@@ -372,6 +371,7 @@ def credit(
         emit(rows, as_json, title="credit algorithms")
         return
     params = dict(key_value(p) for p in param or [])
+    checked_name(name)
     with open_db(db) as database:
         try:
             result = credit_lib.run(database, algorithm, name, replace=replace, **params)

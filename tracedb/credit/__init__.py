@@ -19,7 +19,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from tracedb import writeback
+from tracedb import credit_sets, writeback
 from tracedb.credit import dose
 from tracedb.handle import Handle, HandleOf, handle_of
 
@@ -119,7 +119,7 @@ def run(
     (:func:`tracedb.credit.dose.match`)."""
     handle = handle_of(db)
     algo = _lookup(algorithm)
-    name = name or algorithm
+    name = credit_sets.check_name(algorithm if name is None else name)  # before the work, not after it
     matched_to = params.pop("matched_to", None)
     table, matched = _credit(handle, algo, matched_to, params, stamping=True)
     resolved = {**algo.params(), **params, **({} if matched_to is None else {"matched_to": matched_to})}

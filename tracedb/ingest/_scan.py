@@ -306,6 +306,48 @@ def _number(buf: np.ndarray, i: int, end: int) -> tuple[int, float, bool, bool]:
 
 
 @compiled
+def _beyond_double(buf: np.ndarray, i: int, j: int) -> bool:
+    """Whether the JSON number ``buf[i:j]`` (with a fraction or an exponent) may read as
+    an infinity: its decimal order is 308 or more (the largest double is 1.8e308)."""
+    k = i
+    if buf[k] == _MINUS:
+        k += 1
+    whole = 0  # significant digits before the point
+    while k < j and _ZERO <= buf[k] <= _NINE:
+        if whole > 0 or buf[k] != _ZERO:
+            whole += 1
+        k += 1
+    zeros = 0  # zeros after the point before the first significant digit
+    seen = whole > 0
+    if k < j and buf[k] == _DOT:
+        k += 1
+        while k < j and _ZERO <= buf[k] <= _NINE:
+            if not seen:
+                if buf[k] == _ZERO:
+                    zeros += 1
+                else:
+                    seen = True
+            k += 1
+    if not seen:
+        return False  # zero
+    e = 0
+    if k < j and (buf[k] == 101 or buf[k] == 69):
+        k += 1
+        eneg = False
+        if k < j and (buf[k] == _PLUS or buf[k] == _MINUS):
+            eneg = buf[k] == _MINUS
+            k += 1
+        while k < j:
+            if e < 100000:
+                e = e * 10 + (buf[k] - _ZERO)
+            k += 1
+        if eneg:
+            e = -e
+    order = (whole - 1 if whole > 0 else -(zeros + 1)) + e
+    return order >= 308
+
+
+@compiled
 def _literal(buf: np.ndarray, i: int, end: int) -> tuple[int, int]:
     """true / false / null at ``i``: (index after it or -1, 1 / 0 / 2)."""
     if i + 4 <= end and buf[i] == 116 and buf[i + 1] == 114 and buf[i + 2] == 117 and buf[i + 3] == 101:
@@ -384,8 +426,12 @@ def _value(
                 i = j
                 state = 1
             elif c == _MINUS or (_ZERO <= c <= _NINE):
-                j, _, _, _ = _number(buf, i, end)
+                j, _, exact, integral = _number(buf, i, end)
                 if j < 0:
+                    return -1, o, role_lo, role_hi
+                if not exact and not integral and _beyond_double(buf, i, j):
+                    # Python's json reads it as an infinity, which no record may hold: the
+                    # parser words it (an integer of any length stays an exact integer).
                     return -1, o, role_lo, role_hi
                 if copy:
                     for k in range(i, j):

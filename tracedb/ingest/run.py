@@ -104,6 +104,10 @@ def _resolve(handle: Handle, reader: Any, batch: Batch, report: IngestReport, se
         if line.episode is not None:
             if line.episode["id"] in known_episodes:
                 line.episode = None  # already stored; its new traces still join it
+            elif line.traces and not fresh:
+                # Every trace it carries is stored under another episode: its row would hold
+                # none. A later line of this id with a new trace still adds it.
+                line.episode = None
             else:
                 known_episodes.add(line.episode["id"])
                 seen.episodes.add(line.episode["id"])

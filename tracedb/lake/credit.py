@@ -20,8 +20,8 @@ import pyarrow as pa
 from pyiceberg.expressions import EqualTo
 
 from tracedb import credit as credit_lib
-from tracedb import credit_sets
 from tracedb.credit.outcome import trace_rewards
+from tracedb.credit_sets import check_name
 from tracedb.errors import WriteError
 from tracedb.lake import catalog
 from tracedb.lake.scan import visible_traces
@@ -100,9 +100,7 @@ def compute(lake: catalog.Opened, algorithm: str, **params: Any) -> pa.Table:
 
 def run(lake: catalog.Opened, algorithm: str, name: str | None = None, **params: Any) -> dict[str, Any]:
     """See :meth:`tracedb.lake.Lake.credit`."""
-    name = name or algorithm
-    if credit_sets.stored_name(name) is None:
-        raise WriteError(f"{name!r} cannot name a credit set (the default set is the ingested credit)")
+    name = check_name(algorithm if name is None else name)
     sets = lake.table("credit_sets").scan(selected_fields=("name",)).to_arrow().column("name").to_pylist()
     if name in sets:
         raise WriteError(

@@ -240,7 +240,9 @@ class Lake(catalog.Opened):
             range_bytes=ingest.RANGE_BYTES if range_bytes is None else range_bytes,
         )
 
-    def sql(self, query: str, params: Sequence[Any] | dict[str, Any] | None = None) -> pa.Table:
+    def sql(
+        self, query: str, params: Sequence[Any] | dict[str, Any] | None = None, *, portable: bool = False
+    ) -> pa.Table:
         """Run SQL over the lake's visible rows with tracedb's macros (``branch_stats()``,
         ``node_credit()``, ...), as :meth:`tracedb.Database.sql` does over a file.
 
@@ -248,10 +250,12 @@ class Lake(catalog.Opened):
         into each table's scans (and the trace or segment ids its joins carry) become
         pyiceberg row filters and projections; the visible rows read are registered
         under the tables' names, the macros created over them (see
-        :mod:`tracedb.lake.sqlscan`)."""
+        :mod:`tracedb.lake.sqlscan`). Only reads run (every statement is checked first,
+        :mod:`tracedb.sqlcheck`; ``COPY (query) TO 'file'`` outside the lake is one);
+        ``portable`` as in :meth:`tracedb.Database.sql`."""
         from tracedb.lake import sqlscan
 
-        return sqlscan.run(self, query, params)[0]
+        return sqlscan.run(self, query, params, portable=portable)[0]
 
 
 @contextmanager

@@ -46,6 +46,7 @@ from pyiceberg.expressions import (
     Or,
 )
 
+from tracedb import sqlcheck
 from tracedb.lake.catalog import lake_tables
 from tracedb.sqltext import load_sql, quote_identifier
 
@@ -89,19 +90,26 @@ class Scan:
     """Reductions: (this scan's key column, the other scan's index, its column)."""
 
 
-def plan(query: str, params: Sequence[Any] | dict[str, Any] | None = None) -> list[Scan] | None:
+def plan(
+    query: str, params: Sequence[Any] | dict[str, Any] | None = None, *, protected: Sequence[str] = ()
+) -> list[Scan] | None:
     """The scans of lake tables in the optimized plan of ``query``, planned over empty
     tables of the stored schemas (in a connection of its own); None when the plan cannot
-    be read. A query DuckDB refuses raises its error here."""
+    be read. A statement that does not only read (a COPY may not write into
+    ``protected``) raises :class:`~tracedb.errors.SqlRefused`, a query DuckDB refuses
+    its error, here, before anything of it ran."""
     con = duckdb.connect()
     try:
-        return _plan(con, query, params)
+        return _plan(con, query, params, protected)
     finally:
         con.close()
 
 
 def _plan(
-    con: duckdb.DuckDBPyConnection, query: str, params: Sequence[Any] | dict[str, Any] | None
+    con: duckdb.DuckDBPyConnection,
+    query: str,
+    params: Sequence[Any] | dict[str, Any] | None,
+    protected: Sequence[str] = (),
 ) -> list[Scan] | None:
     schemas = lake_tables()
     for name, schema in schemas.items():
@@ -109,6 +117,7 @@ def _plan(
         con.execute(f"CREATE TABLE {quote_identifier(name)} AS SELECT * FROM _tdb_empty")
         con.unregister("_tdb_empty")
     con.execute(load_sql("macros.sql"))
+    sqlcheck.check(con, query, copy_to_file=True, protected=protected)
     con.execute(f"SET disabled_optimizers = '{PLANNING_OFF}'")
     serialized = json.loads(
         con.execute("SELECT json_serialize_plan(?, optimize := true, skip_null := true)", [query]).fetchone()[0]

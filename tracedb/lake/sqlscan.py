@@ -28,12 +28,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import reduce
 from typing import Any
+from urllib.parse import unquote
 
 import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyiceberg.expressions import AlwaysFalse, AlwaysTrue, And, BooleanExpression, In, Or
 
+from tracedb import sqlvalues
 from tracedb.lake import read
 from tracedb.lake.catalog import BATCH, lake_tables, per_trace
 from tracedb.lake.scan import scan_keys, visible_traces
@@ -61,10 +63,15 @@ class ScanReport:
     """The row filter each table was scanned with."""
 
 
-def run(lake: Any, query: str, params: Sequence[Any] | dict[str, Any] | None = None) -> tuple[pa.Table, ScanReport]:
+def run(
+    lake: Any, query: str, params: Sequence[Any] | dict[str, Any] | None = None, *, portable: bool = False
+) -> tuple[pa.Table, ScanReport]:
     """The result of ``query`` (with ``params``) over the lake's visible rows and the
-    :class:`ScanReport` of what was read for it."""
-    scans = plan(query, params)
+    :class:`ScanReport` of what was read for it. Only reads run: every statement is
+    checked first (:mod:`tracedb.sqlcheck`; ``COPY (query) TO 'file'`` outside the lake's
+    own files is allowed), :class:`~tracedb.errors.SqlRefused` otherwise. ``portable``:
+    :func:`tracedb.sqlvalues.portable`."""
+    scans = plan(query, params, protected=lake_files(lake))
     if scans is None:
         tables, report = read.visible(lake), ScanReport(pushed=False)
     else:
@@ -75,9 +82,23 @@ def run(lake: Any, query: str, params: Sequence[Any] | dict[str, Any] | None = N
             con.register(name, table)
         con.execute(load_sql("macros.sql"))
         result = con.sql(query, params=params)
-        return (pa.table({}) if result is None else result.to_arrow_table()), report
+        if result is None:
+            return pa.table({}), report
+        return (sqlvalues.portable(result) if portable else result).to_arrow_table(), report
     finally:
         con.close()
+
+
+def lake_files(lake: Any) -> list[str]:
+    """The local files and directories of a lake's catalog and warehouse (none for a
+    remote one): what its SQL may not write into."""
+    properties = lake.location.properties
+    out = []
+    for key, scheme in (("uri", "sqlite:///"), ("warehouse", "file://")):
+        value = properties.get(key, "")
+        if value.startswith(scheme):
+            out.append("/" + unquote(value[len(scheme) :]).lstrip("/"))
+    return out
 
 
 def _order(name: str) -> int:
