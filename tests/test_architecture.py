@@ -36,7 +36,7 @@ LAYERS: list[list[str]] = [
     ["tracedb.handle"],
     ["tracedb.credit_sets"],
     ["tracedb.ingest", "tracedb.views"],
-    ["tracedb.writeback", "tracedb.readback", "tracedb.export", "tracedb.batches"],
+    ["tracedb.writeback", "tracedb.readback", "tracedb.storage", "tracedb.export", "tracedb.batches"],
     ["tracedb.credit"],
     ["tracedb.cec"],
     ["tracedb.database"],
