@@ -33,6 +33,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import duckdb
+
 from tracedb.handle import Handle
 from tracedb.sqltext import quote_identifier, quote_literal
 
@@ -55,21 +57,28 @@ def storage_bytes(handle: Handle) -> dict[str, Any]:
     ``ValueError`` for an in-memory database, which has no file."""
     if handle.path == ":memory:":
         raise ValueError("an in-memory database has no file to break down")
-    size_row = handle.row(
+    return breakdown(handle.con, handle.path)
+
+
+def breakdown(con: duckdb.DuckDBPyConnection, path: str) -> dict[str, Any]:
+    """:func:`storage_bytes` of the database that is ``con``'s default catalog, kept in
+    the file ``path``: any DuckDB file, not only tracedb's (the encoding experiments of
+    ``benchmarks/encodings.py`` read theirs with it)."""
+    size_row = con.execute(
         "SELECT block_size, total_blocks, used_blocks, free_blocks FROM pragma_database_size() "
         "WHERE database_name = current_database()"
-    )
+    ).fetchone()
     if size_row is None:
-        raise ValueError(f"DuckDB reports no size for {handle.path}")
+        raise ValueError(f"DuckDB reports no size for {path}")
     block_size, total_blocks, used_blocks, free_blocks = (int(v) for v in size_row)
-    catalog = handle.scalar("SELECT current_database()")
+    catalog = con.execute("SELECT current_database()").fetchone()[0]
     metadata_blocks = {
         int(r[0])
-        for r in handle.con.execute(f"SELECT block_id FROM pragma_metadata_info({quote_literal(catalog)})").fetchall()
+        for r in con.execute(f"SELECT block_id FROM pragma_metadata_info({quote_literal(catalog)})").fetchall()
     }
     tables = [
         r[0]
-        for r in handle.con.execute(
+        for r in con.execute(
             "SELECT table_name FROM duckdb_tables() WHERE database_name = current_database() "
             "AND schema_name = current_schema() ORDER BY table_name"
         ).fetchall()
@@ -79,15 +88,22 @@ def storage_bytes(handle: Handle) -> dict[str, Any]:
     rows: dict[str, int] = {}
     pending: dict[str, int] = {}
     for table in tables:
-        columns[table] = handle.columns(table)
-        rows[table] = int(handle.scalar(f"SELECT count(*) FROM {quote_identifier(table)}"))
-        info = handle.con.execute(
+        columns[table] = [
+            r[0]
+            for r in con.execute(
+                "SELECT column_name FROM duckdb_columns() WHERE table_name = ? AND database_name = current_database() "
+                "AND schema_name = current_schema() ORDER BY column_index",
+                [table],
+            ).fetchall()
+        ]
+        rows[table] = int(con.execute(f"SELECT count(*) FROM {quote_identifier(table)}").fetchone()[0])
+        info = con.execute(
             "SELECT column_id, column_path, segment_type, compression, count, persistent, block_id, "
             f"block_offset, additional_block_ids FROM pragma_storage_info({quote_literal(table)})"
         ).fetchall()
         pending[table] = 0
-        for column_id, path, kind, compression, count, persistent, block_id, offset, extra in info:
-            path_ids = json.loads(path)
+        for column_id, column_path, kind, compression, count, persistent, block_id, offset, extra in info:
+            path_ids = json.loads(column_path)
             if not persistent:
                 if path_ids == [0]:  # the first column's own segments: one per stretch of rows
                     pending[table] += int(count)
@@ -139,9 +155,9 @@ def storage_bytes(handle: Handle) -> dict[str, Any]:
         col["compression"][s["compression"]] += s["bytes"]
         col["parts"][s["part"]] += s["bytes"]
 
-    path = Path(handle.path)
-    file_bytes = path.stat().st_size if path.exists() else 0
-    wal = Path(handle.path + ".wal")
+    file = Path(path)
+    file_bytes = file.stat().st_size if file.exists() else 0
+    wal = Path(path + ".wal")
     out_tables = []
     for table in tables:
         cols = []
@@ -169,7 +185,7 @@ def storage_bytes(handle: Handle) -> dict[str, Any]:
         )
     other_used = used_blocks - len(data_blocks) - len(metadata_blocks)
     return {
-        "path": handle.path,
+        "path": path,
         "file_bytes": file_bytes,
         "wal_bytes": wal.stat().st_size if wal.exists() else 0,
         "block_size": block_size,
