@@ -8,6 +8,9 @@ trainer-feed suite (``benchmarks/batches.py``, ``db.micro_batches``, writing
 by ``tracedb serve --follow`` while a writer appends it and REST readers poll it
 (``benchmarks/live.py``, writing ``results-live.json``); ``--suite lake`` the lake beside the
 file store on Ray, and the 1M-rollout projection (``benchmarks/lake.py``, ``results-lake.json``).
+``--workload realistic`` runs any suite on the realistic workload (``benchmarks/realistic.py``:
+real text, a trained BPE, agent-shaped episodes) instead of the core one (the default); its
+results go to ``results-realistic.json`` (``results-batches-realistic.json``, ...).
 Exits 0 whether or not the targets are met (the table
 reports PASS/MISS); 2 when tracedb's answers differ from verifiers' (the figures would mean
 nothing); 1 on any other error.
@@ -20,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.workload import Workload
+from benchmarks.workload import WORKLOADS, make
 
 RESULTS = Path(__file__).resolve().parent / "results.json"
 QUICK = {"traces": 16, "tokens": 3_000, "repeat": 1}
@@ -47,6 +50,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test (16 traces, 3k tokens, 1 run)")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument(
+        "--workload",
+        choices=list(WORKLOADS),
+        default="core",
+        help="core (synthetic ids and streams, the default) or realistic (real text, a trained BPE)",
+    )
+    p.add_argument(
         "--results",
         type=Path,
         help=f"results file (default {RESULTS}; credit: results-credit.json; batches: results-batches.json)",
@@ -69,26 +78,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.suite == "credit":
         from benchmarks import credit
 
-        args.results = args.results or credit.RESULTS
+        default_results = credit.RESULTS
         defaults = credit.QUICK if args.quick else credit.FULL
     elif args.suite == "batches":
         from benchmarks import batches
 
-        args.results = args.results or batches.RESULTS
+        default_results = batches.RESULTS
         defaults = batches.QUICK if args.quick else batches.FULL
     elif args.suite == "live":
         from benchmarks import live
 
-        args.results = args.results or live.RESULTS
+        default_results = live.RESULTS
         defaults = live.QUICK if args.quick else live.FULL
     elif args.suite == "lake":
         from benchmarks import lake
 
-        args.results = args.results or lake.RESULTS
+        default_results = lake.RESULTS
         defaults = lake.QUICK if args.quick else lake.FULL
     else:
-        args.results = args.results or RESULTS
+        default_results = RESULTS
         defaults = QUICK if args.quick else FULL
+    if args.results is None:  # the realistic workload's results do not overwrite the core one's
+        suffix = "" if args.workload == "core" else f"-{args.workload}"
+        args.results = default_results.with_name(f"{default_results.stem}{suffix}{default_results.suffix}")
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -131,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from benchmarks.core import render, run
 
-    files = build(Workload(traces=args.traces, tokens=args.tokens, seed=args.seed), args.workdir, log=log)
+    workload = make(args.workload, traces=args.traces, tokens=args.tokens, seed=args.seed)
+    files = build(workload, args.workdir, log=log)
     try:
         results = run(files, args.workdir, args.repeat, log=log, **options)
     except CorrectnessError as e:

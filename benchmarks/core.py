@@ -524,6 +524,15 @@ def run(files: WorkloadFiles, workdir: Path, repeat: int, *, log: Callable[[str]
             )
         }
 
+    from benchmarks import peers
+
+    peer = {"bytes": peers.measure_bytes(files, bench_db, rundir, log=log)}
+    peer["ingest"] = peers.measure_ingest(files, rundir, repeat, log=log)
+    peer["ingest"]["ratios"]["read_json_in_process_over_tracedb_in_process"] = round(
+        peer["ingest"]["duckdb read_json (in-process)"]["median"] / statistics.median(m["ingest"].tracedb), 2
+    )
+    with tracedb.connect(bench_db, read_only=True) as db:
+        breakdown = db.storage()
     metrics = {k: v.to_dict() for k, v in m.items()}
     targets = [v.passed for v in m.values() if v.passed is not None]
     return {
@@ -538,6 +547,8 @@ def run(files: WorkloadFiles, workdir: Path, repeat: int, *, log: Callable[[str]
         },
         "repeat": repeat,
         "metrics": metrics,
+        "peers": peer,
+        "storage_breakdown": breakdown,
         "correctness": correctness,
         "all_targets_met": all(targets),
         "other_load": other_load.result(),
@@ -612,6 +623,10 @@ def render(results: dict[str, Any]) -> str:
         lines.append(
             "cpu-time ratios (process CPU, all threads; less sensitive to other load): " + ", ".join(cpu_ratios)
         )
+    if "peers" in results:
+        from benchmarks import peers
+
+        lines += peers.render(results["peers"]) + peers.render_breakdown(results["storage_breakdown"])
     share = results["other_load"].get("other_cpu_share")
     if share is not None and share > 0.05:
         lines.append(

@@ -46,7 +46,7 @@ import orjson
 import tracedb
 from benchmarks.core import CorrectnessError, _busy_seconds, machine, remove_db
 from benchmarks.live_parts import COLUMNS, Reader, Sampler, Watcher, WriterSpec, cpu_seconds, read_writer, table_digests
-from benchmarks.workload import Workload, WorkloadFiles, build
+from benchmarks.workload import WorkloadFiles, build, kind_of, make
 from tracedb.runtime import DEFAULT_MEMORY_LIMIT
 
 RESULTS = Path(__file__).resolve().parent / "results-live.json"
@@ -496,7 +496,8 @@ def run(
     started = time.perf_counter()
     busy0, own0, load0 = _busy_seconds(), time.process_time(), os.getloadavg()
     params = files.manifest["params"]
-    soak_files = build(Workload(traces=soak_traces, tokens=params["tokens"], seed=params["seed"]), workdir, log=log)
+    soak_workload = make(kind_of(files), traces=soak_traces, tokens=params["tokens"], seed=params["seed"])
+    soak_files = build(soak_workload, workdir, log=log)
     common = {"fmt": fmt, "memory_limit": memory_limit, "drain_seconds": drain_seconds, "log": log}
     log("the live run")
     live = follow_run(files, workdir / "live", rate=rate, rate_lines=rate_traces, readers=readers, **common)

@@ -8,6 +8,8 @@ stamped); each one is validated into verifiers' ``WireEpisode`` (traces as
 
 The file is cached under the work directory, keyed by the parameters, the source of
 ``tracedb/synthetic.py`` and the verifiers version; a stale or partial cache is rebuilt.
+:func:`build` builds any workload that has ``key()``, ``dirname()`` and ``write()``: this
+core one, or the realistic one (``benchmarks/realistic.py``); :func:`make` picks by name.
 """
 
 from __future__ import annotations
@@ -58,6 +60,15 @@ class Workload:
             "seed": self.seed,
         }
 
+    kind = "core"
+
+    def dirname(self) -> str:
+        return f"workload-{self.groups * self.group_size}x{self.tokens}-{self.key()}"
+
+    def write(self, out: Path, cache: Path, log: Any = print) -> dict[str, Any]:
+        """Write ``traces.jsonl`` into ``out``; returns the manifest (``cache`` is unused)."""
+        return _write(self, out)
+
     def key(self) -> str:
         """Cache key: parameters, generator source, verifiers version."""
         from tracedb import synthetic
@@ -101,6 +112,7 @@ def _write(workload: Workload, out: Path) -> dict[str, Any]:
             tokens += sum(len(n.token_ids) for n in t.nodes)
             sampled += sum(sum(n.mask) for n in t.nodes)
     return {
+        "workload": workload.kind,
         "key": workload.key(),
         "params": asdict(workload),
         "sample_kwargs": workload.sample_kwargs(),
@@ -115,22 +127,44 @@ def _write(workload: Workload, out: Path) -> dict[str, Any]:
     }
 
 
-def build(workload: Workload, workdir: Path, *, log: Any = print) -> WorkloadFiles:
+WORKLOADS = ("core", "realistic")
+
+
+def make(kind: str, *, traces: int, tokens: int, seed: int = 0) -> Any:
+    """The workload called ``kind`` (:data:`WORKLOADS`) at these sizes."""
+    if kind == "core":
+        return Workload(traces=traces, tokens=tokens, seed=seed)
+    if kind == "realistic":
+        from benchmarks.realistic import RealisticWorkload
+
+        return RealisticWorkload(traces=traces, tokens=tokens, seed=seed)
+    raise ValueError(f"unknown workload {kind!r}: one of {', '.join(WORKLOADS)}")
+
+
+def kind_of(files: WorkloadFiles) -> str:
+    """The name of the workload ``files`` were built from (core for caches older than the name)."""
+    return str(files.manifest.get("workload", "core"))
+
+
+def build(workload: Any, workdir: Path, *, log: Any = print) -> WorkloadFiles:
     """The workload's files under ``workdir``, generated unless a valid cache exists."""
     workdir.mkdir(parents=True, exist_ok=True)
-    target = workdir / f"workload-{workload.groups * workload.group_size}x{workload.tokens}-{workload.key()}"
+    target = workdir / workload.dirname()
     manifest_path = target / MANIFEST
     if manifest_path.exists() and (target / TRACES_FILE).exists():
         manifest = json.loads(manifest_path.read_text())
         if manifest.get("key") == workload.key() and manifest.get("bytes") == (target / TRACES_FILE).stat().st_size:
             log(f"workload: cached {target}")
             return WorkloadFiles(target, manifest)
-    log(f"workload: writing {workload.groups * workload.group_size} traces x ~{workload.tokens} tokens with verifiers")
+    log(
+        f"workload: writing {workload.groups * workload.group_size} {workload.kind} traces x ~{workload.tokens} "
+        "tokens with verifiers"
+    )
     partial = workdir / f".{target.name}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir()
     try:
-        manifest = _write(workload, partial)
+        manifest = workload.write(partial, workdir, log=log)
         (partial / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         shutil.rmtree(target, ignore_errors=True)
         partial.rename(target)

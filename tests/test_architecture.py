@@ -39,7 +39,7 @@ LAYERS: list[list[str]] = [
     ["tracedb.dbfile"],
     ["tracedb.credit_sets", "tracedb.selection"],
     ["tracedb.ingest", "tracedb.views"],
-    ["tracedb.writeback", "tracedb.readback", "tracedb.export", "tracedb.batches"],
+    ["tracedb.writeback", "tracedb.readback", "tracedb.storage", "tracedb.export", "tracedb.batches"],
     ["tracedb.credit"],
     ["tracedb.cec"],
     ["tracedb.database"],

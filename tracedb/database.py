@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import duckdb
 import pyarrow as pa
 
-from tracedb import batches, credit_sets, migrations, readback, sqlcheck, views, writeback
+from tracedb import batches, credit_sets, migrations, readback, sqlcheck, storage, views, writeback
 from tracedb.dbfile import open_handle
 from tracedb.export import export
 from tracedb.handle import Handle
@@ -106,6 +106,11 @@ class Database:
     def stats(self) -> dict[str, Any]:
         """Counts and sizes: episodes, traces, nodes, branches, tokens, bytes, dedup ratio."""
         return readback.stats(self.handle)
+
+    def storage(self) -> dict[str, Any]:
+        """Where the file's bytes are: per table and column (with DuckDB's compression
+        methods), metadata, ART indexes, free blocks; see :mod:`tracedb.storage`."""
+        return storage.storage_bytes(self.handle)
 
     # ----------------------------------------------------------------- ingest
 

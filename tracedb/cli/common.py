@@ -172,6 +172,42 @@ def fail(e: Exception | str, code: int = 1) -> typer.Exit:
     return typer.Exit(code)
 
 
+def report_storage(breakdown: dict[str, Any], db: Path) -> None:
+    """Print ``db.storage()`` as a table: one row per column holding bytes, then indexes,
+    metadata, free blocks and the header (the rows add up to the file's size)."""
+    from tracedb.storage import flat_rows
+
+    rows = [
+        {
+            "table": r["table"],
+            "column": r["column"],
+            "bytes": f"{r['bytes']:,}",
+            "share": f"{r['share']:.1%}",
+            "unused tail": f"{r['tail']:,}" if r["tail"] else "",
+            "compression": r["compression"],
+        }
+        for r in flat_rows(breakdown)
+    ]
+    emit(rows, False, title=f"{db}: {breakdown['file_bytes']:,} bytes")
+    blocks = breakdown["blocks"]
+    out.print(
+        f"{blocks['total']} blocks of {breakdown['block_size']:,} bytes: {blocks['data']} data, "
+        f"{blocks['metadata']} metadata, {blocks['indexes']} ART indexes, {blocks['free']} free"
+    )
+    tails = sum(t["tail_bytes"] for t in breakdown["tables"])
+    if tails:
+        out.print(
+            f"unused tail: the end of a shared block, charged to its last segment ({tails:,} bytes in all; "
+            "see tracedb/storage.py)"
+        )
+    pending = {t["table"]: t["rows_not_checkpointed"] for t in breakdown["tables"] if t["rows_not_checkpointed"]}
+    if pending or breakdown["wal_bytes"]:
+        out.print(
+            f"not checkpointed yet (in the WAL, {breakdown['wal_bytes']:,} bytes; no blocks of their own): "
+            + ", ".join(f"{t} {n:,} rows" for t, n in pending.items())
+        )
+
+
 def report_ingest(report: Any, db: Path, as_json: bool) -> None:
     """Print an ingest report (its first rejects on stderr); exit 1 when anything was rejected."""
     if as_json:

@@ -33,6 +33,7 @@ from tracedb.cli.common import (
     out,
     report_ingest,
     report_pack,
+    report_storage,
     write_pack,
 )
 from tracedb.cli.follow import follow as run_follower
@@ -330,14 +331,35 @@ def pack(
 
 
 @app.command()
-def stats(db: DbOption = Path("tracedb.duckdb"), as_json: JsonOption = False, url: remote.UrlOption = None) -> None:
+def stats(
+    db: DbOption = Path("tracedb.duckdb"),
+    as_json: JsonOption = False,
+    url: remote.UrlOption = None,
+    by_bytes: Annotated[
+        bool,
+        typer.Option("--bytes", help="Where the file's bytes are: per table and column, indexes, metadata, free."),
+    ] = False,
+) -> None:
     """Episodes, traces, nodes, branches, tokens, bytes, the dedup ratio and the watermark
-    (with --url, of the database the server serves)."""
+    (with --url, of the database the server serves); with --bytes, the file's bytes by
+    table and column."""
     if url:
+        if by_bytes:
+            raise fail("--bytes reads the database file: it does not go with --url", 2)
         emit(remote.stats(url), as_json, title=url)
         return
     with open_db(db, read_only=True) as database:
-        emit(database.stats(), as_json, title=str(db))
+        if not by_bytes:
+            emit(database.stats(), as_json, title=str(db))
+            return
+        try:
+            breakdown = database.storage()
+        except ValueError as e:
+            raise fail(e, 2) from None
+    if as_json:
+        emit(breakdown, True)
+        return
+    report_storage(breakdown, db)
 
 
 @app.command()
