@@ -15,6 +15,8 @@ import logging
 import os
 import socket
 import sys
+import tempfile
+import threading
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -25,8 +27,9 @@ LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 """Ray's switch between a single-machine Ray (``0``: the node's address is 127.0.0.1, so
 every Ray server listens on loopback only) and a cluster node (the default on Linux: the
 node's routable address, servers on every interface)."""
-CONNECT_SECONDS = 10.0
-"""How long reaching a cluster's address may take before it counts as unreachable."""
+CONNECT_SECONDS = 4.0
+"""How long reaching a cluster's address may take (a TCP connection to it, then Ray's own
+client asking it for its cluster id) before it counts as unreachable."""
 
 
 def running_ray() -> Any:
@@ -43,8 +46,9 @@ def start(address: str | None = None, *, num_cpus: int | None = None) -> bool:
     or connected it (the caller may ``ray.shutdown()`` it after).
 
     With ``address`` (``host:port`` of a cluster's head, ``auto``, ``ray://...``) it
-    connects there, failing within :data:`CONNECT_SECONDS` with a :class:`LakeError`
-    naming the address when nothing answers; ``num_cpus`` is then the cluster's affair.
+    connects there, failing within twice :data:`CONNECT_SECONDS` with a :class:`LakeError`
+    naming the address when no Ray answers there (Ray itself would retry for minutes);
+    ``num_cpus`` is then the cluster's affair.
     Without, it starts a local Ray of ``num_cpus`` CPUs (default: the machine's): no
     dashboard, workers' output not forwarded, Ray's log records below errors not shown,
     usage stats off unless ``RAY_USAGE_STATS_ENABLED`` says otherwise, and every server
@@ -114,8 +118,9 @@ def _is_loopback(host: str) -> bool:
 
 
 def _reachable(address: str) -> str:
-    """The host of ``address`` once a TCP connection to its port succeeds (``auto``: the
-    address of the Ray this machine runs, as Ray finds it; none found: Ray's own error)."""
+    """The host of ``address`` once a TCP connection to its port succeeds and (but for a
+    ``ray://`` client address) Ray's own client gets the cluster's id from it; ``auto``:
+    the address of the Ray this machine runs, as Ray finds it (none found: Ray's error)."""
     target = address.removeprefix("ray://")
     if target == "auto":
         target = _auto_address()
@@ -124,14 +129,56 @@ def _reachable(address: str) -> str:
     host, sep, port = target.rpartition(":")
     if not sep or not port.isdigit() or not host:
         raise LakeError(f"Ray cluster {address}: not an address (host:port, ray://host:port or auto)")
+    host = host.strip("[]")
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_SECONDS):
+        with socket.create_connection((host, int(port)), timeout=CONNECT_SECONDS):
             pass
     except TimeoutError:
         raise LakeError(f"Ray cluster {address}: unreachable (no answer within {CONNECT_SECONDS:.0f} s)") from None
     except OSError as e:
         raise LakeError(f"Ray cluster {address}: unreachable ({e.strerror or e})") from None
-    return host.strip("[]")
+    if not address.startswith("ray://"):
+        _answers_as_ray(address, target)
+    return host
+
+
+def _answers_as_ray(address: str, target: str) -> None:
+    """Ray's client asks ``target`` for the cluster's id once, within :data:`CONNECT_SECONDS`
+    (what answers a TCP connection may be no Ray at all: a proxy, another service)."""
+    from ray._raylet import GcsClient
+
+    answer: dict[str, Any] = {}
+
+    def ask() -> None:
+        try:
+            answer["id"] = GcsClient(address=target).cluster_id
+        except Exception as e:  # its message says what answered
+            answer["error"] = e
+
+    asking = threading.Thread(target=ask, daemon=True, name="tracedb-ray-probe")
+    with _stderr_aside():  # Ray's client logs its failed attempts on stderr
+        asking.start()
+        asking.join(CONNECT_SECONDS)
+    if asking.is_alive():
+        raise LakeError(f"Ray cluster {address}: unreachable (no Ray answer within {CONNECT_SECONDS:.0f} s)")
+    if "error" in answer:
+        raise LakeError(f"Ray cluster {address}: unreachable (no Ray there: {_first_line(answer['error'])})")
+
+
+@contextlib.contextmanager
+def _stderr_aside() -> Iterator[None]:
+    """File descriptor 2 (where Ray's C++ code logs) into a temporary file for the block."""
+    sys.stderr.flush()
+    held = os.dup(2)
+    try:
+        with tempfile.TemporaryFile() as aside:
+            os.dup2(aside.fileno(), 2)
+            try:
+                yield
+            finally:
+                os.dup2(held, 2)
+    finally:
+        os.close(held)
 
 
 def _auto_address() -> str:
