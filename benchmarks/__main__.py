@@ -74,6 +74,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--format", choices=["arrow", "json"], default="arrow", help="live suite: the readers' branch format"
     )
     p.add_argument("--memory-limit", help="live suite: the server's TRACEDB_MEMORY_LIMIT (default: tracedb's default)")
+    p.add_argument(
+        "--catalog",
+        choices=["sqlite", "postgres", "both"],
+        default="both",
+        help="lake suite: the catalogs of the many-writers measurement (default both)",
+    )
     args = p.parse_args(argv)
     if args.suite == "credit":
         from benchmarks import credit
@@ -140,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         }
     elif args.suite == "lake":
         from benchmarks.lake import render, run
+
+        options = {"catalog": args.catalog}
     else:
         from benchmarks.core import render, run
 

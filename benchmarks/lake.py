@@ -8,9 +8,16 @@ The lake's views are checked against the file store's (exit 2 when they differ).
 Projected (arithmetic on the measured per-trace figures, see ``docs/scale.md``): a run
 of 1M rollouts x 30k tokens over 64 writers.
 
+Many writers (``--catalog sqlite|postgres|both``, default both): the workload cut into
+16 shard files ingested by ``lake.ingest(..., workers=N)`` into a fresh lake on each
+catalog, N = 1, 2, 4, 8 writes at once (one local Ray of 8 CPUs): commits per second and
+retries per commit, as the writes' reports count them. The PostgreSQL catalog is a
+throwaway server (``benchmarks/postgres.py``) started and stopped by the benchmark; with
+``both`` and no server to be had it is left out, saying why.
+
 Ray binds every interface, so the measurements run in a child process inside a network
-namespace holding only loopback (``unshare --net``, root); without one the suite stops
-saying why. Writes ``benchmarks/results-lake.json``.
+namespace holding only loopback (``unshare --net``, root; PostgreSQL is reached over a
+Unix socket); without one the suite stops saying why. Writes ``benchmarks/results-lake.json``.
 """
 
 from __future__ import annotations
@@ -31,6 +38,10 @@ from benchmarks.workload import WorkloadFiles
 RESULTS = Path(__file__).resolve().parent / "results-lake.json"
 QUICK = {"traces": 16, "tokens": 3_000, "repeat": 1}
 FULL = {"traces": 256, "tokens": 30_000, "repeat": 1}
+
+CATALOGS = ("sqlite", "postgres")
+WRITERS = (1, 2, 4, 8)
+WRITER_SHARDS = 16
 
 TARGET = {"rollouts": 1_000_000, "tokens": 30_000, "writers": 64, "traces_per_write": 64, "write_seconds": 60.0}
 """The run the projection is for: 1M rollouts x 30k tokens, 64 writers, each write (one
@@ -59,7 +70,50 @@ def _commits(lake: Any) -> int:
     return sum(len(lake.table(name).snapshots()) for name in lake._tables)
 
 
-def measure(jsonl: Path, workdir: Path, shards: int) -> dict[str, Any]:
+def measure_writers(jsonl: Path, scratch: Path, catalogs: list[str], expected: int, log: Any = print) -> dict[str, Any]:
+    """Commits per second and retries per commit of N writes at once (:data:`WRITERS`),
+    on each of ``catalogs`` (Ray running, with at least 8 CPUs); ``expected``: the traces
+    of ``jsonl``, which every run must add."""
+    import contextlib
+
+    import tracedb.lake as lakes
+    from benchmarks import postgres
+
+    runs = _shards(jsonl, scratch / "writer-shards", WRITER_SHARDS)
+    out: dict[str, Any] = {}
+    for name in catalogs:
+        with contextlib.ExitStack() as stack:
+            if name == "postgres":
+                problem = postgres.problem()
+                if problem:
+                    out[name] = {"skipped": problem}
+                    log(f"lake writers: postgres left out: {problem}")
+                    continue
+                server = stack.enter_context(postgres.cluster())
+            figures = {}
+            for writers in WRITERS:
+                where: Path = scratch / f"{name}-w{writers}"
+                if name == "postgres":
+                    where = server.lake_properties(scratch / f"{name}-w{writers}.yaml", where)
+                lake = lakes.init(where)
+                started = time.perf_counter()
+                got = lake.ingest(runs, workers=writers)
+                seconds = time.perf_counter() - started
+                if got.traces != expected or got.rejected:
+                    raise CorrectnessError(f"{name}, {writers} writers: {got.traces} of {expected} traces added")
+                figures[str(writers)] = {
+                    "seconds": seconds,
+                    "writes": got.tasks,
+                    "commits": got.commits,
+                    "retries": got.retries,
+                    "commits_per_s": got.commits / seconds,
+                    "retries_per_commit": got.retries / max(1, got.commits),
+                }
+            out[name] = figures
+    return out
+
+
+def measure(jsonl: Path, workdir: Path, shards: int, catalogs: list[str] | None = None) -> dict[str, Any]:
     """The measurements (inside the namespace): see the module notes."""
     import pyarrow as pa
     import ray
@@ -133,6 +187,14 @@ def measure(jsonl: Path, workdir: Path, shards: int) -> dict[str, Any]:
             out["lake_micro_batches_compacted_s"] = time.perf_counter() - started
         finally:
             ray.shutdown()
+        if catalogs:  # many writers: a Ray with a CPU per writer (they share the machine's cores)
+            ray.init(num_cpus=max(WRITERS), include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+            try:
+                out["writers"] = measure_writers(
+                    jsonl, scratch, catalogs, n_traces, log=lambda m: print(m, file=sys.stderr)
+                )
+            finally:
+                ray.shutdown()
         return out
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -162,8 +224,19 @@ def project(m: dict[str, Any], target: dict[str, Any] = TARGET) -> dict[str, Any
     }
 
 
-def run(files: WorkloadFiles, workdir: Path, repeat: int, *, log: Any = print, **_: Any) -> dict[str, Any]:
-    """Run :func:`measure` in a loopback-only network namespace, then :func:`project`."""
+def run(
+    files: WorkloadFiles, workdir: Path, repeat: int, *, log: Any = print, catalog: str = "both", **_: Any
+) -> dict[str, Any]:
+    """Run :func:`measure` in a loopback-only network namespace, then :func:`project`.
+    ``catalog``: the catalogs of the many-writers measurement (sqlite, postgres, both)."""
+    if catalog not in (*CATALOGS, "both"):
+        raise ValueError(f"catalog must be one of {[*CATALOGS, 'both']}, not {catalog!r}")
+    if catalog == "postgres":
+        from benchmarks import postgres
+
+        if problem := postgres.problem():
+            raise RuntimeError(f"the lake benchmark's postgres catalog: {problem}")
+    catalogs = list(CATALOGS) if catalog == "both" else [catalog]
     if shutil.which("unshare") is None or shutil.which("ip") is None:
         raise RuntimeError("the lake benchmark needs unshare and ip (a loopback-only network namespace for Ray)")
     workdir = Path(workdir).resolve()
@@ -172,9 +245,15 @@ def run(files: WorkloadFiles, workdir: Path, repeat: int, *, log: Any = print, *
     result_file = workdir / f"lake-measure-{os.getpid()}.json"
     inner = (
         f"ip link set lo up && exec {sys.executable} -m benchmarks.lake "
-        f"{files.jsonl.resolve()} {workdir} {shards} {result_file}"
+        f"{files.jsonl.resolve()} {workdir} {shards} {result_file} {','.join(catalogs)}"
     )
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_DISABLE_DOCKER_CPU_WARNING": "1"}
+    root = str(Path(__file__).resolve().parents[1])  # benchmarks importable in the child
+    env = {
+        **os.environ,
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_DISABLE_DOCKER_CPU_WARNING": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
+    }
     log(f"lake: measuring {files.manifest['traces']} traces in {shards} shards (Ray in a loopback-only namespace)")
     done = subprocess.run(["unshare", "--net", "sh", "-c", inner], env=env, capture_output=True, text=True)
     if done.returncode == 2:
@@ -241,13 +320,23 @@ def render(results: dict[str, Any]) -> str:
         f" {p['commits']:,.0f} commits, {p['commits_per_s']:.1f} commits/s"
         f" ({p['traces_commits_per_s']:.2f}/s on traces)"
     )
+    for name, figures in m.get("writers", {}).items():
+        if "skipped" in figures:
+            lines.append(f"writers on {name}: not measured ({figures['skipped']})")
+            continue
+        cells = ", ".join(
+            f"{n}: {f['commits_per_s']:.1f} commits/s, {f['retries_per_commit']:.2f} retries/commit"
+            for n, f in figures.items()
+        )
+        lines.append(f"writers on {name} ({WRITER_SHARDS} writes; N at once): {cells}")
     return "\n".join(lines)
 
 
 if __name__ == "__main__":  # the child, inside the namespace: measure and write the JSON
     jsonl, workdir, shards, result = sys.argv[1:5]
+    chosen = [c for c in (sys.argv[5] if len(sys.argv) > 5 else "").split(",") if c]
     try:
-        measured = measure(Path(jsonl), Path(workdir), int(shards))
+        measured = measure(Path(jsonl), Path(workdir), int(shards), chosen)
     except CorrectnessError as e:
         print(f"CORRECTNESS FAILURE: {e}", file=sys.stderr)
         sys.exit(2)

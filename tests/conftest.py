@@ -12,11 +12,13 @@ from support import FIXTURES
 TESTS = Path(__file__).resolve().parent
 LONGEST_FIRST = (
     "lake/test_lake_ray.py",
+    "lake/test_lake_writers.py",
     "faults/test_crash.py",
     "api/test_fuzz.py",
     "views/test_views_property.py",
     "ingest/test_scan_generated.py",
     "lake/test_lake.py",
+    "lake/test_lake_ray_start.py",
     "views/test_buffers.py",
     "faults/test_fuzz.py",
 )

@@ -1,6 +1,8 @@
-"""What the lake tests share: a file store of every golden fixture."""
+"""What the lake tests share: a file store of every golden fixture, a PostgreSQL server."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -17,3 +19,19 @@ def golden_store(tmp_path_factory):
     with tracedb.connect(path) as db:
         db.ingest(FIXTURES)
     return path
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    """A throwaway PostgreSQL cluster for the module (``benchmarks.postgres``), on a Unix
+    socket in a temporary directory, stopped after. Skipped where none can be made, with
+    the reason, except under ``CI=true``, where that fails."""
+    from benchmarks import postgres as pg
+
+    problem = pg.problem()
+    if problem:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true needs a PostgreSQL server for the lake's catalog tests: {problem}")
+        pytest.skip(f"PostgreSQL catalog tests not run: {problem}")
+    with pg.cluster() as server:
+        yield server

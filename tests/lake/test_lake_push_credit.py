@@ -206,3 +206,20 @@ def test_lake_credit_refuses_a_bad_set_name_before_any_work(tmp_path, name):
     with pytest.raises(WriteError, match="cannot name a credit set"):
         lake.credit("grpo", name)
     assert lake.table("credit_sets").scan().to_arrow().num_rows == 0
+
+
+def test_group_keys_are_read_without_a_library_warning(golden_store):
+    """The driver's group keys (the file store's trace_rewards over the lake's traces
+    rows) are read without DuckDB's warning about Arrow output of a DB-API result, which
+    reached the terminal of ``lake credit``."""
+    import warnings
+
+    from tracedb.credit.outcome import trace_rewards
+    from tracedb.lake import credit
+
+    with tracedb.connect(golden_store, read_only=True) as db:
+        traces = db.sql("SELECT trace_id, group_id, reward, ok, is_timeout FROM traces")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        keys = trace_rewards(credit._Traces(traces), reward=None, group_by="group_id", include_failed=False)
+    assert len(keys) == traces.num_rows > 0

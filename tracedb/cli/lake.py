@@ -5,7 +5,11 @@ of the CLI works without it."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import sys
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Annotated
@@ -37,12 +41,51 @@ app = typer.Typer(
     no_args_is_help=True,
 )
 
+QUIET_LOGGERS = ("ray", "pyiceberg")
+"""Libraries whose log records below errors a lake command keeps off the terminal (Ray's
+own go to its session's log files)."""
+
+RayAddressOption = Annotated[
+    str | None,
+    typer.Option(
+        "--ray-address",
+        envvar="RAY_ADDRESS",
+        help="A running Ray cluster (host:port of its head, 'auto': the one on this machine); default: start a "
+        "local one (loopback only, stopped after).",
+    ),
+]
+
 LakeOption = Annotated[
     Path,
     typer.Option(
         "--lake", envvar="TRACEDB_LAKE", help="A lake directory, or a .yaml/.json of pyiceberg catalog properties."
     ),
 ]
+
+
+@app.callback()
+def _lake_commands(ctx: typer.Context) -> None:
+    """The same store as Apache Iceberg tables (needs the lake extra: pip install 'tracedb[lake]')."""
+    ctx.with_resource(_quiet_libraries())
+
+
+@contextlib.contextmanager
+def _quiet_libraries() -> Iterator[None]:
+    """While a lake command runs: the libraries' Python warnings (pyarrow's, DuckDB's,
+    Ray's deprecations) and their log records below errors are not printed; tracedb's
+    own output and errors are. ``python -W`` / ``PYTHONWARNINGS`` still choose."""
+    loggers = [logging.getLogger(name) for name in QUIET_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    with warnings.catch_warnings():
+        if not sys.warnoptions:
+            warnings.simplefilter("ignore")
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for logger, level in zip(loggers, levels, strict=True):
+                logger.setLevel(level)
 
 
 def _lakes() -> ModuleType:
@@ -125,10 +168,7 @@ def pull(
 def ingest(
     paths: Annotated[list[Path], typer.Argument(help="Run directories or traces.jsonl / .jsonl.zst files.")],
     lake: LakeOption = Path("lake"),
-    ray_address: Annotated[
-        str | None,
-        typer.Option("--ray-address", help="A running Ray cluster ('auto': the local one); default: start one."),
-    ] = None,
+    ray_address: RayAddressOption = None,
     workers: Annotated[
         int | None, typer.Option("--workers", min=1, help="Ingest tasks at once (default: Ray's CPUs).")
     ] = None,
@@ -230,18 +270,17 @@ def pack(
 
 
 def _started_ray(ray_address: str | None, workers: int | None) -> bool:
-    """Start Ray for a command unless it runs already; True when this call started it."""
+    """Ray for a command (:func:`tracedb.lake.workers.start`: the cluster at
+    ``ray_address``, else a local one of ``workers`` CPUs) unless it runs already; True
+    when this call started it."""
     try:
-        import ray
+        from tracedb.lake import workers as lake_workers
     except ImportError as e:
         raise fail(f"{e} (this lake command needs the lake extra: pip install 'tracedb[lake]')", 2) from None
-    if ray.is_initialized():
-        return False
-    if ray_address is not None:
-        ray.init(address=ray_address, log_to_driver=False)
-    else:
-        ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
-    return True
+    try:
+        return lake_workers.start(ray_address, num_cpus=workers)
+    except TraceDBError as e:
+        raise fail(e, 2) from None
 
 
 @app.command()
@@ -252,10 +291,7 @@ def credit(
         list[str] | None, typer.Option("--param", "-p", help="Algorithm parameter key=value (JSON values), repeatable.")
     ] = None,
     lake: LakeOption = Path("lake"),
-    ray_address: Annotated[
-        str | None,
-        typer.Option("--ray-address", help="A running Ray cluster ('auto': the local one); default: start one."),
-    ] = None,
+    ray_address: RayAddressOption = None,
     workers: Annotated[int | None, typer.Option("--workers", min=1, help="CPUs of the Ray this starts.")] = None,
     as_json: JsonOption = False,
 ) -> None:

@@ -15,12 +15,14 @@ made, never copied) with every column optional and one column of the lake's own,
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 from pyiceberg.catalog import Catalog, load_catalog
-from pyiceberg.exceptions import NamespaceAlreadyExistsError, NoSuchTableError
+from pyiceberg.exceptions import CommitFailedException, NamespaceAlreadyExistsError, NoSuchTableError
 from pyiceberg.table import Table
 from pyiceberg.transforms import BucketTransform
 
@@ -93,6 +95,15 @@ def partition_key(name: str, schema: pa.Schema) -> str | None:
 
 
 @dataclass
+class Commits:
+    """The table commits a catalog was asked for (every attempt, pyiceberg's own retries
+    included) and how many of them conflicted with another writer's."""
+
+    attempts: int = 0
+    conflicts: int = 0
+
+
+@dataclass
 class Location:
     """How to reach a lake: the catalog's properties and the namespace."""
 
@@ -102,7 +113,46 @@ class Location:
     properties: dict[str, str] = field(default_factory=dict)
 
     def catalog(self) -> Catalog:
-        return load_catalog(self.name, **self.properties)
+        """The catalog, connected (a :class:`LakeError` naming it when it cannot be),
+        counting its table commits in its ``commits`` (:class:`Commits`)."""
+        try:
+            made = load_catalog(self.name, **self.properties)
+        except ModuleNotFoundError as e:
+            raise LakeError(
+                f"lake {self.where}: the catalog needs the {e.name} module: pip install 'tracedb[lake]'"
+            ) from None
+        except Exception as e:  # the catalog's driver says why (server down, no such database, ...)
+            raise LakeError(f"lake {self.where}: cannot open catalog {self.describe()}: {_first_line(e)}") from None
+        return counted(made)
+
+    def describe(self) -> str:
+        """The catalog's type and address, any password in it hidden."""
+        uri = re.sub(r"(://[^:/@]*:)[^@/]*@", r"\1***@", self.properties.get("uri", ""))
+        return f"{self.properties.get('type', '?')} {uri}".strip()
+
+
+def counted(made: Catalog) -> Catalog:
+    """``made`` with its ``commit_table`` counting into ``made.commits`` (what a write
+    reports as its commits and retries): every table of the lake commits through it."""
+    commits = Commits()
+    commit = made.commit_table
+
+    def commit_table(table: Any, requirements: Any, updates: Any) -> Any:
+        commits.attempts += 1
+        try:
+            return commit(table, requirements, updates)
+        except CommitFailedException:
+            commits.conflicts += 1
+            raise
+
+    made.commit_table = commit_table  # type: ignore[method-assign]
+    made.commits = commits  # type: ignore[attr-defined]
+    return made
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0]
 
 
 def locate(lake: str | Path) -> Location:
@@ -127,7 +177,7 @@ def locate(lake: str | Path) -> Location:
         props = {str(k): str(v) for k, v in props.items()}
         name = props.pop("name", NAME)
         namespace = props.pop("namespace", NAME)
-        return Location(str(path), name, namespace, props)
+        return Location(str(path), name, namespace, _anchored(props, path.resolve().parent))
     if path.exists() and not path.is_dir():
         raise LakeError(f"lake {path}: neither a directory nor a .yaml/.json of catalog properties")
     root = path.resolve()
@@ -137,6 +187,20 @@ def locate(lake: str | Path) -> Location:
         "warehouse": (root / "warehouse").as_uri(),
     }
     return Location(str(path), NAME, NAME, props)
+
+
+def _anchored(props: dict[str, str], base: Path) -> dict[str, str]:
+    """``props`` with a relative local ``warehouse`` path and a relative SQLite catalog
+    file taken from ``base`` (the properties file's directory), not from the directory a
+    process happens to run in (a Ray worker's is another)."""
+    out = dict(props)
+    warehouse = out.get("warehouse")
+    if warehouse and "://" not in warehouse and not Path(warehouse).is_absolute():
+        out["warehouse"] = (base / warehouse).as_uri()
+    uri = out.get("uri", "")
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////") and uri != "sqlite:///:memory:":
+        out["uri"] = f"sqlite:///{base / uri.removeprefix('sqlite:///')}"
+    return out
 
 
 def create(location: Location) -> dict[str, Table]:
@@ -242,6 +306,12 @@ class Opened:
     def at(cls, location: Location) -> Opened:
         """Open the lake ``location`` names (checking it, see :func:`load`)."""
         return cls(location, load(location))
+
+    @property
+    def commits(self) -> Commits:
+        """The table commits made through this lake's catalog so far (see :func:`counted`;
+        zeros for tables of a catalog made elsewhere)."""
+        return getattr(self._tables[META].catalog, "commits", None) or Commits()
 
     def table(self, name: str) -> Table:
         """The Iceberg table ``name``, reloaded (as of its latest commit)."""

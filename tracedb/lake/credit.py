@@ -25,7 +25,7 @@ from tracedb.credit_sets import check_name
 from tracedb.errors import WriteError
 from tracedb.lake import catalog
 from tracedb.lake.scan import visible_traces
-from tracedb.lake.workers import running_ray
+from tracedb.lake.workers import quiet_data, running_ray
 from tracedb.lake.write import lake_rows
 
 GROUP_ALGORITHMS = ("grpo", "rloo")
@@ -42,7 +42,8 @@ class _Traces:
         self.con.register("traces", traces)
 
     def sql(self, query: str, params: list[Any] | None = None) -> pa.Table:
-        return self.con.execute(query, params or []).to_arrow_table()
+        result = self.con.sql(query, params=params or None)  # execute()'s Arrow output warns (a copy)
+        return pa.table({}) if result is None else result.to_arrow_table()
 
 
 def _visible_traces(lake: catalog.Opened, columns: list[str]) -> pa.Table:
@@ -85,15 +86,16 @@ def compute(lake: catalog.Opened, algorithm: str, **params: Any) -> pa.Table:
     if table.num_rows == 0:
         return empty
     # Traces without a group all land in one Ray group; the algorithm makes each its own group.
-    ds = (
-        ray.data.from_arrow(table)
-        .groupby(_GROUP)
-        .map_groups(_group_credit, batch_format="pyarrow", fn_kwargs={"algorithm": algorithm, "params": params})
-    )
-    parts = [
-        pa.Table.from_batches([b]) if isinstance(b, pa.RecordBatch) else b
-        for b in ds.iter_batches(batch_format="pyarrow")
-    ]
+    with quiet_data():
+        ds = (
+            ray.data.from_arrow(table)
+            .groupby(_GROUP)
+            .map_groups(_group_credit, batch_format="pyarrow", fn_kwargs={"algorithm": algorithm, "params": params})
+        )
+        parts = [
+            pa.Table.from_batches([b]) if isinstance(b, pa.RecordBatch) else b
+            for b in ds.iter_batches(batch_format="pyarrow")
+        ]
     out = pa.concat_tables([empty, *[p.cast(empty.schema) for p in parts]])
     return out.sort_by("trace_id")
 

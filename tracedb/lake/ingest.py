@@ -44,9 +44,13 @@ class LakeIngestReport:
     """Ingest tasks (each one write); the counting tasks of large files are not counted."""
     ranges: int = 0
     """Byte ranges the large files were cut into (each an ingest task of its own)."""
+    commits: int = 0
+    """Table commits the tasks' writes made."""
+    retries: int = 0
+    """Commit attempts that conflicted with another writer's and were made again."""
 
     def to_dict(self) -> dict[str, Any]:
-        keys = ("files", "lines", "traces", "skipped", "rejected", "rows", "tasks", "ranges")
+        keys = ("files", "lines", "traces", "skipped", "rejected", "rows", "tasks", "ranges", "commits", "retries")
         return {k: getattr(self, k) for k in keys}
 
     def __str__(self) -> str:
@@ -135,6 +139,8 @@ def ingest_files(location: catalog.Location, files: Sequence[str | ByteRange], a
         "traces": appended.traces,
         "skipped": appended.skipped + report.skipped,
         "rows": appended.rows,
+        "commits": appended.commits,
+        "retries": appended.retries,
     }
 
 
@@ -169,6 +175,8 @@ def ingest(
         report.traces += r["traces"]
         report.skipped += r["skipped"]
         report.rejected += r["rejected"]
+        report.commits += r["commits"]
+        report.retries += r["retries"]
         for name, n in r["rows"].items():
             report.rows[name] = report.rows.get(name, 0) + n
     return report

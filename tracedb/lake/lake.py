@@ -124,7 +124,8 @@ class Lake(catalog.Opened):
         view code; the arguments are :meth:`tracedb.Database.branches`', selecting what the
         file store's selection does (``after`` / ``through`` / ``complete_groups`` compare
         with the lake's ``seq``; ``tags`` filter on the lake's ``trace_tags``; see
-        :mod:`tracedb.lake.select`). Needs Ray running in this process (``ray.init``)."""
+        :mod:`tracedb.lake.select`). Runs on the Ray of this process, started when none runs
+        (:func:`tracedb.lake.workers.running_ray`: ``RAY_ADDRESS``, else a local one)."""
         from tracedb.lake import views
 
         return views.branches(
@@ -192,7 +193,8 @@ class Lake(catalog.Opened):
         the visible traces, each group in a Ray ``groupby`` by the file store's own
         algorithm, and append it as credit set ``name`` (default: the algorithm's name;
         stored per trace). A set of that name in the lake is refused. Returns the set's
-        name, algorithm, parameters and rows. Needs Ray running (``ray.init``)."""
+        name, algorithm, parameters and rows. Runs on the Ray of this process (started when
+        none runs, as :meth:`branches` says)."""
         from tracedb.lake import credit
 
         return credit.run(self, algorithm, name, **params)
@@ -227,7 +229,8 @@ class Lake(catalog.Opened):
         ``range_bytes`` (default 128 MiB) is cut at line starts into byte ranges of about
         that size, a task each, its lines and rejects numbered as in the whole file
         (compressed and ``.json`` files are never cut). Idempotent by trace id, also
-        against other ingests running at the same time. Needs Ray running (``ray.init``)."""
+        against other ingests running at the same time. Runs on the Ray of this process
+        (started when none runs, as :meth:`branches` says)."""
         from tracedb.lake import ingest
 
         chosen = [paths] if isinstance(paths, str | Path) else list(paths)

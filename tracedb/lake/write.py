@@ -8,6 +8,11 @@ writer made visible meanwhile are dropped; on a commit conflict the table is rel
 and the check made again (pyiceberg's own retries are off on ``traces``, they would
 re-apply the append without it). Rows of a trace whose traces row another writer
 committed first stay behind with this write's batch id, invisible.
+
+The other tables' appends keep pyiceberg's own retries (they reuse the data files
+written); when those run out, the append is made again, up to :data:`TABLE_ATTEMPTS`
+times. The report counts the write's commits and its conflicted attempts (retries), as
+the catalog saw them (:class:`tracedb.lake.catalog.Commits`).
 """
 
 from __future__ import annotations
@@ -22,12 +27,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyiceberg.exceptions import CommitFailedException
 
-from tracedb.lake.catalog import BATCH, batched, lake_schema, lake_tables, per_trace
+from tracedb.lake.catalog import BATCH, Commits, batched, lake_schema, lake_tables, per_trace
 from tracedb.lake.scan import scan_keys
 
 COMMIT_ATTEMPTS = 20
 """How often the traces commit is tried (each time after reloading the table and checking
 the trace ids again) before the write gives up."""
+TABLE_ATTEMPTS = 10
+"""How often the append to another table is made (each with pyiceberg's own retries)
+before the write gives up."""
 
 
 @dataclass
@@ -43,11 +51,18 @@ class AppendReport:
     """Commits of ``traces`` tried (1 without a conflict)."""
     sequence_number: int | None = None
     """The sequence number of the snapshot that made this write's traces visible: their ``seq``."""
+    commits: int = 0
+    """Table commits this write made (one per table it appended to, ``traces`` included)."""
+    retries: int = 0
+    """Commit attempts of this write that conflicted with another writer's commit and were
+    made again (pyiceberg's own retries and tracedb's)."""
 
     def merge(self, other: AppendReport) -> None:
         self.traces += other.traces
         self.skipped += other.skipped
         self.attempts += other.attempts
+        self.commits += other.commits
+        self.retries += other.retries
         for name, n in other.rows.items():
             self.rows[name] = self.rows.get(name, 0) + n
         if other.sequence_number is not None:
@@ -90,18 +105,30 @@ def append(lake: object, rows: Mapping[str, pa.Table]) -> AppendReport:
     store holds them: the traces and everything of theirs) that the lake does not show
     yet. ``seq`` is not stored: readers take it from the traces commit (see
     :func:`tracedb.lake.scan.scan_traces`)."""
+    counter: Commits = lake.commits  # type: ignore[attr-defined]
+    held = Commits(counter.attempts, counter.conflicts)
     report = AppendReport()
+    try:
+        _append(lake, rows, report)
+    finally:
+        report.commits = (counter.attempts - counter.conflicts) - (held.attempts - held.conflicts)
+        report.retries = counter.conflicts - held.conflicts
+    return report
+
+
+def _append(lake: object, rows: Mapping[str, pa.Table], report: AppendReport) -> None:
     traces = rows.get("traces")
     if traces is None or traces.num_rows == 0:
         _append_rejects(lake, rows, uuid.uuid4().hex, report)
-        return report
+        return
     ids = traces.column("trace_id").to_pylist()
-    new = [t for t in ids if t not in visible_ids(lake.table("traces"), ids)]  # type: ignore[attr-defined]
+    shown = visible_ids(lake.table("traces"), ids)  # type: ignore[attr-defined]  # once, not per id
+    new = [t for t in ids if t not in shown]
     report.skipped = len(ids) - len(new)
     batch = uuid.uuid4().hex
     if not new:
         _append_rejects(lake, rows, batch, report)
-        return report
+        return
     schemas = lake_tables()
     keep = traces.filter(_in(traces.column("trace_id"), new))
     episodes = [e for e in keep.column("episode_id").to_pylist() if e is not None]
@@ -128,7 +155,7 @@ def append(lake: object, rows: Mapping[str, pa.Table]) -> AppendReport:
             present = set(lake.table(name).scan(selected_fields=("name",)).to_arrow().column("name").to_pylist())  # type: ignore[attr-defined]
             table = table.filter(pc.invert(_in(table.column("name"), sorted(present))))
         if table.num_rows:
-            lake.table(name).append(lake_rows(name, table, batch))  # type: ignore[attr-defined]
+            _append_table(lake, name, lake_rows(name, table, batch))
             report.rows[name] = table.num_rows
     if relied is not None and relied.num_rows:
         # A compaction that read the nodes before this write's were committed may have
@@ -137,11 +164,11 @@ def append(lake: object, rows: Mapping[str, pa.Table]) -> AppendReport:
         # nodes from here on keeps them: young rows are kept).
         gone = relied.filter(pc.invert(_in(relied.column("segment_id"), _segments_present(lake, relied))))
         if gone.num_rows:
-            lake.table("segments").append(lake_rows("segments", gone, batch))  # type: ignore[attr-defined]
+            _append_table(lake, "segments", lake_rows("segments", gone, batch))
             report.rows["segments"] = report.rows.get("segments", 0) + gone.num_rows
     _commit_traces(lake, keep, batch, report)
     _append_rejects(lake, rows, batch, report)
-    return report
+    return
 
 
 def _segments_present(lake: object, segments: pa.Table) -> list[bytes]:
@@ -165,7 +192,7 @@ def _commit_traces(lake: object, traces: pa.Table, batch: str, report: AppendRep
         try:
             table.append(lake_rows("traces", rest, batch))
         except CommitFailedException:
-            time.sleep(min(0.05 * 2**attempt, 2.0) * random.uniform(0.5, 1.0))
+            _back_off(attempt)
             continue
         report.skipped += traces.num_rows - rest.num_rows
         report.traces = rest.num_rows
@@ -177,9 +204,30 @@ def _commit_traces(lake: object, traces: pa.Table, batch: str, report: AppendRep
     )
 
 
+def _append_table(lake: object, name: str, rows: pa.Table) -> None:
+    """Append ``rows`` to table ``name`` (not ``traces``), made again after a conflict
+    that pyiceberg's own retries did not get past."""
+    for attempt in range(1, TABLE_ATTEMPTS + 1):
+        try:
+            lake.table(name).append(rows)  # type: ignore[attr-defined]
+            return
+        except CommitFailedException:
+            if attempt == TABLE_ATTEMPTS:
+                raise CommitFailedException(
+                    f"{name}: {TABLE_ATTEMPTS} appends conflicted with other writers; nothing of this write is visible"
+                ) from None
+            _back_off(attempt)
+
+
+def _back_off(attempt: int) -> None:
+    """Wait before attempt ``attempt + 1``: exponential, capped at 2 s, jittered so that
+    writers that conflicted do not meet again."""
+    time.sleep(min(0.05 * 2**attempt, 2.0) * random.uniform(0.5, 1.0))
+
+
 def _append_rejects(lake: object, rows: Mapping[str, pa.Table], batch: str, report: AppendReport) -> None:
     """Rejects are a log, not trace rows: appended after the traces (readers show each once)."""
     rejects = rows.get("rejects")
     if rejects is not None and rejects.num_rows:
-        lake.table("rejects").append(lake_rows("rejects", rejects, batch))  # type: ignore[attr-defined]
+        _append_table(lake, "rejects", lake_rows("rejects", rejects, batch))
         report.rows["rejects"] = rejects.num_rows
