@@ -58,11 +58,21 @@ def rotate(run: Path) -> None:
     os.rename(run / NAME, run / f"{NAME}.1")
 
 
-def writer(run: Path, lines: list[bytes], rng: random.Random, done: threading.Event) -> None:
+def writer(
+    run: Path, lines: list[bytes], rng: random.Random, done: threading.Event, kills: list[int] | None = None
+) -> None:
     """Append the lines in pieces of random size; now and then, at a line's end (or with
-    the rest of a line still to come, written to the renamed file), rotate."""
+    the rest of a line still to come, written to the renamed file), rotate. With ``kills``
+    (a counter the test bumps), the second and third thirds wait for the first and second
+    kills, so that followers are killed while the file is written however slow the
+    machine (bounded waits)."""
     f = open(run / NAME, "ab")
-    for line in lines:
+    for i, line in enumerate(lines):
+        for need, at_line in ((1, len(lines) // 3), (2, 2 * len(lines) // 3)):
+            if kills is not None and i == at_line:
+                waited = time.monotonic()
+                while kills[0] < need and time.monotonic() - waited < 60:
+                    time.sleep(0.02)
         at = 0
         while at < len(line):
             step = rng.choice([1, 50, 2000, 8000, 20000])
@@ -107,7 +117,8 @@ def test_a_follower_killed_at_random_moments_loses_nothing_to_rotations(tmp_path
     (run / NAME).write_bytes(lines.pop(0))
     db_path = tmp_path / "runs.duckdb"
     done = threading.Event()
-    writing = threading.Thread(target=writer, args=(run, lines, random.Random(seed + 1), done))
+    counted = [0]
+    writing = threading.Thread(target=writer, args=(run, lines, random.Random(seed + 1), done, counted))
     kills = commits = 0
     started = time.monotonic()
     try:
@@ -121,6 +132,7 @@ def test_a_follower_killed_at_random_moments_loses_nothing_to_rotations(tmp_path
             proc.send_signal(signal.SIGKILL)
             proc.wait(10)
             kills += 1
+            counted[0] = kills
             commits += sum("traces" in o for o in seen)
             if rng.random() < 0.3:  # rotations go on while no follower runs
                 time.sleep(rng.uniform(0.2, 0.8))

@@ -95,7 +95,21 @@ def emit(data: Any, as_json: bool, title: str | None = None) -> None:
             table.add_column(Text(str(column)))
         for row in rows:
             table.add_row(*(Text("" if v is None else str(v)) for v in row.values()))
-    out.print(table)
+    print_table(table)
+
+
+def print_table(table: Table) -> None:
+    """A table on stdout: fitted to a terminal; whole, however wide, when stdout is not one
+    (a pipe or a file gets every column and cell uncut, not 80 columns' worth)."""
+    try:
+        terminal = sys.stdout.isatty()  # the real stream (rich may be told to act as a terminal)
+    except (AttributeError, ValueError):
+        terminal = False
+    if terminal:
+        out.print(table)
+        return
+    width = Console(width=1_000_000).measure(table).maximum
+    Console(file=sys.stdout, width=max(width, 20), soft_wrap=True).print(table)
 
 
 def checked_name(name: str | None) -> None:
