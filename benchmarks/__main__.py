@@ -7,7 +7,9 @@ trainer-feed suite (``benchmarks/batches.py``, ``db.micro_batches``, writing
 ``results-batches.json``); ``--suite live`` (or ``python -m benchmarks live``) a run followed
 by ``tracedb serve --follow`` while a writer appends it and REST readers poll it
 (``benchmarks/live.py``, writing ``results-live.json``); ``--suite lake`` the lake beside the
-file store on Ray, and the 1M-rollout projection (``benchmarks/lake.py``, ``results-lake.json``).
+file store on Ray, and the 1M-rollout projection (``benchmarks/lake.py``, ``results-lake.json``);
+``--suite api`` REST branch lookup, JSON against Arrow, on its own workload
+(``benchmarks/bench_api.py``, ``results-api.json``).
 ``--workload realistic`` runs any suite on the realistic workload (``benchmarks/realistic.py``:
 real text, a trained BPE, agent-shaped episodes) instead of the core one (the default); its
 results go to ``results-realistic.json`` (``results-batches-realistic.json``, ...).
@@ -19,34 +21,64 @@ nothing); 1 on any other error.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from types import ModuleType
 
 from benchmarks.workload import WORKLOADS, make
 
-RESULTS = Path(__file__).resolve().parent / "results.json"
-QUICK = {"traces": 16, "tokens": 3_000, "repeat": 1}
-FULL = {"traces": 256, "tokens": 30_000, "repeat": 5}
+
+@dataclass(frozen=True)
+class Suite:
+    """A suite: its module (``RESULTS``, ``QUICK``, ``FULL``, ``run``, ``render``), the
+    keywords its ``run`` takes from the command line (keyword -> option attribute), and
+    whether it runs on the verifiers-written workload (built first) or builds its own."""
+
+    module: str
+    options: dict[str, str] = field(default_factory=dict)
+    workload: bool = True
+
+    def load(self) -> ModuleType:
+        return importlib.import_module(self.module)
+
+
+SUITES = {
+    "core": Suite("benchmarks.core"),
+    "credit": Suite("benchmarks.credit"),
+    "batches": Suite("benchmarks.batches", {"seq_len": "seq_len", "ranks": "ranks"}),
+    "live": Suite(
+        "benchmarks.live",
+        {
+            "rate": "rate",
+            "rate_traces": "rate_traces",
+            "readers": "readers",
+            "soak_traces": "soak_traces",
+            "fmt": "format",
+            "memory_limit": "memory_limit",
+        },
+    ),
+    "lake": Suite("benchmarks.lake", {"catalog": "catalog"}),
+    "api": Suite(
+        "benchmarks.bench_api",
+        {"traces": "traces", "tokens": "tokens", "clients": "clients", "seconds": "seconds"},
+        workload=False,
+    ),
+}
+"""Every suite ``python -m benchmarks [--suite] NAME`` runs (the first is the default)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] in (["core"], ["credit"], ["batches"], ["live"], ["lake"]):  # `... credit` = `--suite credit`
+    if argv[:1] and argv[0] in SUITES:  # `... credit` = `--suite credit`
         argv = ["--suite", *argv]
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--suite",
-        choices=["core", "credit", "batches", "live", "lake"],
-        default="core",
-        help="which suite to run (default core)",
-    )
+    p.add_argument("--suite", choices=list(SUITES), default="core", help="which suite to run (default core)")
     p.add_argument("--workdir", type=Path, default=Path("out/bench"), help="workload cache and scratch databases")
-    p.add_argument("--traces", type=int, help=f"traces, in groups of 8 (default {FULL['traces']})")
-    p.add_argument("--tokens", type=int, help=f"tokens per trace (default {FULL['tokens']})")
-    p.add_argument(
-        "--repeat", type=int, help=f"runs per figure; medians are reported (default {FULL['repeat']}; credit 11)"
-    )
+    p.add_argument("--traces", type=int, help="traces, in groups of 8 (default 256; api 32)")
+    p.add_argument("--tokens", type=int, help="tokens per trace (default 30000; api 32768)")
+    p.add_argument("--repeat", type=int, help="runs per figure; medians are reported (default 5; credit 11)")
     p.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test (16 traces, 3k tokens, 1 run)")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument(
@@ -58,7 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--results",
         type=Path,
-        help=f"results file (default {RESULTS}; credit: results-credit.json; batches: results-batches.json)",
+        help="results file (default benchmarks/results.json; credit: results-credit.json; batches: "
+        "results-batches.json; ...)",
     )
     p.add_argument("--seq-len", type=int, default=32_768, help="batches suite: tokens per micro-batch (default 32768)")
     p.add_argument("--ranks", type=int, default=8, help="batches suite: data-parallel ranks (default 8)")
@@ -80,31 +113,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="both",
         help="lake suite: the catalogs of the many-writers measurement (default both)",
     )
+    p.add_argument("--seconds", type=float, help="api suite: seconds per row (default 30; --quick 2)")
+    p.add_argument("--clients", type=int, help="api suite: client threads (default 8)")
     args = p.parse_args(argv)
-    if args.suite == "credit":
-        from benchmarks import credit
-
-        default_results = credit.RESULTS
-        defaults = credit.QUICK if args.quick else credit.FULL
-    elif args.suite == "batches":
-        from benchmarks import batches
-
-        default_results = batches.RESULTS
-        defaults = batches.QUICK if args.quick else batches.FULL
-    elif args.suite == "live":
-        from benchmarks import live
-
-        default_results = live.RESULTS
-        defaults = live.QUICK if args.quick else live.FULL
-    elif args.suite == "lake":
-        from benchmarks import lake
-
-        default_results = lake.RESULTS
-        defaults = lake.QUICK if args.quick else lake.FULL
-    else:
-        default_results = RESULTS
-        defaults = QUICK if args.quick else FULL
+    suite = SUITES[args.suite]
+    module = suite.load()
+    defaults = module.QUICK if args.quick else module.FULL
     if args.results is None:  # the realistic workload's results do not overwrite the core one's
+        default_results = module.RESULTS
         suffix = "" if args.workload == "core" else f"-{args.workload}"
         args.results = default_results.with_name(f"{default_results.stem}{suffix}{default_results.suffix}")
     for name, value in defaults.items():
@@ -114,6 +130,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--traces >= 1, --tokens >= 100, --repeat >= 1, --seq-len >= 1 and --ranks >= 1")
     if args.suite == "live" and (args.rate <= 0 or args.rate_traces < 0 or args.readers < 1 or args.soak_traces < 1):
         p.error("--rate > 0, --rate-traces >= 0, --readers >= 1 and --soak-traces >= 1")
+    if args.suite == "api" and (args.seconds <= 0 or args.clients < 1):
+        p.error("--seconds > 0 and --clients >= 1")
+    if not suite.workload and args.workload != "core":
+        p.error(f"the {args.suite} suite builds its own workload: --workload is for the others")
     return args
 
 
@@ -123,43 +143,23 @@ def main(argv: list[str] | None = None) -> int:
     def log(message: str) -> None:
         print(f"[bench] {message}", file=sys.stderr, flush=True)
 
-    from benchmarks.core import CorrectnessError, write_results
+    from benchmarks.harness import CorrectnessError, write_results
     from benchmarks.workload import build
 
-    options: dict[str, Any] = {}
-    if args.suite == "credit":
-        from benchmarks.credit import render, run
-    elif args.suite == "batches":
-        from benchmarks.batches import render, run
-
-        options = {"seq_len": args.seq_len, "ranks": args.ranks}
-    elif args.suite == "live":
-        from benchmarks.live import render, run
-
-        options = {
-            "rate": args.rate,
-            "rate_traces": args.rate_traces,
-            "readers": args.readers,
-            "soak_traces": args.soak_traces,
-            "fmt": args.format,
-            "memory_limit": args.memory_limit,
-        }
-    elif args.suite == "lake":
-        from benchmarks.lake import render, run
-
-        options = {"catalog": args.catalog}
-    else:
-        from benchmarks.core import render, run
-
-    workload = make(args.workload, traces=args.traces, tokens=args.tokens, seed=args.seed)
-    files = build(workload, args.workdir, log=log)
+    suite = SUITES[args.suite]
+    module = suite.load()
+    options = {keyword: getattr(args, attribute) for keyword, attribute in suite.options.items()}
+    files = None
+    if suite.workload:
+        workload = make(args.workload, traces=args.traces, tokens=args.tokens, seed=args.seed)
+        files = build(workload, args.workdir, log=log)
     try:
-        results = run(files, args.workdir, args.repeat, log=log, **options)
+        results = module.run(files, args.workdir, args.repeat, log=log, **options)
     except CorrectnessError as e:
         print(f"CORRECTNESS FAILURE: {e}", file=sys.stderr)
         return 2
     write_results(results, args.results)
-    print(render(results))
+    print(module.render(results))
     log(f"results written to {args.results}")
     return 0
 

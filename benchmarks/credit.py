@@ -32,17 +32,8 @@ import pyarrow as pa
 
 import tracedb
 import tracedb.credit
-from benchmarks.core import (
-    CorrectnessError,
-    Metric,
-    OtherLoad,
-    machine,
-    pair,
-    peer_read,
-    remove_db,
-    timed,
-    tracedb_ingest,
-)
+from benchmarks import tables
+from benchmarks.harness import CorrectnessError, Metric, Run, ingest_checked, pair, peer_read, remove_db, repeats, timed
 from benchmarks.workload import WorkloadFiles
 from tracedb import credit_sets
 
@@ -366,8 +357,7 @@ def profile(db: Any, algorithm: str, runs: int = 3) -> dict[str, Any]:
 
 def run(files: WorkloadFiles, workdir: Path, repeat: int, *, log: Callable[[str], None]) -> dict[str, Any]:
     """Measure both algorithms on both sides; returns the results (see :func:`render`)."""
-    started = time.perf_counter()
-    other_load = OtherLoad()
+    frame = Run()
     rundir = workdir / "credit"
     rundir.mkdir(parents=True, exist_ok=True)
     db_path = rundir / "tracedb.duckdb"
@@ -379,11 +369,7 @@ def run(files: WorkloadFiles, workdir: Path, repeat: int, *, log: Callable[[str]
     episodes = peer_read(files.dir)
     read_seconds = time.perf_counter() - read_start
     log("tracedb: ingest (untimed)")
-    ingest_start = time.perf_counter()
-    report = tracedb_ingest(files.jsonl, db_path)
-    ingest_seconds = time.perf_counter() - ingest_start
-    if not report.ok:
-        raise CorrectnessError(f"tracedb rejected verifiers' records: {report.rejected[:3]}")
+    _, ingest_seconds = ingest_checked(files.jsonl, db_path)
 
     db = tracedb.connect(db_path)
     try:
@@ -413,9 +399,7 @@ def run(files: WorkloadFiles, workdir: Path, repeat: int, *, log: Callable[[str]
         tracedb_floor(db)
 
         correctness: dict[str, Any] = {"passed": False, "rtol": RTOL, "atol": ATOL}
-        for r in range(repeat):
-            peer_first = r % 2 == 0
-            log(f"repeat {r + 1}/{repeat}")
+        for r, peer_first in repeats(repeat, log):
             for algorithm, params in ALGORITHMS.items():
                 name = SET_NAMES[algorithm]
                 (tp, peer_count), (tt, result) = pair(
@@ -457,74 +441,37 @@ def run(files: WorkloadFiles, workdir: Path, repeat: int, *, log: Callable[[str]
         stamp, compute = m[f"{algorithm}_stamp"], m[f"{algorithm}_compute"]
         stamp.notes["tracedb_write_seconds"] = statistics.median(stamp.tracedb) - statistics.median(compute.tracedb)
 
-    targets = [v.passed for v in m.values() if v.passed is not None]
-    return {
-        "machine": machine(),
-        "workload": {**files.manifest, "path": str(files.jsonl)},
-        "database": stats,
-        "sampled_tokens": sampled,
-        "algorithms": {a: {"set": SET_NAMES[a], "params": p} for a, p in ALGORITHMS.items()},
-        "setup_seconds": {"peer_read_episodes": round(read_seconds, 2), "tracedb_ingest": round(ingest_seconds, 2)},
-        "repeat": repeat,
-        "metrics": {k: v.to_dict() for k, v in m.items()},
-        "correctness": correctness,
-        "profile": profiles,
-        "floor": {
+    return frame.results(
+        workload={**files.manifest, "path": str(files.jsonl)},
+        database=stats,
+        sampled_tokens=sampled,
+        algorithms={a: {"set": SET_NAMES[a], "params": p} for a, p in ALGORITHMS.items()},
+        setup_seconds={"peer_read_episodes": round(read_seconds, 2), "tracedb_ingest": round(ingest_seconds, 2)},
+        repeat=repeat,
+        metrics=m,
+        correctness=correctness,
+        profile=profiles,
+        floor={
             "set_created_and_committed": m["grpo_floor"].to_dict()["peer"],
             "empty_commit_seconds": {"median": statistics.median(empty), "min": min(empty), "samples": empty},
         },
-        "all_targets_met": all(targets),
-        "other_load": other_load.result(),
-        "seconds": round(time.perf_counter() - started, 1),
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
+    )
 
 
 # ------------------------------------------------------------------ output
 
 
-def _side(values: list[float] | None) -> str:
-    if not values:
-        return "-"
-    return f"{statistics.median(values):.4f}s ({min(values):.4f}s)"
-
-
 def render(results: dict[str, Any]) -> str:
     """The table, then the workload, setup, correctness, machine and profile lines."""
-    header = (
-        "metric",
-        "peer median (min)",
-        "tracedb median (min)",
-        "ratio",
-        "target",
-        "result",
-        "peer s/M sampled",
-        "tracedb s/M sampled",
-    )
-    rows = [header]
-    for d in results["metrics"].values():
-        result = "-" if d["passed"] is None else ("PASS" if d["passed"] else "MISS")
-        rows.append(
-            (
-                d["label"],
-                _side(d["peer"]["samples"]),
-                _side(d["tracedb"]["samples"]),
-                f"{d['ratio']:.1f}x",
-                d["target"],
-                result,
-                f"{d['notes']['peer_s_per_M_sampled']:.4f}",
-                f"{d['notes']['tracedb_s_per_M_sampled']:.4f}",
-            )
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = []
-    for n, row in enumerate(rows):
-        cells = [c.ljust(w) if i in (0, 4, 5) else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
-        lines.append("  ".join(cells).rstrip())
-        if n == 0:
-            lines.append("-" * len(lines[0]))
+    header = ("metric", "peer median (min)", "tracedb median (min)", "ratio", "target", "result")
+    header += ("peer s/M sampled", "tracedb s/M sampled")
 
-    w, db, mach = results["workload"], results["database"], results["machine"]
+    def per_sampled(d: dict[str, Any]) -> tuple[str, str]:
+        return f"{d['notes']['peer_s_per_M_sampled']:.4f}", f"{d['notes']['tracedb_s_per_M_sampled']:.4f}"
+
+    lines = tables.metric_table(results["metrics"], header, digits=4, extra=per_sampled)
+
+    w, db = results["workload"], results["database"]
     setup = results["setup_seconds"]
     c = results["correctness"]
     metrics = results["metrics"]
@@ -549,23 +496,10 @@ def render(results: dict[str, Any]) -> str:
         )
         + f" (rtol {RTOL:g}, atol {ATOL:g}; nodes checked every repeat): "
         + ("PASSED" if c["passed"] else "FAILED"),
-        f"machine: {mach['cpu_count']} cpus, {(mach['memory_bytes'] or 0) / 2**30:.0f} GiB, python {mach['python']}, "
-        f"duckdb {mach['packages']['duckdb']}; {results['repeat']} repeats, {results['seconds']:.0f}s",
+        tables.machine_line(results),
     ]
-    cpu = [
-        f"{k} {d['peer']['cpu_median'] / d['tracedb']['cpu_median']:.1f}x"
-        for k, d in metrics.items()
-        if d["peer"].get("cpu_median") and d["tracedb"].get("cpu_median")
-    ]
-    lines.append("cpu-time ratios (process CPU, all threads): " + ", ".join(cpu))
-    load = results["other_load"]
-    share = load.get("other_cpu_share")
-    lines.append(
-        f"load average before/after: {load['load_average_before'][0]:.2f}/{load['load_average_after'][0]:.2f}"
-        + (f"; other processes used {share:.0%} of the cpus during the run" if share is not None else "")
-    )
-    if share is not None and share > 0.05:
-        lines.append("note: other load above 5% of the machine: figures are noisier than usual")
+    lines += tables.cpu_ratio_lines(metrics)
+    lines += tables.load_lines(results["other_load"])
     for algorithm, p in results["profile"].items():
         lines.append(
             f"profile {algorithm} stamp (instrumented, median of 3 runs): {p['total_seconds'] * 1e3:.1f} ms = "

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.core import CorrectnessError
+from benchmarks.harness import CorrectnessError
 from benchmarks.workload import WorkloadFiles
 
 RESULTS = Path(__file__).resolve().parent / "results-lake.json"

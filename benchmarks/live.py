@@ -19,33 +19,32 @@ Two server runs, each ``tracedb serve --db X --follow RUN_DIR`` in a subprocess 
 Correctness, both runs: every appended trace was listed exactly once to every client, in
 sequence order with watermarks that never go back; every reader's branches equal what
 the database holds; the database holds exactly the appended traces and rejected nothing
-(exit 2 otherwise). The moving parts are in ``benchmarks/live_parts.py``.
+(exit 2 otherwise). The moving parts are in ``benchmarks/live_parts.py``, the figures of a run
+in ``benchmarks/live_figures.py``.
 """
 
 from __future__ import annotations
 
 import os
-import resource
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import httpx
-import numpy as np
 import orjson
 
 import tracedb
-from benchmarks.core import CorrectnessError, _busy_seconds, machine, remove_db
+from benchmarks import tables
+from benchmarks.harness import CorrectnessError, Run, remove_db
+from benchmarks.live_figures import WARMUP_SHARE, FollowedRun, figures
 from benchmarks.live_parts import COLUMNS, Reader, Sampler, Watcher, WriterSpec, cpu_seconds, read_writer, table_digests
+from benchmarks.servers import free_port, healthy
 from benchmarks.workload import WorkloadFiles, build, kind_of, make
 from tracedb.runtime import DEFAULT_MEMORY_LIMIT
 
@@ -69,23 +68,7 @@ VISIBLE_TARGET_MS = 1000.0
 """Readers of the REST API see a committed trace within ~1 s (at the fixed rate)."""
 SLOPE_TARGET = 50.0
 """MB of server RSS per GB ingested that counts as flat: the soak's slope over its last
-third (:data:`TAIL_SHARE`)."""
-MIN_FIT_BYTES = 100_000_000
-"""Below this many bytes ingested no slope is fitted (a smoke run's few MB say nothing)."""
-WARMUP_SHARE = 0.25
-"""The first RSS slope is fitted over the samples past this share of the bytes: the first
-ingests load the compiled kernels and fill the fixed-size caches, a cost paid once."""
-TAIL_SHARE = 2 / 3
-"""The tail slope is fitted past this share of the bytes. DuckDB's buffer pool keeps the
-blocks an ingest writes until it reaches the memory limit (1 GiB by default: ~5 GB of
-this workload ingested), so RSS rises until then and is flat after; the soak is sized to
-go past it, and its tail slope is the steady state a long run keeps."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+third (``live_figures.TAIL_SHARE``)."""
 
 
 def index_lines(jsonl: Path) -> tuple[list[list[str]], list[int]]:
@@ -107,7 +90,7 @@ def start_server(
 ) -> tuple[subprocess.Popen[bytes], str]:
     """``tracedb serve --db DB --follow RUN_DIR`` on a free loopback port, once ``/health``
     answers; ``memory_limit`` is its ``TRACEDB_MEMORY_LIMIT`` (None: tracedb's default)."""
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ)
     env.pop("TRACEDB_MEMORY_LIMIT", None)
     if memory_limit is not None:
@@ -117,46 +100,11 @@ def start_server(
     with log_path.open("wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while True:
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline or proc.poll() is not None:
-            proc.kill()
-            proc.wait()
-            raise RuntimeError(f"the server did not start: {_tail(log_path)}")
-        time.sleep(0.2)
-
-
-@dataclass
-class FollowedRun:
-    """What one server run produced: the writer's append times, the clients' records,
-    the sampler's samples."""
-
-    files: WorkloadFiles
-    line_ids: list[list[str]]
-    line_bytes: list[int]
-    rate_lines: int
-    appended: dict[int, float]
-    """Source line -> when the write that completed it returned (CLOCK_MONOTONIC)."""
-    appended_wall: dict[int, float]
-    """The same on the wall clock."""
-    phases: dict[str, float]
-    written: dict[str, Any]
-    """The writer's last record: bytes and seconds per phase."""
-    watcher: Watcher
-    readers: list[Reader]
-    sampler: Sampler
-    server_cpu_seconds: float
-    drained_after_writer_s: float
-    correctness: dict[str, Any]
-
-    @property
-    def expected(self) -> list[str]:
-        return [t for ids in self.line_ids for t in ids]
+    if not healthy(proc, base, seconds=90, timeout=2, pause=0.2):
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"the server did not start: {_tail(log_path)}")
+    return proc, base
 
 
 def follow_run(
@@ -308,175 +256,6 @@ def check(expected: list[str], clients: dict[str, Any], db_path: Path, log: Call
     }
 
 
-# ------------------------------------------------------------------ figures
-
-
-def _latency(seconds: list[float]) -> dict[str, Any]:
-    def ms(q: float) -> float | None:
-        return round(float(np.percentile(seconds, q)) * 1000, 1) if seconds else None
-
-    return {"n": len(seconds), "p50_ms": ms(50), "p99_ms": ms(99), "max_ms": ms(100)}
-
-
-def _slope(samples: list[dict[str, Any]], low: float, high: float) -> tuple[float | None, float | None]:
-    """MB of RSS per GB ingested, least squares over the samples with bytes in [low, high],
-    and its standard error (None, None with fewer than 4 distinct byte counts)."""
-    kept = [s for s in samples if s["bytes"] is not None and low <= s["bytes"] <= high]
-    xs = [s["bytes"] / 1e9 for s in kept]
-    if len(set(xs)) < 4 or high < MIN_FIT_BYTES:
-        return None, None
-    (slope, _), cov = np.polyfit(xs, [s["rss"] / 1e6 for s in kept], 1, cov=True)
-    return round(float(slope), 1), round(float(np.sqrt(cov[0, 0])), 1)
-
-
-def _slopes(name: str, fit: tuple[float | None, float | None]) -> dict[str, float | None]:
-    return {f"{name}_MB_per_GB": fit[0], f"{name}_stderr": fit[1]}
-
-
-def _rss_at(samples: list[dict[str, Any]], at: float) -> float:
-    """RSS (MB) at the first sample with at least ``at`` bytes ingested."""
-    return round(next(s["rss"] for s in samples if (s["bytes"] or 0) >= at) / 1e6, 1)
-
-
-def memory(samples: list[dict[str, Any]], total: int, memory_limit: str | None) -> dict[str, Any]:
-    """The server's RSS over the run and its slope over the bytes ingested (fitted while
-    ingest went on: up to the first sample that had every byte)."""
-    ingesting = []
-    for s in samples:
-        ingesting.append(s)
-        if s["bytes"] is not None and s["bytes"] >= total:
-            break
-    start, warm = samples[0], WARMUP_SHARE * total
-    return {
-        "memory_limit": memory_limit or f"default ({DEFAULT_MEMORY_LIMIT})",
-        "ingested_GB": round(total / 1e9, 3),
-        "rss_idle_MB": round(start["rss"] / 1e6, 1),
-        "rss_at_warmup_MB": _rss_at(ingesting, warm),
-        "rss_when_ingested_MB": round(ingesting[-1]["rss"] / 1e6, 1),
-        "rss_end_MB": round(samples[-1]["rss"] / 1e6, 1),
-        "peak_MB": round(max(s["hwm"] for s in samples) / 1e6, 1),
-        **_slopes("slope", _slope(ingesting, warm, total)),
-        **_slopes("slope_second_half", _slope(ingesting, total / 2, total)),
-        **_slopes("slope_tail", _slope(ingesting, TAIL_SHARE * total, total)),
-        "rss_at_tail_start_MB": _rss_at(ingesting, TAIL_SHARE * total),
-        "samples": len(samples),
-        "series": [
-            {"t": round(s["t"] - start["t"], 2), "rss_MB": round(s["rss"] / 1e6, 1)}
-            | {"GB": round((s["bytes"] or 0) / 1e9, 4)}
-            | ({"behind": True} if s["behind"] else {})
-            for s in samples
-        ],
-    }  # fmt: skip
-
-
-def _max_backlog(samples: list[dict[str, Any]], appended: dict[int, float], line_bytes: list[int]) -> int:
-    """The most bytes of whole lines on disk and not yet ingested, over ``samples``."""
-    times = np.array([appended[j] for j in range(len(line_bytes))])
-    order = np.argsort(times, kind="stable")
-    on_disk = np.concatenate([[0], np.cumsum(np.array(line_bytes)[order])])
-    at = np.searchsorted(times[order], [s["t"] for s in samples], side="right")
-    return int(max((on_disk[k] - (s["bytes"] or 0) for k, s in zip(at, samples)), default=0))
-
-
-def _until_ingest(
-    run: FollowedRun, phase_of: dict[str, str], trace_line: dict[str, int], phases: list[str]
-) -> dict[str, Any] | None:
-    """Append -> the start of the transaction that ingested the trace (its ``ingested_at``,
-    DuckDB's ``current_timestamp``, read as UTC): the part of the visibility latency spent
-    before the follower's poll began; the rest is parsing, writing, committing and the
-    long-poll's answer. None when the clocks do not agree (the database's time zone is
-    not UTC)."""
-    out = {}
-    for phase in phases:
-        gaps = []
-        for t, seen in run.watcher.log.seen.items():
-            if phase_of.get(t) == phase and seen.ingested_at:
-                began = datetime.fromisoformat(seen.ingested_at).replace(tzinfo=UTC).timestamp()
-                gaps.append(began - run.appended_wall[trace_line[t]])
-        out[phase] = _latency(gaps)
-        if gaps and not -1.0 < float(np.median(gaps)) < 600:
-            return None
-    return out
-
-
-def figures(run: FollowedRun, memory_limit: str | None) -> dict[str, Any]:
-    """The figures of one followed run."""
-    trace_line = {t: j for j, ids in enumerate(run.line_ids) for t in ids}
-    phase_of = {t: "rate" if j < run.rate_lines else "fast" for t, j in trace_line.items()}
-    append_at = {t: run.appended[j] for t, j in trace_line.items()}
-    phases = [p for p in ("rate", "fast") if any(v == p for v in phase_of.values())]
-
-    def latencies(when: Callable[[Any, str], float | None], clients: list[Any]) -> dict[str, Any]:
-        return {
-            phase: _latency(
-                [
-                    when(c, t) - append_at[t]  # type: ignore[operator]
-                    for c in clients
-                    for t in run.expected
-                    if phase_of[t] == phase and when(c, t) is not None
-                ]
-            )
-            for phase in phases
-        }
-
-    out: dict[str, Any] = {
-        "workload": {k: run.files.manifest[k] for k in ("traces", "nodes", "tokens", "bytes")},
-        "visibility": latencies(lambda c, t: c.log.seen[t].listed_at, [run.watcher]),
-        "until_ingest_began": _until_ingest(run, phase_of, trace_line, phases),
-    }
-    if run.readers:
-        out["delivered"] = latencies(lambda c, t: c.log.seen[t].fetched_at, run.readers)
-    w = run.written
-    ingest: dict[str, Any] = {}
-    if run.rate_lines:
-        ingest["rate_phase"] = {
-            "traces": run.rate_lines,
-            "episodes_per_s": round(w["rate"]["lines"] / max(w["rate"]["seconds"], 1e-9), 2),
-            "MB_per_s_offered": round(w["rate"]["bytes"] / 1e6 / max(w["rate"]["seconds"], 1e-9), 2),
-            "seconds": round(w["rate"]["seconds"], 1),
-        }
-    fast = [t for t in run.expected if phase_of[t] == "fast"]
-    if fast:
-        visible_end = max(run.watcher.log.seen[t].listed_at for t in fast)
-        span = visible_end - run.phases["fast"]
-        in_fast = [s for s in run.sampler.samples if run.phases["fast"] <= s["t"] <= visible_end]
-        ingest["fast_phase"] = {
-            "traces": len(fast),
-            "MB": round(w["fast"]["bytes"] / 1e6, 1),
-            "writer_seconds": round(w["fast"]["seconds"], 2),
-            "writer_MB_per_s": round(w["fast"]["bytes"] / 1e6 / max(w["fast"]["seconds"], 1e-9), 1),
-            "seconds_until_all_visible": round(span, 2),
-            "traces_per_s": round(len(fast) / span, 1),
-            "MB_per_s": round(w["fast"]["bytes"] / 1e6 / span, 1),
-            "health_samples": len(in_fast),
-            "samples_behind": sum(bool(s["behind"]) for s in in_fast),
-            "max_backlog_MB": round(_max_backlog(in_fast, run.appended, run.line_bytes) / 1e6, 1),
-        }
-    out["ingest"] = ingest
-    clients = [run.watcher, *run.readers]
-    out["requests"] = {
-        "branch_fetch": _latency([x for c in run.readers for x in c.log.fetch_seconds]),
-        "listing_answered_at_once": _latency([x for c in clients for x in c.log.poll_seconds]),
-        "total": sum(c.log.requests for c in clients),
-        "MB_received": round(sum(c.log.bytes for c in clients) / 1e6, 1),
-    }
-    last = run.sampler.samples[-1] if run.sampler.samples else {}
-    errors = {
-        "requests": sum(c.log.errors for c in clients),
-        "request_messages": [m for c in clients for m in c.log.error_messages][:10],
-        "sampler": run.sampler.errors[:10],
-        "follower_errors": last.get("errors") or 0,
-        "follower_rejected": last.get("rejected") or 0,
-    }
-    errors["total"] = errors["requests"] + len(run.sampler.errors) + errors["follower_errors"]
-    out["errors"] = errors
-    out["memory"] = memory(run.sampler.samples, sum(run.line_bytes), memory_limit)
-    out["correctness"] = run.correctness
-    out["server_cpu_seconds"] = round(run.server_cpu_seconds, 1)
-    out["clients_done_after_writer_s"] = round(run.drained_after_writer_s, 1)
-    return out
-
-
 def run(
     files: WorkloadFiles,
     workdir: Path,
@@ -493,8 +272,7 @@ def run(
 ) -> dict[str, Any]:
     """The live run and the soak (``repeat`` is not used: each run is long and its figures
     are distributions); returns the results (see :func:`render`)."""
-    started = time.perf_counter()
-    busy0, own0, load0 = _busy_seconds(), time.process_time(), os.getloadavg()
+    frame = Run(children=True)  # the servers and writers, reaped, count as the benchmark's CPU
     params = files.manifest["params"]
     soak_workload = make(kind_of(files), traces=soak_traces, tokens=params["tokens"], seed=params["seed"])
     soak_files = build(soak_workload, workdir, log=log)
@@ -504,9 +282,9 @@ def run(
     log("the soak")
     soak_rate = min(SOAK_RATE_TRACES, rate_traces)
     soak = follow_run(soak_files, workdir / "live-soak", rate=rate, rate_lines=soak_rate, readers=0, **common)
-    results: dict[str, Any] = {
-        "machine": machine(),
-        "setup": {
+    runs = {"live": figures(live, memory_limit), "soak": figures(soak, memory_limit)}
+    return frame.results(
+        setup={
             "readers": readers,
             "format": fmt,
             "columns": COLUMNS,
@@ -516,20 +294,9 @@ def run(
             "memory_limit": memory_limit or f"default ({DEFAULT_MEMORY_LIMIT})",
             "workload_params": params,
         },
-        "live": figures(live, memory_limit),
-        "soak": figures(soak, memory_limit),
-    }
-    results["targets"] = targets(results)
-    busy, wall = _busy_seconds(), time.perf_counter() - started
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)  # the servers and writers, reaped
-    ours = time.process_time() - own0 + children.ru_utime + children.ru_stime
-    other: dict[str, Any] = {"load_average_before": load0, "load_average_after": os.getloadavg()}
-    if busy is not None and busy0 is not None:
-        others = max(0.0, busy - busy0 - ours)
-        other["other_cpu_seconds"] = round(others, 1)
-        other["other_cpu_share"] = round(others / (wall * (os.cpu_count() or 1)), 3)
-    results.update({"other_load": other, "seconds": round(wall, 1), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
-    return results
+        **runs,
+        targets=targets(runs),
+    )
 
 
 def targets(results: dict[str, Any]) -> dict[str, Any]:
@@ -625,16 +392,12 @@ def render(results: dict[str, Any]) -> str:
         *_run_lines("soak (watcher and sampler only)", results["soak"]),
     ]
     for name, t in results["targets"].items():
-        verdict = "-" if t["passed"] is None else "PASS" if t["passed"] else "MISS"
-        lines.append(f"target {name}: {t['value']} {t['unit']} ({t['target']}) {verdict}".replace("  ", " "))
+        lines.append(
+            f"target {name}: {t['value']} {t['unit']} ({t['target']}) {tables.verdict(t['passed'])}".replace("  ", " ")
+        )
     lines.append(
         f"machine: {m['cpu_count']} cpus, python {m['python']}, duckdb {m['packages']['duckdb']}; "
         f"{results['seconds']:.0f} s"
     )
-    share = results["other_load"].get("other_cpu_share")
-    if share is not None and share > 0.05:
-        lines.append(
-            f"note: other processes used {share:.0%} of the machine's cpus during the run "
-            f"({results['other_load']['other_cpu_seconds']:.0f} cpu-seconds): the figures are noisier than usual"
-        )
+    lines += tables.busy_note(results["other_load"], m["cpu_count"])
     return "\n".join(lines)

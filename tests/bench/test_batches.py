@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +17,12 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from support import FIXTURES, REPO
+from support import FIXTURES
 
 pytest.importorskip("verifiers.v1")
 
 METRICS = {"from_file", "warm", "shared"}
 SEQ_LEN, RANKS = 2048, 8  # bins of 2 samples (sharing the system prompt); 8 ranks need padding bins
-if str(REPO) not in sys.path:  # benchmarks/ is not part of the installed package
-    sys.path.insert(0, str(REPO))
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +94,10 @@ def _with_column(batch: pa.RecordBatch, name: str, values: np.ndarray) -> pa.Rec
 
 
 def test_correctness_check_catches_a_broken_plan(quick_run: tuple[Path, str]) -> None:
-    from benchmarks.batches import peer_read_pack, tracedb_from_file, verify
-    from benchmarks.core import CorrectnessError
+    from benchmarks.batches_check import verify
+    from benchmarks.batches_step import tracedb_from_file
+    from benchmarks.harness import CorrectnessError
+    from benchmarks.reference_packer import peer_read_pack
     from tracedb.batches import Plan
 
     tmp, _ = quick_run
@@ -162,8 +161,9 @@ def test_check_holds_on_the_fixtures(fixture_run: tuple[Path, Path], seq_len: in
     prefix sharing: the peer and tracedb agree on the fixtures; a peer without the train-once
     rule does not."""
     import tracedb
-    from benchmarks.batches import peer_pack, peer_read, verify
-    from benchmarks.core import CorrectnessError
+    from benchmarks.batches_check import verify
+    from benchmarks.harness import CorrectnessError, peer_read
+    from benchmarks.reference_packer import peer_pack
 
     results_dir, db_path = fixture_run
     episodes = peer_read(results_dir)
@@ -184,7 +184,7 @@ def test_check_holds_on_the_fixtures(fixture_run: tuple[Path, Path], seq_len: in
 
 def test_step_from_file_refuses_a_file_still_open(fixture_run: tuple[Path, Path]) -> None:
     import tracedb
-    from benchmarks.batches import tracedb_from_file
+    from benchmarks.batches_step import tracedb_from_file
 
     _, db_path = fixture_run
     with tracedb.connect(db_path, read_only=True):
@@ -194,11 +194,11 @@ def test_step_from_file_refuses_a_file_still_open(fixture_run: tuple[Path, Path]
 
 
 def test_batches_suite_is_registered() -> None:
-    from benchmarks import batches
-    from benchmarks.__main__ import RESULTS, parse_args
+    from benchmarks import batches, core
+    from benchmarks.__main__ import parse_args
 
-    core = parse_args([])
-    assert core.suite == "core" and core.results == RESULTS and core.repeat == 5
+    default = parse_args([])
+    assert default.suite == "core" and default.results == core.RESULTS and default.repeat == 5
     for argv in (["batches"], ["--suite", "batches"]):
         args = parse_args(argv)
         assert args.suite == "batches" and args.results == batches.RESULTS

@@ -7,14 +7,13 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from support import REPO
+from support import FIXTURES
 
 pytest.importorskip("verifiers.v1")
 
@@ -28,9 +27,6 @@ METRICS = {
     "export_parquet",
 }
 TARGETS = {"ingest", "warm_views", "views_from_file", "storage"}
-ROOT = REPO
-if str(ROOT) not in sys.path:  # benchmarks/ is not part of the installed package
-    sys.path.insert(0, str(ROOT))
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +70,8 @@ def test_quick_benchmark_reports_every_metric(quick_run: tuple[Path, str]) -> No
 
 def test_correctness_check_catches_a_wrong_view(quick_run: tuple[Path, str]) -> None:
     import tracedb
-    from benchmarks.core import COLUMNS, CorrectnessError, peer_read, verify_against_peer
+    from benchmarks.core import COLUMNS, verify_against_peer
+    from benchmarks.harness import CorrectnessError, peer_read
 
     tmp, _ = quick_run
     workload = next((tmp / "work").glob("workload-*"))
@@ -118,7 +115,7 @@ def test_views_from_file_refuses_a_file_still_open(tmp_path: Path) -> None:
 
     path = tmp_path / "runs.duckdb"
     with tracedb.connect(path) as db:
-        db.ingest(ROOT / "tests" / "fixtures" / "verifiers-0.4.0" / "linear.traces.jsonl")
+        db.ingest(FIXTURES / "linear.traces.jsonl")
         assert is_attached(str(path))
         with pytest.raises(RuntimeError, match="still open"):
             tracedb_from_file(path)

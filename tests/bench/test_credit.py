@@ -8,20 +8,14 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-from support import REPO
 
 pytest.importorskip("verifiers.v1")
 
 METRICS = {"grpo_stamp", "grpo_compute", "gae_stamp", "gae_compute", "grpo_floor"}
 TARGETS = {"grpo_stamp": ">= 5x", "gae_stamp": ">= 3x", "grpo_floor": "<= 3x"}
-ROOT = REPO
-if str(ROOT) not in sys.path:  # benchmarks/ is not part of the installed package
-    sys.path.insert(0, str(ROOT))
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +68,8 @@ def test_quick_credit_benchmark_completes_and_is_correct(quick_run: tuple[Path, 
 
 def test_correctness_check_catches_wrong_credit(quick_run: tuple[Path, str]) -> None:
     import tracedb
-    from benchmarks.core import CorrectnessError, peer_read
     from benchmarks.credit import compare_nodes, peer_gae, peer_grpo, peer_nodes, stamped_nodes, verify_branches
+    from benchmarks.harness import CorrectnessError, peer_read
 
     tmp, _ = quick_run
     episodes = peer_read(next((tmp / "work").glob("workload-*")))
@@ -107,11 +101,11 @@ def test_correctness_check_catches_wrong_credit(quick_run: tuple[Path, str]) -> 
 
 
 def test_core_suite_stays_the_default() -> None:
-    from benchmarks import credit
-    from benchmarks.__main__ import RESULTS, parse_args
+    from benchmarks import core, credit
+    from benchmarks.__main__ import parse_args
 
-    core = parse_args([])
-    assert core.suite == "core" and core.results == RESULTS and core.repeat == 5
+    default = parse_args([])
+    assert default.suite == "core" and default.results == core.RESULTS and default.repeat == 5
     for argv in (["credit"], ["--suite", "credit"]):
         args = parse_args(argv)
         assert args.suite == "credit" and args.results == credit.RESULTS and args.repeat == credit.FULL["repeat"]

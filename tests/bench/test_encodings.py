@@ -5,18 +5,12 @@ token ids and logprobs, and the fixed-point encoding refuses values it would not
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 import tracedb
 from tracedb.synthetic import write_sample
-
-from support import REPO
-
-if str(REPO) not in sys.path:  # benchmarks/ is not part of the installed package
-    sys.path.insert(0, str(REPO))
 
 pytest.importorskip("zstandard")
 

@@ -11,19 +11,13 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import sys
 import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from support import REPO
-
 pytest.importorskip("verifiers.v1")
-
-if str(REPO) not in sys.path:  # benchmarks/ is not part of the installed package
-    sys.path.insert(0, str(REPO))
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +112,7 @@ def _readers_as_the_database_says(db_path: Path, fmt: str = "arrow") -> tuple[li
 
 
 def test_the_check_refuses_what_is_not_exact(quick_run: tuple[Path, str]) -> None:
-    from benchmarks.core import CorrectnessError
+    from benchmarks.harness import CorrectnessError
     from benchmarks.live import check
 
     tmp, _ = quick_run

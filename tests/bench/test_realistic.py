@@ -7,17 +7,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-from support import REPO
-
 pytest.importorskip("verifiers.v1")
 pytest.importorskip("tokenizers")
-if str(REPO) not in sys.path:  # benchmarks/ is not part of the installed package
-    sys.path.insert(0, str(REPO))
 
 SMALL = {"traces": 8, "tokens": 6_000, "vocab": 4_000, "packages": ("verifiers",)}
 

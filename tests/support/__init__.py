@@ -1,9 +1,13 @@
 """Helpers the tests share, imported as ``support`` (``pythonpath`` in pyproject.toml)."""
 
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-"""The repository's root."""
+"""The repository's root: on ``sys.path`` for the tests, so that ``benchmarks`` (not part of
+the installed package) imports, as ``tests/support/batches.py`` and ``tests/bench`` do."""
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "verifiers-0.4.0"
 """Real traces.jsonl files written by verifiers 0.4.0, each beside its NAME.branches.json:
 verifiers' own branch views of that file (the ground truth)."""

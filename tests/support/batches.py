@@ -1,7 +1,10 @@
 """A reference model of the trainer feed (``db.micro_batches``) for ``tests/batches``.
 
 Plain loops over verifiers records (the dicts of a ``traces.jsonl``) and over the golden
-``NAME.branches.json`` files; nothing here calls ``tracedb.batches``. It states:
+``NAME.branches.json`` files; nothing here calls ``tracedb.batches``. The packing rules it
+shares with the trainer-feed benchmark's peer come from the one reference packer,
+``benchmarks/reference_packer.py`` (first-fit decreasing, :func:`ffd`; the train-once rule).
+It states:
 
 - the branches of a trace (leaves in node order, root-to-leaf paths, a compaction attempt
   trainable only when accepted) and their spread (docs: token_ids and sampled_mask
@@ -9,7 +12,8 @@ Plain loops over verifiers records (the dicts of a ``traces.jsonl``) and over th
   elsewhere; a stream is None when no node of the path holds it);
 - which branches become samples (never scored: skipped; all-zero advantages: dropped on
   request; longer than ``seq_len``: cut, dropped or refused);
-- the train-once rule as a loop over tokens with a set of ``(trace, node, k)`` taken;
+- which sample's loss holds a token that several samples carry (:func:`loss_masks`: the
+  reference packer's train-once rule, in the order trainable samples first);
 - what a plan says about each sample, rebuilt from its spans.
 """
 
@@ -21,6 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from benchmarks.reference_packer import apply_train_once
+from benchmarks.reference_packer import ffd as ffd  # the tests' FFD is the peer's
 
 from support import FIXTURES
 
@@ -222,19 +229,15 @@ def expect(
 def loss_masks(expected: Expected, *, train_once: bool = True) -> dict[Key, list[bool]]:
     """Per sample, which of its kept tokens are in the loss: every sampled token, or (train
     once) a sampled token only in the first trainable sample, then the first sample, that
-    carries it (order: trainable first, then trace and branch index)."""
-    taken: set[tuple[str, int, int]] = set()
+    carries it (order: trainable first, then trace and branch index), by the reference
+    packer's :func:`~benchmarks.reference_packer.apply_train_once` over the path's nodes."""
+    trained: dict[str, dict[Any, int]] = {}  # per trace: node index -> leading tokens trained
     out: dict[Key, list[bool]] = {}
     for b in sorted(expected.samples, key=lambda b: (not b.trainable, b.trace_id, b.index)):
-        mask = []
-        for pos in range(expected.length[b.key]):
-            node, k = b.origin[pos]
-            token = (b.trace_id, node, k)
-            mine = b.sampled_mask[pos] and (not train_once or token not in taken)
-            if mine:
-                taken.add(token)
-            mask.append(mine)
-        out[b.key] = mask
+        loss = np.array(b.sampled_mask[: expected.length[b.key]], np.bool_)
+        if train_once:
+            apply_train_once(loss, zip(b.path, b.sizes), trained.setdefault(b.trace_id, {}))
+        out[b.key] = loss.tolist()
     return out
 
 
@@ -360,22 +363,6 @@ def shared_physical(samples: list[Branch], length: dict[Key, int]) -> int:
             at += size
         own += length[b.key] - at
     return sum(chains.values()) + own
-
-
-def ffd(lengths: list[int], capacity: int) -> list[list[int]]:
-    """First-fit decreasing (longest first, ties in index order), as plain loops."""
-    bins: list[list[int]] = []
-    loads: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        for b in range(len(bins)):
-            if loads[b] + lengths[i] <= capacity:
-                bins[b].append(i)
-                loads[b] += lengths[i]
-                break
-        else:
-            bins.append([i])
-            loads.append(lengths[i])
-    return bins
 
 
 # --------------------------------------------------------------------------- the whole check
