@@ -52,6 +52,7 @@ def create_app(
     follow_settle: float = 2.0,
     follow_tags: Iterable[str] = (),
     follow_allow_ragged: bool = False,
+    follow_rotated: Iterable[str] = (),
 ) -> FastAPI:
     """The REST service and web viewer over the tracedb database at ``db_path``.
 
@@ -74,7 +75,8 @@ def create_app(
     ``follow`` (files and directories of a run being written) makes the server the
     file's owner: it opens it read-write (writes over REST still need the ``token``) and
     ingests the paths as ``tracedb ingest --follow`` does (``follow_interval``,
-    ``follow_settle``, ``follow_tags``, ``follow_allow_ragged``) in a background thread
+    ``follow_settle``, ``follow_tags``, ``follow_allow_ragged``, ``follow_rotated``: the
+    glob patterns of rotated copies, ``--rotated``) in a background thread
     on a cursor of its own; ``/health`` shows how it is doing, and a failure there is
     reported, never fatal to the server.
     Each server thread reads on its own cursor. The database is opened now and
@@ -102,6 +104,7 @@ def create_app(
         follow_settle=follow_settle,
         follow_tags=follow_tags,
         follow_allow_ragged=follow_allow_ragged,
+        follow_rotated=follow_rotated,
     )
 
     app = FastAPI(

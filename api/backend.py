@@ -64,6 +64,7 @@ class Backend:
         follow_settle: float = 2.0,
         follow_tags: Iterable[str] = (),
         follow_allow_ragged: bool = False,
+        follow_rotated: Iterable[str] = (),
     ) -> None:
         if follow and read_only:
             raise ValueError("a server that follows a run writes its database: it cannot open it read-only")
@@ -113,6 +114,7 @@ class Backend:
                     settle=follow_settle,
                     tags=follow_tags,
                     allow_ragged=follow_allow_ragged,
+                    rotated=follow_rotated,
                 )
             except BaseException:
                 self.close()

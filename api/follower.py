@@ -41,8 +41,11 @@ class LiveFollower:
         settle: float,
         tags: Iterable[str],
         allow_ragged: bool,
+        rotated: Iterable[str] = (),
     ) -> None:
         self.paths = [str(p) for p in paths]
+        self.rotated = list(rotated)
+        """The glob patterns of rotated copies looked at besides the usual names (``--rotated``)."""
         self.db = Database.on(root.child())
         """The follower's own database handle (it writes through it from its thread)."""
         try:
@@ -52,6 +55,7 @@ class LiveFollower:
                 settle=settle,
                 tags=list(tags),
                 allow_ragged=allow_ragged,
+                rotated=self.rotated,
                 on_commit=self._committed,
             )
         except BaseException:
@@ -100,6 +104,7 @@ class LiveFollower:
         return {
             "state": state,
             "paths": self.paths,
+            "rotated": self.rotated,
             "files": report.files,
             "polls": report.polls,
             "commits": report.commits,

@@ -40,6 +40,9 @@ class FollowerStatus(BaseModel):
         description="failing: the last poll raised (last_error); it is tried again, the server goes on."
     )
     paths: list[str]
+    rotated: list[str] = Field(
+        description="Glob patterns of rotated copies looked at besides NAME.1, NAME.<n>, NAME-<date> (--rotated)."
+    )
     files: int = Field(description="Files followed so far.")
     polls: int
     commits: int

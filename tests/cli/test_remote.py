@@ -222,3 +222,43 @@ def test_serve_follow_owns_the_file_and_readers_go_through_it(tmp_path: Path) ->
             assert got.tokens.equals(want.tokens) and got.samples.equals(want.samples)
         expected = db.branches(after=4, tags={"step": (3, None)})
         assert branches_remote.equals(expected) and info["watermark"] == 12 and not info["truncated"]
+
+
+def test_serve_follow_rotated_finishes_a_copy_it_names(tmp_path: Path) -> None:
+    """``serve --rotated PATTERN`` (repeatable) reaches the follower, as ``ingest --follow
+    --rotated`` does: a copytruncate to ``traces.jsonl.bak`` is finished from the copy."""
+    path = tmp_path / "traces.jsonl"
+    lines = sample_lines(2, 4, seed=9).splitlines(keepends=True)
+    path.write_bytes(b"".join(lines[:3]))
+    port = free_port()
+    command = [
+        *(sys.executable, "-m", "tracedb", "serve", "--db", str(tmp_path / "runs.duckdb"), "--port", str(port)),
+        *("--follow", str(path), "--interval", "2", "--rotated", "{name}.bak", "--rotated", "{stem}.old.*"),
+    ]
+    with in_process(command, port, env={"TRACEDB_TOKEN": "", "TRACEDB_URL": ""}) as base:
+        deadline = time.monotonic() + DEADLINE_S
+        while client.health(base)["watermark"] < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        with open(path, "ab") as f:  # between two polls (every 2 s): two lines, copied, truncated
+            f.write(b"".join(lines[3:5]))
+        (tmp_path / "traces.jsonl.bak").write_bytes(path.read_bytes())
+        with open(path, "r+b") as f:
+            f.truncate(0)
+        with open(path, "ab") as f:
+            f.write(b"".join(lines[5:]))
+        while (health := client.health(base))["watermark"] < 8:
+            assert time.monotonic() < deadline, health["follower"]
+            time.sleep(0.05)
+    status = health["follower"]
+    assert status["rotated"] == ["{name}.bak", "{stem}.old.*"]
+    assert (status["traces"], status["restarts"], status["lost_bytes"]) == (8, [], 0)
+    (rotation,) = status["rotations"]
+    assert "traces.jsonl.bak" in rotation
+
+
+def test_serve_rotated_needs_follow_and_a_pattern_it_can_read(tmp_path: Path) -> None:
+    alone = invoke("serve", "--db", tmp_path / "runs.duckdb", "--rotated", "{name}.bak")
+    assert alone.exit_code == 2 and "--rotated" in alone.stderr and "--follow" in alone.stderr
+    bad = invoke("serve", "--db", tmp_path / "runs.duckdb", "--follow", tmp_path / "run", "--rotated", "{name}.{when}")
+    assert bad.exit_code == 2 and "--rotated '{name}.{when}'" in bad.stderr and "{stem}" in bad.stderr
