@@ -58,6 +58,7 @@ class Backend:
         view_cache_tokens: int = 8_000_000,
         read_only: bool = False,
         branch_token_limit: int = 4_000_000,
+        branch_row_limit: int = 10_000,
         max_wait_s: float = 60.0,
         follow: Sequence[str | Path] | None = None,
         follow_interval: float = 0.25,
@@ -68,13 +69,18 @@ class Backend:
     ) -> None:
         if follow and read_only:
             raise ValueError("a server that follows a run writes its database: it cannot open it read-only")
-        if branch_token_limit < 1 or max_wait_s < 0:
-            raise ValueError(f"branch_token_limit must be >= 1, max_wait_s >= 0: {branch_token_limit}, {max_wait_s}")
+        if branch_token_limit < 1 or branch_row_limit < 1 or max_wait_s < 0:
+            raise ValueError(
+                "branch_token_limit and branch_row_limit must be >= 1, max_wait_s >= 0: "
+                f"{branch_token_limit}, {branch_row_limit}, {max_wait_s}"
+            )
         # With user SQL the instance goes without external access (SET below), which must
         # not reach the other databases of the process: the server gets its own instance.
         self.root = open_handle(db_path, isolated=allow_sql, read_only=read_only)
         self.branch_token_limit = branch_token_limit
         """The most view tokens one ``GET /branches`` answer holds (whole traces; said when reached)."""
+        self.branch_row_limit = branch_row_limit
+        """The most branches one ``GET /branches`` answer, or one page of a trace's branch list, holds."""
         self.max_wait_s = max_wait_s
         """The longest a long-poll waits, whatever it asks for."""
         self.read_only = read_only

@@ -511,6 +511,13 @@ def serve(
     branch_token_limit: Annotated[
         int, typer.Option(help="View tokens GET /branches answers at most (whole traces; said when reached).")
     ] = 4_000_000,
+    branch_row_limit: Annotated[
+        int,
+        typer.Option(
+            help="Branches GET /branches answers at most (whole traces; said when reached), and a page of a "
+            "trace's branch list holds."
+        ),
+    ] = 10_000,
     memory_limit_: MemoryLimitOption = None,
 ) -> None:
     """Serve the REST API (branch lookup as JSON or Arrow, listings, writes) and the web trace viewer.
@@ -547,6 +554,7 @@ def serve(
             sql_timeout_s=sql_timeout,
             allowed_hosts=[*LOOPBACK_HOSTS, host, *(allowed_host or [])],
             branch_token_limit=branch_token_limit,
+            branch_row_limit=branch_row_limit,
             follow=follow or None,
             follow_interval=interval,
             follow_settle=settle,
