@@ -19,15 +19,22 @@ from support.servers import in_thread
 DEADLINE_S = 30.0
 
 
-def test_health_shows_a_copytruncate_and_what_it_lost(tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    run.mkdir()
-    path = run / "traces.jsonl"
+def three_runs() -> tuple[list[bytes], list[bytes], list[bytes]]:
+    """Lines of three, two and two new traces: read first, then between a poll and a
+    copytruncate, then after it."""
     base = one_episode("subagent_fork")
     first, between, after = (
         [(json.dumps(renamed(base, f"-{t}{i}")) + "\n").encode() for i in range(n)]
         for t, n in (("a", 3), ("b", 2), ("c", 2))
     )
+    return first, between, after
+
+
+def test_health_shows_a_copytruncate_and_what_it_lost(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    path = run / "traces.jsonl"
+    first, between, after = three_runs()
     path.write_bytes(b"".join(first))
     app = create_app(tmp_path / "runs.duckdb", follow=[run], follow_interval=0.05)
     with in_thread(app) as url, httpx.Client(base_url=url, timeout=30) as http:
@@ -60,11 +67,7 @@ def test_a_rotated_pattern_reaches_the_follower(tmp_path: Path, rotated: list[st
     read again from its start, and /health says the lines before the truncation were not
     found in any rotated copy."""
     path = tmp_path / "traces.jsonl"
-    base = one_episode("subagent_fork")
-    first, between, after = (
-        [(json.dumps(renamed(base, f"-{t}{i}")) + "\n").encode() for i in range(n)]
-        for t, n in (("a", 3), ("b", 2), ("c", 2))
-    )
+    first, between, after = three_runs()
     path.write_bytes(b"".join(first))
     # A poll every 2 s: the copy and the truncate below land between two polls.
     app = create_app(tmp_path / "runs.duckdb", follow=[path], follow_interval=2.0, follow_rotated=rotated)
