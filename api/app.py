@@ -46,12 +46,14 @@ def create_app(
     allowed_hosts: Iterable[str] | None = None,
     read_only: bool | None = None,
     branch_token_limit: int = 4_000_000,
+    branch_row_limit: int = 10_000,
     max_wait_s: float = 60.0,
     follow: Sequence[str | Path] | None = None,
     follow_interval: float = 0.25,
     follow_settle: float = 2.0,
     follow_tags: Iterable[str] = (),
     follow_allow_ragged: bool = False,
+    follow_rotated: Iterable[str] = (),
 ) -> FastAPI:
     """The REST service and web viewer over the tracedb database at ``db_path``.
 
@@ -68,13 +70,17 @@ def create_app(
     Host is one of ``allowed_hosts`` are served (default: the loopback names; ``"*"``
     any). ``read_only`` opens the file read-only (default: when there is no ``token``
     and nothing to follow, so other processes can read the file beside the server).
-    ``GET /branches`` answers at most ``branch_token_limit`` view tokens (whole traces,
-    saying so when it stops there); a long-poll waits at most ``max_wait_s`` seconds.
+    ``GET /branches`` answers at most ``branch_token_limit`` view tokens and
+    ``branch_row_limit`` branches (whole traces, saying so when it stops there; the
+    second bounds branches that hold few tokens or none), and a trace's branch list
+    (``GET /traces/{id}/branches``) at most ``branch_row_limit`` branches a page;
+    a long-poll waits at most ``max_wait_s`` seconds.
 
     ``follow`` (files and directories of a run being written) makes the server the
     file's owner: it opens it read-write (writes over REST still need the ``token``) and
     ingests the paths as ``tracedb ingest --follow`` does (``follow_interval``,
-    ``follow_settle``, ``follow_tags``, ``follow_allow_ragged``) in a background thread
+    ``follow_settle``, ``follow_tags``, ``follow_allow_ragged``, ``follow_rotated``: the
+    glob patterns of rotated copies, ``--rotated``) in a background thread
     on a cursor of its own; ``/health`` shows how it is doing, and a failure there is
     reported, never fatal to the server.
     Each server thread reads on its own cursor. The database is opened now and
@@ -96,12 +102,14 @@ def create_app(
         view_cache_tokens=view_cache_tokens,
         read_only=(token is None and not follow) if read_only is None else read_only,
         branch_token_limit=branch_token_limit,
+        branch_row_limit=branch_row_limit,
         max_wait_s=max_wait_s,
         follow=follow,
         follow_interval=follow_interval,
         follow_settle=follow_settle,
         follow_tags=follow_tags,
         follow_allow_ragged=follow_allow_ragged,
+        follow_rotated=follow_rotated,
     )
 
     app = FastAPI(

@@ -36,23 +36,40 @@ def to_arrow(table: pa.Table) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-def _column(arr: pa.Array) -> Any:
-    """Row 0 of a one-row column as something orjson writes fast (numpy for lists)."""
-    if pa.types.is_map(arr.type):
-        entries = arr[0].as_py()  # loss_weights: a few names at most
-        return None if entries is None else {k: np.asarray(v, np.float32) for k, v in entries}
-    if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
-        if arr.null_count:
-            return None
-        flat = arr.flatten()
-        if pa.types.is_boolean(flat.type):
-            return flat.to_numpy(zero_copy_only=False).astype(np.bool_)
-        return flat.to_numpy(zero_copy_only=False)
-    return arr[0].as_py()
+def list_cells(column: pa.ChunkedArray | pa.Array) -> list[np.ndarray | None]:
+    """A list column as one numpy array per row (None for a null list), all views of one
+    buffer: linear in the column, whatever its number of rows or chunks."""
+    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    values = arr.values.to_numpy(zero_copy_only=False)
+    if pa.types.is_boolean(arr.values.type):
+        values = values.astype(np.bool_)
+    offsets = arr.offsets.to_numpy()
+    valid = arr.is_valid().to_numpy(zero_copy_only=False)
+    return [values[offsets[i] : offsets[i + 1]] if valid[i] else None for i in range(len(arr))]
+
+
+def _cells(column: pa.ChunkedArray) -> list[Any]:
+    """Each row's value of a column as something orjson writes fast (numpy for lists)."""
+    kind = column.type
+    if pa.types.is_map(kind):  # loss_weights: a few names at most
+        return [
+            None if entries is None else {k: np.asarray(v, np.float32) for k, v in entries}
+            for entries in column.to_pylist()
+        ]
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        return list_cells(column)
+    return column.to_pylist()
+
+
+def json_rows(table: pa.Table) -> list[bytes]:
+    """Each row of ``table`` as a JSON object, one key per column. Each column is
+    converted once, so the cost is linear in the table (never a slice per row)."""
+    names = table.column_names
+    columns = [_cells(table.column(name)) for name in names]
+    return [dumps(dict(zip(names, row, strict=True))) for row in zip(*columns, strict=True)]
 
 
 def to_json(table: pa.Table) -> bytes:
     """The one row of ``table`` as a JSON object, one key per column."""
     assert table.num_rows == 1
-    table = table.combine_chunks()
-    return dumps({name: _column(table.column(name).chunk(0)) for name in table.column_names})
+    return json_rows(table)[0]

@@ -40,6 +40,9 @@ class FollowerStatus(BaseModel):
         description="failing: the last poll raised (last_error); it is tried again, the server goes on."
     )
     paths: list[str]
+    rotated: list[str] = Field(
+        description="Glob patterns of rotated copies looked at besides NAME.1, NAME.<n>, NAME-<date> (--rotated)."
+    )
     files: int = Field(description="Files followed so far.")
     polls: int
     commits: int
@@ -191,11 +194,18 @@ class BranchSummary(BaseModel):
 
 
 class BranchList(BaseModel):
+    """A page of a trace's branches, in index order (every branch when it has no more than
+    the server's branch row limit)."""
+
     trace_id: str
     credit: str
     watermark: int | None = Field(
         None, description="With after/complete_groups/through/tag: the watermark the selection was read at."
     )
+    n_branches: int = Field(description="The trace's branches in all.")
+    branches_from: int = Field(description="The first branch index asked for.")
+    limit: int = Field(description="Branches a page holds at most.")
+    next_from: int | None = Field(description="Pass as ?branches_from= for the next page; null after the last.")
     branches: list[BranchSummary]
 
 
@@ -218,13 +228,16 @@ class BranchView(BaseModel):
 
 class BranchSelection(BaseModel):
     """``GET /branches`` as JSON: the branch views of a selection, bounded by the server's
-    token limit (whole traces; ``truncated`` says when it stopped there)."""
+    token limit and branch row limit (whole traces; ``truncated`` says when it stopped there)."""
 
     watermark: int = Field(description="Pass as ?after= for the rest and what arrived since.")
     traces: int
     tokens: int = Field(description="View tokens answered (the branches' lengths summed).")
     token_limit: int
+    n_branches: int = Field(description="Branches answered.")
+    branch_limit: int = Field(description="The most branches one answer holds (the server's --branch-row-limit).")
     truncated: bool
+    truncated_by: Literal["tokens", "branches"] | None = Field(description="Which limit stopped the answer.")
     truncated_why: str | None
     branches: list[BranchView]
 

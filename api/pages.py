@@ -24,7 +24,7 @@ from tracedb import credit_sets
 from tracedb.credit import dose
 from tracedb.database import Database
 
-from . import queries
+from . import queries, tracepage
 from .errors import invalid, not_found
 
 MAX_BINS = 500
@@ -39,8 +39,10 @@ RECENT_GROUPS = 10
 """Groups listed on the run page: the latest to have a member arrive."""
 STRIP_TOKENS = (128, 2000)
 """Bounds on one branch's strip on the group page, in tokens."""
-STRIP_BUDGET = 100_000
+STRIP_BUDGET = 50_000
 """Tokens of strips one group page holds at most (beyond ``STRIP_TOKENS[0]`` per strip)."""
+GROUP_STRIPS = 400
+"""Branch strips one group page shows at most: each member's first branches, at least one each."""
 CREDIT_COLUMNS = 12
 """The most credit sets whose status the group page shows per member."""
 
@@ -293,7 +295,9 @@ def group_page(db: Database, group_id: str, credit: str | None) -> dict[str, Any
     ``zero`` (assigned, all zero), ``partial`` (some sampled nodes unassigned) or
     ``assigned``. A strip is the branch's tokens in the ``credit`` set from its first
     sampled token on, at most ``STRIP_BUDGET`` / strips tokens within ``STRIP_TOKENS``
-    (the page stays light however large the group); ``start``/``end`` say which.
+    (the page stays light however large the group); ``start``/``end`` say which. A member
+    shows its first ``strips_each`` branches (``GROUP_STRIPS`` shared out over the
+    members); ``more_branches`` says how many more it has.
     """
     group = queries.group(db, group_id, credit)
     members = sorted(group["traces"], key=lambda m: (m["reward"] is None, -(m["reward"] or 0.0), m["trace_id"]))
@@ -301,7 +305,13 @@ def group_page(db: Database, group_id: str, credit: str | None) -> dict[str, Any
     statuses = {name: credit_statuses(db, group_id, name) for name in sets}
     for member in members:
         member["credit"] = {name: statuses[name].get(member["trace_id"], "unassigned") for name in sets}
-    table = db.branches(group=group_id, columns=["token_ids", "sampled_mask", "logprobs", "advantages"], credit=credit)
+    each = max(1, GROUP_STRIPS // max(1, len(members)))  # a member's first branches (indices are 0, 1, ...)
+    table = db.branches(
+        group=group_id,
+        branch_index=list(range(each)),
+        columns=["token_ids", "sampled_mask", "logprobs", "advantages"],
+        credit=credit,
+    )
     cap = max(STRIP_TOKENS[0], min(STRIP_TOKENS[1], STRIP_BUDGET // max(1, table.num_rows)))
     rows: dict[str, list[int]] = {}
     for i, trace_id in enumerate(table.column("trace_id").to_pylist()):
@@ -313,7 +323,8 @@ def group_page(db: Database, group_id: str, credit: str | None) -> dict[str, Any
             strip = _strip(table, row, cap)
             member["strips"].append({"strip": len(strips), **{k: strip.pop(k) for k in _STRIP_META}})
             strips.append(strip)
-    return {**group, "traces": members, "credit_sets": sets, "strips": strips, "strip_cap": cap}
+        member["more_branches"] = member["n_branches"] - len(member["strips"])
+    return {**group, "traces": members, "credit_sets": sets, "strips": strips, "strip_cap": cap, "strips_each": each}
 
 
 def group_compare(db: Database, group_id: str, a: str, b: str) -> dict[str, Any]:
@@ -392,23 +403,29 @@ def _values(cell: pa.Scalar) -> np.ndarray | None:
 # --------------------------------------------------------------------------- two credit sets
 
 
-def credit_diff(db: Database, trace_id: str, a: str | None, b: str | None) -> dict[str, Any]:
-    """One trace's sampled nodes in credit sets ``a`` and ``b`` (None: the default set):
-    per node, three strips (``a``, ``b`` and ``a - b``) and a summary row: whether each
-    set assigns the node, the mean over its sampled tokens in each, and the largest and
-    mean difference. A difference needs both values: a node only one set assigns has
-    none (None, not zero). Streams come from the same ``node_tokens()`` view as the trace
-    page, so the strips line up token for token.
+def credit_diff(db: Database, trace_id: str, a: str | None, b: str | None, *, nodes_from: int = 0) -> dict[str, Any]:
+    """One trace's sampled nodes in credit sets ``a`` and ``b`` (None: the default set),
+    at most ``tracepage.COMPARE_NODES`` of them from the ``nodes_from``-th on (``window``
+    says which): per node, three strips (``a``, ``b`` and ``a - b``; within the page's
+    token budget, ``shown`` tokens from the node's start) and a summary row over all its
+    tokens: whether each set assigns the node, the mean over its sampled tokens in each,
+    and the largest and mean difference. A difference needs both values: a node only one
+    set assigns has none (None, not zero). Streams come from the same ``node_tokens()``
+    view as the trace page, so the strips line up token for token.
     """
     queries.trace_meta(db, trace_id)  # 404 for an unknown trace
-    nodes = db.sql(
-        "SELECT node_index, role, n_tokens, n_sampled FROM nodes WHERE trace_id = ? ORDER BY node_index", [trace_id]
+    sampled = db.sql(  # no credit lives in the other nodes
+        "SELECT node_index, role, n_tokens, n_sampled FROM nodes WHERE trace_id = ? AND n_sampled > 0 "
+        "ORDER BY node_index",
+        [trace_id],
     ).to_pylist()
-    left, right = queries.node_tokens(db, trace_id, a), queries.node_tokens(db, trace_id, b)
+    start, stop = tracepage.compare_window(len(sampled), nodes_from)
+    nodes = sampled[start:stop]
+    ids = [n["node_index"] for n in nodes]
+    left, right = queries.node_tokens(db, trace_id, a, nodes=ids), queries.node_tokens(db, trace_id, b, nodes=ids)
+    caps = tracepage.compare_tokens([n["n_tokens"] for n in nodes])
     rows, strips = [], []
-    for node, x, y in zip(nodes, left, right, strict=True):
-        if node["n_sampled"] == 0:
-            continue  # no credit lives there
+    for node, x, y, cap in zip(nodes, left, right, caps, strict=True):
         mask = np.asarray(x["sampled_mask"], bool)
         va, vb = x["advantages"], y["advantages"]
         diff = None if va is None or vb is None else va.astype(np.float64) - vb.astype(np.float64)
@@ -420,22 +437,30 @@ def credit_diff(db: Database, trace_id: str, a: str | None, b: str | None) -> di
             "mean_b": _mean(vb, mask),
             "mean_diff": _mean(diff, mask),
             "max_abs_diff": None if diff is None else float(np.abs(diff[mask]).max()),
+            "shown": cap,
             "strips": [],
         }
         for side, values in (("a", va), ("b", vb), ("diff", diff)):
             row["strips"].append({"side": side, "strip": len(strips)})
             strips.append(
                 {
-                    "token_ids": x["token_ids"],
-                    "sampled_mask": mask,
-                    "logprobs": x["logprobs"],
-                    "advantages": values,
+                    "token_ids": tracepage.head_of(x["token_ids"], cap),
+                    "sampled_mask": mask[:cap],
+                    "logprobs": tracepage.head_of(x["logprobs"], cap),
+                    "advantages": tracepage.head_of(values, cap),
                     "node_index": node["node_index"],
                     "side": side,
                 }
             )
         rows.append(row)
-    return {"trace_id": trace_id, "nodes": rows, "strips": strips}
+    window = {
+        "n_sampled": len(sampled),
+        "nodes_from": start,
+        "nodes_to": stop,
+        "previous_nodes": max(0, start - tracepage.COMPARE_NODES) if start > 0 else None,
+        "next_nodes": stop if stop < len(sampled) else None,
+    }
+    return {"trace_id": trace_id, "nodes": rows, "strips": strips, "window": window}
 
 
 def _mean(values: np.ndarray | None, mask: np.ndarray) -> float | None:

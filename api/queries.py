@@ -27,6 +27,7 @@ from tracedb.selection import Selection, pages, values_of, watermark_of, with_wa
 from tracedb.selection import tag_filters as parse_tag_filters
 from tracedb.tables import KEY_COLUMNS, NULLABLE_TOKEN_COLUMNS
 
+from .encode import list_cells
 from .errors import invalid, not_found
 
 _ROW = "trace_id, episode_id, group_id, reward, ok, stop_condition, n_nodes, n_branches, n_tokens, n_sampled"
@@ -153,19 +154,25 @@ def trace_meta(db: Database, trace_id: str) -> dict[str, Any]:
     return row
 
 
-def _lists(col: pa.ChunkedArray) -> list[np.ndarray | None]:
-    """A list column as one numpy array per row (None for a null list), sharing one buffer."""
-    arr = col.combine_chunks()
-    values = arr.values.to_numpy(zero_copy_only=False)
-    offsets = arr.offsets.to_numpy()
-    valid = arr.is_valid().to_numpy(zero_copy_only=False)
-    return [values[offsets[i] : offsets[i + 1]] if valid[i] else None for i in range(len(arr))]
+def _only(nodes: Sequence[int] | None) -> tuple[str, list[Any]]:
+    """The SQL condition (and its parameter) keeping ``nodes`` only (None: every node)."""
+    if nodes is None:
+        return "", []
+    return " AND node_index IN (SELECT unnest(?::INTEGER[]))", [list(nodes)]
 
 
 def trace_nodes(
-    db: Database, trace_id: str, credit: str | None, *, tokens: bool = False, messages: bool = False
+    db: Database,
+    trace_id: str,
+    credit: str | None,
+    *,
+    tokens: bool = False,
+    messages: bool = False,
+    nodes: Sequence[int] | None = None,
 ) -> list[dict[str, Any]]:
-    """The node list: structure, sizes, which streams each node holds; arrays on request."""
+    """The node list (only ``nodes``, when given): structure, sizes, which streams each
+    node holds; arrays on request."""
+    only, bound = _only(nodes)
     table = db.sql(
         "SELECT n.node_index, n.parent, n.role, n.sampled, n.n_tokens, n.n_sampled, "
         "  len(coalesce(n.logprobs, [])) > 0 AS has_logprobs, a.advantages IS NOT NULL AS has_advantages, "
@@ -174,10 +181,10 @@ def trace_nodes(
         "  coalesce(map_keys(n.loss_weights), []) AS loss_weight_names, "
         "  coalesce(n.semantic_parents, []) AS semantic_parents, n.message "
         "FROM nodes n JOIN credit_advantages(?) a USING (trace_id, node_index) "
-        "WHERE n.trace_id = ? ORDER BY n.node_index",
-        [credit, trace_id],
+        f"WHERE n.trace_id = ?{only.replace('node_index', 'n.node_index')} ORDER BY n.node_index",
+        [credit, trace_id, *bound],
     )
-    nodes = []
+    out = []
     for row in table.to_pylist():
         message = row.pop("message")
         node = {k: v for k, v in row.items() if not k.startswith("has_") or k == "has_logprobs"}
@@ -185,25 +192,29 @@ def trace_nodes(
         node["loss_weight_names"] = sorted(node["loss_weight_names"])
         if messages:
             node["message"] = None if message is None else orjson.loads(message)
-        nodes.append(node)
+        out.append(node)
     if tokens:
-        for node, arrays in zip(nodes, node_tokens(db, trace_id, credit)):
+        for node, arrays in zip(out, node_tokens(db, trace_id, credit, nodes=nodes), strict=True):
             node["tokens"] = arrays
-    return nodes
+    return out
 
 
-def node_tokens(db: Database, trace_id: str, credit: str | None) -> list[dict[str, Any]]:
-    """Per node, token ids and every stream in full layout, through the ``node_tokens()`` macro."""
+def node_tokens(
+    db: Database, trace_id: str, credit: str | None, *, nodes: Sequence[int] | None = None
+) -> list[dict[str, Any]]:
+    """Per node (only ``nodes``, when given), token ids and every stream in full layout,
+    through the ``node_tokens()`` macro."""
+    only, bound = _only(nodes)
     table = db.sql(
         "SELECT token_ids, sampled_mask, logprobs, "
         "  CASE WHEN has_advantages THEN advantages END AS advantages, "
         "  CASE WHEN has_reference_logprobs THEN reference_logprobs END AS reference_logprobs, "
         "  CASE WHEN has_trainer_logprobs THEN trainer_logprobs END AS trainer_logprobs, "
         "  CASE WHEN has_entropies THEN entropies END AS entropies, loss_weights "
-        "FROM node_tokens(credit := ?) WHERE trace_id = ? ORDER BY node_index",
-        [credit, trace_id],
+        f"FROM node_tokens(credit := ?) WHERE trace_id = ?{only} ORDER BY node_index",
+        [credit, trace_id, *bound],
     )
-    columns = {name: _lists(table.column(name)) for name in table.column_names if name != "loss_weights"}
+    columns = {name: list_cells(table.column(name)) for name in table.column_names if name != "loss_weights"}
     weights = table.column("loss_weights").to_pylist()
     out = []
     for i in range(table.num_rows):
@@ -213,14 +224,18 @@ def node_tokens(db: Database, trace_id: str, credit: str | None) -> list[dict[st
     return out
 
 
-def branch_list(db: Database, trace_id: str, credit: str | None) -> list[dict[str, Any]]:
+def branch_list(
+    db: Database, trace_id: str, credit: str | None, *, start: int = 0, limit: int | None = None
+) -> list[dict[str, Any]]:
+    """The trace's branches in index order, ``limit`` of them (None: all) from branch
+    index ``start`` on, each with its credit status in ``credit``; 404 for an unknown trace."""
     trace_meta(db, trace_id)
     rows = db.sql(
         "SELECT b.branch_index, b.trainable, b.leaf, b.path, b.n_tokens, b.n_sampled, "
         "  c.assigned_nodes AS credited_nodes, c.sampled_nodes, c.credit_status "
         "FROM branches b JOIN branch_credit_status(credit := ?) c USING (trace_id, branch_index) "
-        "WHERE b.trace_id = ? ORDER BY b.branch_index",
-        [credit, trace_id],
+        "WHERE b.trace_id = ? AND b.branch_index >= ? ORDER BY b.branch_index LIMIT ?",
+        [credit, trace_id, start, limit],
     ).to_pylist()
     for row in rows:
         row["credit_assigned"] = row["credited_nodes"] > 0
@@ -318,10 +333,10 @@ def in_selection(db: Database, trace_id: str, selection: Selection) -> int | Non
     return watermark_of(table) if table.num_rows else None
 
 
-def view_tokens(
+def view_sizes(
     db: Database, trace_ids: list[str], trainable: bool | None, branch_index: list[int] | None
-) -> dict[str, int]:
-    """Tokens of each trace's branch view (the branches kept by the filters)."""
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Tokens and branches of each trace's branch view (the branches kept by the filters)."""
     where, params = ["trace_id IN (SELECT unnest(?::VARCHAR[]))"], [trace_ids]
     if trainable is not None:
         where.append("trainable = ?")
@@ -330,12 +345,15 @@ def view_tokens(
         where.append("branch_index IN (SELECT unnest(?::INTEGER[]))")
         params.append(branch_index)
     table = db.sql(
-        f"SELECT trace_id, sum(n_tokens)::BIGINT AS n FROM branches WHERE {' AND '.join(where)} GROUP BY trace_id",
+        f"SELECT trace_id, sum(n_tokens)::BIGINT AS n, count(*)::BIGINT AS rows FROM branches "
+        f"WHERE {' AND '.join(where)} GROUP BY trace_id",
         params,
     )
-    sizes = dict.fromkeys(trace_ids, 0)
-    sizes.update(zip(table.column("trace_id").to_pylist(), table.column("n").to_pylist(), strict=True))
-    return sizes
+    ids = table.column("trace_id").to_pylist()
+    tokens, rows = dict.fromkeys(trace_ids, 0), dict.fromkeys(trace_ids, 0)
+    tokens.update(zip(ids, table.column("n").to_pylist(), strict=True))
+    rows.update(zip(ids, table.column("rows").to_pylist(), strict=True))
+    return tokens, rows
 
 
 def select_branches(
@@ -348,33 +366,46 @@ def select_branches(
     train_once: bool,
     credit: str | None,
     token_limit: int,
+    row_limit: int,
 ) -> tuple[pa.Table, dict[str, Any]]:
     """The branch views of a selection, whole traces in arrival order up to
-    ``token_limit`` view tokens (with ``complete_groups``, whole groups in the order they
-    completed); the table carries the watermark to pass as ``after`` to get the rest and
-    what came since. 422 when the first trace (or group) alone is over the limit."""
+    ``token_limit`` view tokens and ``row_limit`` branches (with ``complete_groups``,
+    whole groups in the order they completed); the table carries the watermark to pass
+    as ``after`` to get the rest and what came since. 422 when the first trace (or
+    group) alone is over a limit. The branch limit bounds what the token limit cannot:
+    branches that hold few tokens or none."""
     pinned = selection.pinned(db.watermark())
     listing = _library(lambda: db.traces(**pinned.kwargs()))
     ids = listing.column("trace_id").to_pylist()
-    sizes = view_tokens(db, ids, trainable, branch_index)
-    total = sum(sizes.values())
+    sizes, counts = view_sizes(db, ids, trainable, branch_index)
+    total, rows = sum(sizes.values()), sum(counts.values())
     mark = watermark_of(listing)
-    truncated = total > token_limit
-    if truncated:
-        # The traces that fit, in arrival order; the listing then rounds them to whole groups.
-        fit = next(pages([sizes[t] for t in ids], token_limit, overshoot=False)).stop
+    limits = {"tokens": token_limit, "branches": row_limit}
+    truncated_by = None
+    if total > token_limit or rows > row_limit:
+        # The traces that fit both limits, in arrival order; the listing then rounds them to whole groups.
+        fits = {
+            "tokens": next(pages([sizes[t] for t in ids], token_limit, overshoot=False)).stop,
+            "branches": next(pages([counts[t] for t in ids], row_limit, overshoot=False)).stop,
+        }
+        truncated_by = min(fits, key=lambda k: fits[k])
+        fit = fits[truncated_by]
         while True:  # each pass drops at least one trace (or group)
             page = db.traces(limit=max(fit, 1), **pinned.kwargs())
             kept = page.column("trace_id").to_pylist()
-            total = sum(sizes[t] for t in kept)
-            if total <= token_limit:
+            total, rows = sum(sizes[t] for t in kept), sum(counts[t] for t in kept)
+            over = "tokens" if total > token_limit else "branches" if rows > row_limit else None
+            if over is None:
                 break
             if len(kept) <= 1 or fit <= 1:
                 first = page.column("group_id")[0].as_py()
                 what = f"group {first!r}" if selection.complete_groups else f"trace {kept[0]!r}"
+                size = f"{total} view tokens" if over == "tokens" else f"{rows} branches"
+                option = "--branch-token-limit" if over == "tokens" else "--branch-row-limit"
                 raise invalid(
-                    f"the selection's first {what} has {total} view tokens, over this server's branch token limit "
-                    f"({token_limit}): narrow it (trace_id, branch_index, trainable) or raise --branch-token-limit"
+                    f"the selection's first {what} has {size}, over this server's branch "
+                    f"{'token' if over == 'tokens' else 'row'} limit ({limits[over]}): narrow it (trace_id, "
+                    f"branch_index, trainable) or raise {option}"
                 )
             fit = len(kept) - 1
         ids, mark = kept, watermark_of(page)
@@ -388,18 +419,20 @@ def select_branches(
             credit=credit,
         )
     )
+    why = {
+        "tokens": f"the next trace would pass this server's branch token limit ({token_limit} view tokens)",
+        "branches": f"the next trace would pass this server's branch row limit ({row_limit} branches)",
+    }
     info = {
         "watermark": mark,
         "traces": len(ids),
         "tokens": total,
         "token_limit": token_limit,
-        "truncated": truncated,
-        "truncated_why": (
-            f"the next trace would pass this server's branch token limit ({token_limit} view tokens); "
-            f"pass after={mark} for the rest"
-            if truncated
-            else None
-        ),
+        "n_branches": rows,
+        "branch_limit": row_limit,
+        "truncated": truncated_by is not None,
+        "truncated_by": truncated_by,
+        "truncated_why": f"{why[truncated_by]}; pass after={mark} for the rest" if truncated_by else None,
     }
     return with_watermark(table, mark), info
 

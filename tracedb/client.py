@@ -172,8 +172,9 @@ def fetch_branches(
 ) -> tuple[pa.Table, dict[str, Any]]:
     """The branch views of a selection (the arguments of :meth:`tracedb.Database.branches`)
     as the Arrow table ``db.branches`` gives, carrying its watermark, and what the server
-    said of it: ``watermark``, ``tokens``, ``token_limit``, ``truncated`` (the server's
-    token limit was reached: pass ``after=watermark`` for the rest)."""
+    said of it: ``watermark``, ``tokens``, ``token_limit``, ``n_branches``,
+    ``branch_limit``, ``truncated`` and ``truncated_by`` (which of the server's limits was
+    reached, ``"tokens"`` or ``"branches"``: pass ``after=watermark`` for the rest)."""
     selection = Selection(trace_ids, group, episode, after, complete_groups, tags, through)
     params = _params(
         **_selected(selection),
@@ -188,7 +189,10 @@ def fetch_branches(
         "watermark": int(headers["X-Tracedb-Watermark"]),
         "tokens": int(headers["X-Tracedb-Tokens"]),
         "token_limit": int(headers["X-Tracedb-Token-Limit"]),
+        "n_branches": int(headers["X-Tracedb-Branches"]),
+        "branch_limit": int(headers["X-Tracedb-Branch-Limit"]),
         "truncated": headers["X-Tracedb-Truncated"] != "no",
+        "truncated_by": None if headers["X-Tracedb-Truncated"] == "no" else headers["X-Tracedb-Truncated"],
     }
     return _arrow(data), info
 

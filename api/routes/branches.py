@@ -34,18 +34,36 @@ _VIEW = {
 
 
 @router.get("/traces/{trace_id}/branches", response_model=BranchList, responses=responses(404, 422))
-def list_branches(db: Reader, trace_id: TraceId, live: LiveSelection, credit: CreditQuery = None) -> Any:
-    """Each branch: index, trainable, path, tokens, sampled tokens, whether credit is assigned.
+def list_branches(
+    db: Reader,
+    backend: BackendDep,
+    trace_id: TraceId,
+    live: LiveSelection,
+    credit: CreditQuery = None,
+    branches_from: Annotated[
+        int, Query(ge=0, le=2**31 - 1, description="The first branch index listed (next_from of the last page).")
+    ] = 0,
+    limit: Annotated[
+        int | None, Query(ge=1, le=2**31 - 1, description="Branches listed at most (the server's row limit at most).")
+    ] = None,
+) -> Any:
+    """Each branch: index, trainable, path, tokens, sampled tokens, whether credit is assigned;
+    a page of at most the server's branch row limit (``next_from`` names the next page).
     With ``after`` (``complete_groups``, ``through``, ``tag``): none when the trace is not in
     that selection."""
     name, label = credit_of(db, credit)
-    body: dict[str, Any] = {"trace_id": trace_id, "credit": label}
+    size = backend.branch_row_limit if limit is None else min(limit, backend.branch_row_limit)
+    total = queries.trace_meta(db, trace_id)["n_branches"]
+    body: dict[str, Any] = {"trace_id": trace_id, "credit": label, "n_branches": total, "branches_from": branches_from}
     if live.is_live:
         mark = queries.in_selection(db, trace_id, live)
         body["watermark"] = mark if mark is not None else db.watermark()
         if mark is None:
-            return JSONBody({**body, "branches": []})
-    return JSONBody({**body, "branches": queries.branch_list(db, trace_id, name)})
+            return JSONBody({**body, "limit": size, "next_from": None, "branches": []})
+    rows = queries.branch_list(db, trace_id, name, start=branches_from, limit=size)
+    following = rows[-1]["branch_index"] + 1 if rows else None
+    more = following is not None and following < total
+    return JSONBody({**body, "limit": size, "next_from": following if more else None, "branches": rows})
 
 
 @router.get(
@@ -69,9 +87,10 @@ def select_branches(
     accept: Annotated[str | None, Header(include_in_schema=False)] = None,
 ) -> Any:
     """The branch views of a selection (``db.branches``'s filters, ``after`` included), whole
-    traces in arrival order up to the server's token limit; the watermark to pass as
-    ``after`` next time is in the X-Tracedb-Watermark header (and the Arrow schema's
-    ``tracedb.watermark`` metadata), X-Tracedb-Truncated says when the limit was reached."""
+    traces in arrival order up to the server's token limit and branch row limit; the
+    watermark to pass as ``after`` next time is in the X-Tracedb-Watermark header (and the
+    Arrow schema's ``tracedb.watermark`` metadata), X-Tracedb-Truncated says which limit
+    was reached (``tokens``, ``branches``; ``no``)."""
     name, _ = credit_of(db, credit)
     table, info = queries.select_branches(
         db,
@@ -82,17 +101,20 @@ def select_branches(
         train_once=train_once,
         credit=name,
         token_limit=backend.branch_token_limit,
+        row_limit=backend.branch_row_limit,
     )
     headers = {
         WATERMARK_HEADER: str(info["watermark"]),
         "X-Tracedb-Tokens": str(info["tokens"]),
         "X-Tracedb-Token-Limit": str(info["token_limit"]),
-        "X-Tracedb-Truncated": "tokens" if info["truncated"] else "no",
+        "X-Tracedb-Branches": str(info["n_branches"]),
+        "X-Tracedb-Branch-Limit": str(info["branch_limit"]),
+        "X-Tracedb-Truncated": info["truncated_by"] or "no",
     }
     if encode.wants_arrow(accept, format):
         return Response(encode.to_arrow(table), media_type=encode.ARROW_STREAM, headers=headers)
     head = dumps(info)[:-1]  # the object without its closing brace; the rows follow
-    rows = b",".join(encode.to_json(table.slice(i, 1)) for i in range(table.num_rows))
+    rows = b",".join(encode.json_rows(table))
     return Response(head + b',"branches":[' + rows + b"]}", media_type="application/json", headers=headers)
 
 

@@ -8,6 +8,7 @@ from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Path, Query
+from pydantic import Field
 from starlette.concurrency import run_in_threadpool
 
 from .. import queries
@@ -109,11 +110,16 @@ def get_trace(
     credit: CreditQuery = None,
     tokens: Annotated[bool, Query(description="Include each node's token arrays (full layout).")] = False,
     messages: Annotated[bool, Query(description="Include each node's message.")] = False,
+    node: Annotated[
+        list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None,
+        Query(max_length=1000, description="Only these nodes (repeatable; their index in Trace.nodes)."),
+    ] = None,
 ) -> Any:
-    """Metadata and the node list: role, parent, sampled, sizes, which streams each node holds."""
+    """Metadata and the node list (``node``: only those): role, parent, sampled, sizes,
+    which streams each node holds."""
     meta = queries.trace_meta(db, trace_id)
     name, label = credit_of(db, credit)
-    nodes = queries.trace_nodes(db, trace_id, name, tokens=tokens, messages=messages)
+    nodes = queries.trace_nodes(db, trace_id, name, tokens=tokens, messages=messages, nodes=node)
     return JSONBody({**meta, "credit": label, "nodes": nodes})
 
 

@@ -3,11 +3,10 @@ page's plots (drawn by the page itself), no CDN."""
 
 from __future__ import annotations
 
-import json
 import math
 from importlib import resources
 from typing import Annotated, Any, Literal
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import HTMLResponse
@@ -15,7 +14,7 @@ from fastapi.templating import Jinja2Templates
 
 from tracedb.database import Database
 
-from .. import pages, queries
+from .. import pages, queries, tracepage
 from ..deps import CreditQuery, Reader, credit_of
 from ..errors import ApiError, JSONBody, dumps, invalid, not_found, responses
 from .traces import TraceId
@@ -92,30 +91,6 @@ def index(
     )
 
 
-def _message(message: dict[str, Any] | None) -> dict[str, Any]:
-    """What a person reads of a message: its text, tool calls and other fields."""
-    if not message:
-        return {"text": "", "calls": [], "extra": None}
-    content = message.get("content")
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if isinstance(part, dict) and isinstance(part.get("text"), str):
-                parts.append(part["text"])
-            else:
-                parts.append(f"[{part.get('type', 'part') if isinstance(part, dict) else 'part'}]")
-        text = "\n".join(parts)
-    else:
-        text = "" if content is None else str(content)
-    calls = []
-    for call in message.get("tool_calls") or []:
-        if isinstance(call, dict):
-            fn = call.get("function") if isinstance(call.get("function"), dict) else call
-            calls.append(f"{fn.get('name', '?')}({fn.get('arguments', '')})")
-    extra = {k: v for k, v in message.items() if k not in ("role", "content", "tool_calls")}
-    return {"text": text, "calls": calls, "extra": json.dumps(extra, indent=1) if extra else None}
-
-
 def _pieces(tokenizer: Any, ids: Any) -> list[str]:
     """Each token decoded on its own (a piece of a multi-byte character shows as U+FFFD)."""
     ids = [int(i) for i in ids]
@@ -138,40 +113,70 @@ def view(
             "side, with their difference (credit minus compare).",
         ),
     ] = None,
+    branches_from: Annotated[
+        int | None,
+        Query(ge=0, le=2**31 - 1, description="The page's first branch (by index); default: the page of `branch`."),
+    ] = None,
+    branch_limit: Annotated[
+        int, Query(ge=1, le=tracepage.MAX_BRANCHES, description="Branches a page shows.")
+    ] = tracepage.BRANCHES,
+    nodes_from: Annotated[
+        int, Query(ge=0, le=2**31 - 1, description="The first of the page's nodes shown (the page shows at most 200).")
+    ] = 0,
+    branch: Annotated[
+        int | None, Query(ge=0, le=2**31 - 1, description="Show only this branch's nodes (its page opens).")
+    ] = None,
 ) -> Any:
-    """One trace: its message graph as branches, each node's tokens as a heat strip; with
-    ``compare``, its credit in two sets and their difference."""
+    """One trace: its message graph as branches, a page of branches at a time, each node's
+    tokens as a heat strip; with ``compare``, its credit in two sets and their difference
+    (a page of sampled nodes at a time)."""
     meta = queries.trace_meta(db, trace_id)
     name, label = credit_of(db, credit)
     if compare is not None:
-        return _compare_page(request, db, meta, (name, label), credit_of(db, compare), color)
-    nodes = queries.trace_nodes(db, trace_id, name, tokens=True, messages=True)
-    branches = queries.branch_list(db, trace_id, name)
-    on_branch: dict[int, list[int]] = {}
-    for b in branches:
-        for n in b["path"]:
-            on_branch.setdefault(n, []).append(b["branch_index"])
+        return _compare_page(request, db, meta, (name, label), credit_of(db, compare), color, nodes_from)
+    start = tracepage.page_from(branch, branches_from, branch_limit)
+    page = tracepage.trace_page(
+        db, trace_id, name, branches_from=start, branch_limit=branch_limit, nodes_from=nodes_from
+    )
     tokenizer = request.app.state.backend.tokenizer
-    data = []
-    for node in nodes:
-        tokens = node.pop("tokens")
-        item = {k: tokens[k] for k in ("token_ids", "sampled_mask", "logprobs", "advantages")}
-        if tokenizer is not None:
-            item["pieces"] = _pieces(tokenizer, tokens["token_ids"])
-        data.append(item)
-        node["view"] = _message(node.pop("message", None))
-        node["branches"] = on_branch.get(node["node_index"], [])
-    payload = {"trace_id": trace_id, "credit": label, "color": color, "nodes": data}
+    if tokenizer is not None:
+        for strip in page["strips"]:
+            strip["pieces"] = _pieces(tokenizer, strip["token_ids"])
+    window = page["window"]
+    kept = {"credit": label, "color": color, "branch_limit": branch_limit}
+
+    def link(**changes: Any) -> str:
+        params = {**kept, "branches_from": start, **changes}
+        return f"/view/{quote(trace_id, safe='')}?" + urlencode({k: v for k, v in params.items() if v is not None})
+
+    def at(key: str, value: int | None, **more: Any) -> str | None:
+        return None if value is None else link(**{key: value}, **more)
+
+    payload = {
+        "trace_id": trace_id,
+        "credit": label,
+        "color": color,
+        "nodes": page["strips"],
+        "branches_from": start,
+        "branch_limit": branch_limit,
+    }
     return templates.TemplateResponse(
         request,
         "view.html",
         {
-            "meta": meta,
+            "meta": page["meta"],
             "credit": label,
             "color": color,
             "credit_sets": [s["name"] for s in queries.credit_sets(db)],
-            "branches": branches,
-            "nodes": nodes,
+            "branches": page["branches"],
+            "nodes": page["nodes"],
+            "window": window,
+            "links": {
+                "previous": at("branches_from", window["previous_from"]),
+                "next": at("branches_from", window["next_from"]),
+                "previous_nodes": at("nodes_from", window["previous_nodes"]),
+                "next_nodes": at("nodes_from", window["next_nodes"]),
+            },
             "tokenizer": tokenizer is not None,
             "payload": _embed(payload),
         },
@@ -185,15 +190,25 @@ def _compare_page(
     a: tuple[str | None, str],
     b: tuple[str | None, str],
     color: str,
+    nodes_from: int,
 ) -> Any:
-    """The trace's credit in sets ``a`` and ``b`` ((library name, display name) each)."""
-    diff = pages.credit_diff(db, meta["trace_id"], a[0], b[0])
+    """The trace's credit in sets ``a`` and ``b`` ((library name, display name) each), a
+    page of its sampled nodes from the ``nodes_from``-th on."""
+    diff = pages.credit_diff(db, meta["trace_id"], a[0], b[0], nodes_from=nodes_from)
     tokenizer = request.app.state.backend.tokenizer
     if tokenizer is not None:
         for strip in diff["strips"]:
             strip["pieces"] = _pieces(tokenizer, strip["token_ids"])
     label = f"{a[1]}-{b[1]}"
     payload = {"trace_id": meta["trace_id"], "credit": label, "color": color, "nodes": diff["strips"]}
+    window = diff["window"]
+
+    def at(value: int | None) -> str | None:
+        if value is None:
+            return None
+        query = urlencode({"credit": a[1], "compare": b[1], "color": color, "nodes_from": value})
+        return f"/view/{quote(meta['trace_id'], safe='')}?{query}"
+
     return templates.TemplateResponse(
         request,
         "compare.html",
@@ -204,6 +219,8 @@ def _compare_page(
             "color": color,
             "credit_sets": [s["name"] for s in queries.credit_sets(db)],
             "nodes": diff["nodes"],
+            "window": window,
+            "links": {"previous_nodes": at(window["previous_nodes"]), "next_nodes": at(window["next_nodes"])},
             "tokenizer": tokenizer is not None,
             "payload": _embed(payload),
         },

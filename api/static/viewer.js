@@ -1,7 +1,8 @@
 // tracedb trace viewer: builds one heat-strip cell per token and colours it by
 // advantage (diverging, null hatched, unsampled grey) or logprob (sequential).
-// The trace page (#trace-data: one strip per node) and the group page (#group-data:
-// one strip per branch of each member, a window of it from `offset`) share it.
+// The trace page (#trace-data: one strip per node of the page, found by its `strip`:
+// the node index) and the group page (#group-data: one strip per branch of each member,
+// a window of it from `offset`, found by its position) share it.
 "use strict";
 
 const WHITE = [255, 255, 255];
@@ -38,9 +39,13 @@ function fmt(v) {
   return v === null || v === undefined ? "null" : Number(v).toPrecision(4).replace(/\.?0+$/, "");
 }
 
+function stripOf(node, index) {
+  return document.querySelector(`.strip[data-node="${node.strip ?? index}"]`);
+}
+
 function build(data) {
   for (const [index, node] of data.nodes.entries()) {
-    const strip = document.querySelector(`.strip[data-node="${index}"]`);
+    const strip = stripOf(node, index);
     if (!strip) continue;
     const frag = document.createDocumentFragment();
     for (let i = 0; i < node.token_ids.length; i++) {
@@ -59,7 +64,7 @@ function build(data) {
 function paint(data, mode) {
   const scale = scaleOf(data.nodes, mode);
   for (const [index, node] of data.nodes.entries()) {
-    const strip = document.querySelector(`.strip[data-node="${index}"]`);
+    const strip = stripOf(node, index);
     if (!strip) continue;
     const values = mode === "logprob" ? node.logprobs : node.advantages;
     const cells = strip.children;
@@ -107,11 +112,18 @@ async function switchCredit(data, credit, mode) {
   status.textContent = "loading…";
   const id = encodeURIComponent(data.trace_id);
   const q = `credit=${encodeURIComponent(credit)}`;
+  // Only what this page shows: its nodes, its window of branches.
+  const nodes = data.nodes.map((n) => `node=${n.node_index}`).join("&");
+  const span = `branches_from=${data.branches_from}&limit=${data.branch_limit}`;
   const [trace, branches] = await Promise.all([
-    fetch(`/traces/${id}?tokens=true&${q}`).then((r) => r.json()),
-    fetch(`/traces/${id}/branches?${q}`).then((r) => r.json()),
+    fetch(`/traces/${id}?tokens=true&${q}&${nodes}`).then((r) => r.json()),
+    fetch(`/traces/${id}/branches?${q}&${span}`).then((r) => r.json()),
   ]);
-  trace.nodes.forEach((n, i) => { data.nodes[i].advantages = n.tokens.advantages; });
+  const byIndex = new Map(trace.nodes.map((n) => [n.node_index, n]));
+  for (const node of data.nodes) {
+    const values = byIndex.get(node.node_index).tokens.advantages;
+    node.advantages = values ? values.slice(0, node.token_ids.length) : null;  // the strip's window
+  }
   for (const b of branches.branches) {
     const row = document.querySelector(`#branch-table tr[data-branch="${b.branch_index}"] .credit-status`);
     if (row) row.textContent = b.credit_status;
@@ -145,6 +157,12 @@ function traceMain() {
       target.searchParams.set("credit", credit.value);
       target.searchParams.set("compare", other);
       link.href = target.pathname + target.search;
+    }
+    for (const pager of document.querySelectorAll(".pager a")) {  // other pages keep the set and colour shown
+      const target = new URL(pager.href);
+      target.searchParams.set("color", color.value);
+      target.searchParams.set("credit", credit.value);
+      pager.href = target.pathname + target.search;
     }
   };
   build(data);

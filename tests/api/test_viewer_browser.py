@@ -6,7 +6,8 @@ token; cells take the right colours for known advantages (diverging scale, null
 hatched, unsampled grey) and logprobs; the credit-set and colour switches repaint; with
 a tokenizer the cells show decoded text. The run page draws what /api/run answers and
 redraws when a new ingest moves the watermark (only then); the group page paints each
-member's branch strips, switches colour and credit set, and links to a branch's view.
+member's branch strips, switches colour and credit set, and links to a branch's view; a
+trace of many branches pages through them (next/previous links, the credit set kept).
 Screenshots land in test-artifacts/.
 """
 
@@ -34,6 +35,7 @@ from support import FIXTURES, REPO
 from support.run_db import build as build_run
 from support.run_db import write_late
 from support.tokenizers import make_tokenizer
+from support.wide import wide_episode, write_wide
 
 ROOT = REPO
 ARTIFACTS = ROOT / "test-artifacts"
@@ -407,4 +409,52 @@ def test_compare_page_strips(page: Page, run_server: dict[str, Any]) -> None:
             assert cell["bg"] == want if sampled else "off" in cell["cls"].split(), (i, strip["side"], cell)
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "compare.png"), full_page=False)
+    assert page.problems == []
+
+
+# --------------------------------------------------------------------------- a trace of many branches
+
+
+@pytest.fixture(scope="module")
+def wide_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A trace of 120 branches (a prompt, two shared turns, 120 answers of six tokens) whose
+    answer 75 (branch 75, on the second page) holds known advantages in credit set ``probe``."""
+    tmp = tmp_path_factory.mktemp("wide-browser")
+    path = tmp / "wide.duckdb"
+    with tracedb.connect(path) as db:
+        db.ingest(write_wide(tmp / "wide.jsonl", wide_episode(120, name="wide", forks=2, leaf_tokens=6)))
+        db.create_credit_set("probe")
+        (branch,) = db.sql("SELECT leaf, path FROM branches WHERE trace_id = 'wide' AND branch_index = 75").to_pylist()
+        db.write_nodes([{"trace_id": "wide", "node_index": branch["leaf"], "values": [2.0, -2.0, 0.0]}], credit="probe")
+    for url in serve(create_app(path)):
+        yield {"base": url, "leaf": branch["leaf"], "path": branch["path"]}
+
+
+def test_paging_a_wide_trace(page: Page, wide_server: dict[str, Any]) -> None:
+    base, leaf = wide_server["base"], wide_server["leaf"]
+    page.goto(f"{base}/view/wide")
+    page.wait_for_selector('body[data-painted="advantage:default"]')
+    assert page.locator("#branch-window").inner_text() == "branches 0–49 of 120"
+    assert page.locator("#branch-table tbody tr").count() == 50 and page.locator("#previous-branches").count() == 0
+    page.click("#next-branches")
+    page.wait_for_url("**branches_from=50**")
+    page.wait_for_selector('body[data-painted="advantage:default"]')
+    rows = page.locator("#branch-table tbody tr")
+    assert rows.count() == 50 and rows.first.get_attribute("data-branch") == "50"
+    assert page.locator(f"#node-{leaf}").count() == 1
+    page.select_option("#credit", "probe")  # repaints the page's nodes in place
+    page.wait_for_selector('body[data-painted="advantage:probe"]')
+    got = [c for c in cells(page, leaf) if "off" not in c["cls"].split()]
+    assert [c["bg"] for c in got] == ["rgb(178, 24, 43)", "rgb(33, 102, 172)", "rgb(255, 255, 255)"]
+    status = page.locator('#branch-table tr[data-branch="75"] .credit-status').inner_text()
+    assert status in ("partial", "assigned")
+    page.select_option("#branch", "75")
+    visible = page.locator("article.node:visible").evaluate_all("els => els.map(e => Number(e.dataset.node))")
+    assert visible == wide_server["path"] and len(visible) >= 4  # the prompts, shared turns, the answer
+    page.click("#next-branches")
+    page.wait_for_url("**branches_from=100**")
+    page.wait_for_selector('body[data-painted="advantage:probe"]')  # the credit set stays
+    assert page.locator("#branch-table tbody tr").count() == 20 and page.locator("#next-branches").count() == 0
+    page.click("#previous-branches")
+    page.wait_for_url("**branches_from=50**")
     assert page.problems == []

@@ -154,6 +154,21 @@ def test_the_servers_limits_are_said_when_reached(db_path: Path, tmp_path: Path)
         assert mine.exit_code == 0 and "the server stopped" not in mine.stderr and "2 shown" in mine.stderr
         over = invoke("branches", first_trace(db_path), "--url", base)
         assert over.exit_code == 1 and "branch token limit (50)" in over.stderr and "HTTP 422" in over.stderr
+    rows = create_app(copy, branch_row_limit=5)  # a branch budget: whole traces, said as the token one is
+    with in_thread(rows) as base:
+        table, info = client.fetch_branches(base, after=0)
+        with tracedb.connect(copy, read_only=True) as db:
+            first = db.traces(after=0).column("trace_id").to_pylist()
+            counts = {
+                r["trace_id"]: r["n"]
+                for r in db.sql("SELECT trace_id, count(*) AS n FROM branches GROUP BY 1").to_pylist()
+            }
+        taken = 0
+        while taken < len(first) and sum(counts[t] for t in first[: taken + 1]) <= 5:
+            taken += 1
+        assert info["truncated"] and info["truncated_by"] == "branches" and info["branch_limit"] == 5
+        assert info["n_branches"] == table.num_rows == sum(counts[t] for t in first[:taken]) > 0
+        assert table.column("trace_id").unique().to_pylist() == first[:taken]
 
 
 def test_errors_through_the_server_are_clear(db_path: Path, tmp_path: Path) -> None:
@@ -222,3 +237,47 @@ def test_serve_follow_owns_the_file_and_readers_go_through_it(tmp_path: Path) ->
             assert got.tokens.equals(want.tokens) and got.samples.equals(want.samples)
         expected = db.branches(after=4, tags={"step": (3, None)})
         assert branches_remote.equals(expected) and info["watermark"] == 12 and not info["truncated"]
+
+
+def test_serve_follow_rotated_finishes_a_copy_it_names(tmp_path: Path) -> None:
+    """``serve --rotated PATTERN`` (repeatable) reaches the follower, as ``ingest --follow
+    --rotated`` does: a copytruncate to ``traces.jsonl.bak`` is finished from the copy.
+    (``--branch-row-limit`` reaches ``GET /branches``.)"""
+    path = tmp_path / "traces.jsonl"
+    lines = sample_lines(2, 4, seed=9).splitlines(keepends=True)
+    path.write_bytes(b"".join(lines[:3]))
+    port = free_port()
+    command = [
+        *(sys.executable, "-m", "tracedb", "serve", "--db", str(tmp_path / "runs.duckdb"), "--port", str(port)),
+        *("--follow", str(path), "--interval", "2", "--rotated", "{name}.bak", "--rotated", "{stem}.old.*"),
+        *("--branch-row-limit", "3"),
+    ]
+    with in_process(command, port, env={"TRACEDB_TOKEN": "", "TRACEDB_URL": ""}) as base:
+        deadline = time.monotonic() + DEADLINE_S
+        while client.health(base)["watermark"] < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        with open(path, "ab") as f:  # between two polls (every 2 s): two lines, copied, truncated
+            f.write(b"".join(lines[3:5]))
+        (tmp_path / "traces.jsonl.bak").write_bytes(path.read_bytes())
+        with open(path, "r+b") as f:
+            f.truncate(0)
+        with open(path, "ab") as f:
+            f.write(b"".join(lines[5:]))
+        while (health := client.health(base))["watermark"] < 8:
+            assert time.monotonic() < deadline, health["follower"]
+            time.sleep(0.05)
+        table, info = client.fetch_branches(base, after=0)  # one branch a trace: three traces an answer
+        assert (table.num_rows, info["branch_limit"], info["truncated_by"]) == (3, 3, "branches")
+    status = health["follower"]
+    assert status["rotated"] == ["{name}.bak", "{stem}.old.*"]
+    assert (status["traces"], status["restarts"], status["lost_bytes"]) == (8, [], 0)
+    (rotation,) = status["rotations"]
+    assert "traces.jsonl.bak" in rotation
+
+
+def test_serve_rotated_needs_follow_and_a_pattern_it_can_read(tmp_path: Path) -> None:
+    alone = invoke("serve", "--db", tmp_path / "runs.duckdb", "--rotated", "{name}.bak")
+    assert alone.exit_code == 2 and "--rotated" in alone.stderr and "--follow" in alone.stderr
+    bad = invoke("serve", "--db", tmp_path / "runs.duckdb", "--follow", tmp_path / "run", "--rotated", "{name}.{when}")
+    assert bad.exit_code == 2 and "--rotated '{name}.{when}'" in bad.stderr and "{stem}" in bad.stderr

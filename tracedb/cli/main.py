@@ -52,6 +52,18 @@ CreditOption = Annotated[
 ]
 
 
+RotatedOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--rotated",
+        metavar="PATTERN",
+        help="--follow: where a rotated copy of a followed file may be, a glob in its directory ({name}: the "
+        "file's name, {stem}: without .jsonl), looked at besides NAME.1, NAME.<n>, NAME-<date>; a file cut "
+        "back (logrotate copytruncate) is finished from the copy whose bytes match what was read (repeatable).",
+    ),
+]
+
+
 @app.command()
 def ingest(
     paths: Annotated[list[Path], typer.Argument(help="traces.jsonl / .jsonl.zst / .json files or directories.")],
@@ -72,16 +84,7 @@ def ingest(
     settle: Annotated[
         float, typer.Option(help="--follow: take a .jsonl.zst once it has not changed for this long (s).")
     ] = 2.0,
-    rotated: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--rotated",
-            metavar="PATTERN",
-            help="--follow: where a rotated copy of a followed file may be, a glob in its directory ({name}: the "
-            "file's name, {stem}: without .jsonl), looked at besides NAME.1, NAME.<n>, NAME-<date>; a file cut "
-            "back (logrotate copytruncate) is finished from the copy whose bytes match what was read (repeatable).",
-        ),
-    ] = None,
+    rotated: RotatedOption = None,
     memory_limit_: MemoryLimitOption = None,
     as_json: JsonOption = False,
 ) -> None:
@@ -504,9 +507,17 @@ def serve(
     allow_ragged: Annotated[
         bool, typer.Option(help="--follow: accept compact streams longer/shorter than the sampled count.")
     ] = False,
+    rotated: RotatedOption = None,
     branch_token_limit: Annotated[
         int, typer.Option(help="View tokens GET /branches answers at most (whole traces; said when reached).")
     ] = 4_000_000,
+    branch_row_limit: Annotated[
+        int,
+        typer.Option(
+            help="Branches GET /branches answers at most (whole traces; said when reached), and a page of a "
+            "trace's branch list holds."
+        ),
+    ] = 10_000,
     memory_limit_: MemoryLimitOption = None,
 ) -> None:
     """Serve the REST API (branch lookup as JSON or Arrow, listings, writes) and the web trace viewer.
@@ -521,6 +532,8 @@ def serve(
     from tracedb.api.security import LOOPBACK_HOSTS
 
     memory_limit(memory_limit_)
+    if rotated and not follow:
+        raise fail("--rotated names where a followed file's rotated copies are: it needs --follow", 2)
     if token is None and not follow and not db.exists():
         raise fail(f"no database at {db} (a read-only server needs one; with --token or --follow it is created)", 2)
     if host not in ("127.0.0.1", "localhost", "::1") and token is None:
@@ -541,11 +554,13 @@ def serve(
             sql_timeout_s=sql_timeout,
             allowed_hosts=[*LOOPBACK_HOSTS, host, *(allowed_host or [])],
             branch_token_limit=branch_token_limit,
+            branch_row_limit=branch_row_limit,
             follow=follow or None,
             follow_interval=interval,
             follow_settle=settle,
             follow_tags=tag or [],
             follow_allow_ragged=allow_ragged,
+            follow_rotated=rotated or (),
         )
     except (TraceDBError, FileNotFoundError, ValueError) as e:
         raise fail(e, 2) from None
