@@ -264,7 +264,8 @@ def test_serve_follow_rotated_finishes_a_copy_it_names(tmp_path: Path) -> None:
             f.truncate(0)
         with open(path, "ab") as f:
             f.write(b"".join(lines[5:]))
-        while (health := client.health(base))["watermark"] < 8:
+        # the watermark moves at the commit, the follower's counters just after it
+        while (health := client.health(base))["watermark"] < 8 or health["follower"]["traces"] < 8:
             assert time.monotonic() < deadline, health["follower"]
             time.sleep(0.05)
         table, info = client.fetch_branches(base, after=0)  # one branch a trace: three traces an answer
