@@ -15,7 +15,7 @@ from tracedb import credit_sets
 from tracedb.errors import NotFound
 from tracedb.handle import Handle
 from tracedb.migrations import SCHEMA_VERSION
-from tracedb.records import BIT, COMPACT_STREAMS
+from tracedb.records import BIT, COMPACT_STREAMS, WEIGHT_VERSIONS_BIT
 from tracedb.selection import Selection, completions, resolve, with_watermark
 
 
@@ -205,7 +205,9 @@ def _node_record(row: dict[str, pa.Scalar], named_credit: bool = False) -> dict[
         node["loss_weights"] = (
             None if not lw.is_valid else {k: shortest(np.asarray(v, np.float32)) for k, v in lw.as_py()}
         )
+    if present & WEIGHT_VERSIONS_BIT:
+        node["weight_versions"] = row["weight_versions"].as_py()
     extra = row["extra"].as_py()
     if extra:
-        node.update(json.loads(extra))
+        node.update(json.loads(extra))  # spans with keys of their own are here, whole
     return node
