@@ -325,7 +325,7 @@ CEC_STORED: dict[str, pa.Schema] = {
 
 KEY_COLUMNS = ("trace_id", "branch_index", "trainable")
 """The columns every branch view has, whatever ``columns=`` asks for."""
-TOKEN_COLUMNS = ("token_ids", "sampled_mask", *COMPACT_STREAMS, "loss_weights")
+TOKEN_COLUMNS = ("token_ids", "sampled_mask", *COMPACT_STREAMS, "loss_weights", "policy_version")
 """A branch view's per-token columns, in view order."""
 NULLABLE_TOKEN_COLUMNS = OPTIONAL_STREAMS
 """Token columns that are null on a branch where no node holds the stream (never
@@ -341,6 +341,9 @@ BRANCH_SCHEMA = pa.schema(
         pa.field("logprobs", FLOATS, nullable=False),
         *(pa.field(name, FLOATS) for name in NULLABLE_TOKEN_COLUMNS),
         pa.field("loss_weights", LOSS_WEIGHTS, nullable=False),
+        # The policy version of each token (tracedb/policy.py): null off-sample and where
+        # unknown; None for a branch none of whose tokens has a known version.
+        pa.field("policy_version", pa.list_(pa.int32())),
     ]
 )
 """A branch view (``db.branches()``, exports, the REST routes): one row per branch."""

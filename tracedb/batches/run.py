@@ -10,7 +10,7 @@ from tracedb.batches.samples import OVERFLOW, build
 from tracedb.handle import Handle
 from tracedb.records import COMPACT_STREAMS
 from tracedb.selection import Selection, resolve
-from tracedb.views import branch_indices
+from tracedb.views import branch_indices, versions
 from tracedb.views.nodes import load_nodes
 
 
@@ -53,6 +53,7 @@ def micro_batches(
         selected = resolve(handle, selection)
         trace_ids, mark = [tid for tid, _ in selected.traces], selected.watermark
     data = load_nodes(handle, trace_ids, list(COMPACT_STREAMS), credit)
+    versions.attach(handle, data)
     samples = build(
         data,
         seq_len,
