@@ -113,6 +113,10 @@ class LiveTraceRow(TraceRow):
     source: str | None = Field(description="The file the trace was read from.")
     line: int | None
     ingested_at: str | None
+    dropped: str | None = Field(None, description="Why consumers leave the trace out (verifiers 0.4.1); null: kept.")
+    policy_min: int | None = Field(None, description="The lowest known policy version of its sampled tokens.")
+    policy_max: int | None = Field(None, description="The highest.")
+    work_type: str | None = Field(None, description="Its episode's work: train or eval.")
     tags: dict[str, Any] = Field(description="The trace's ingest tags.")
 
 

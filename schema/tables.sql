@@ -50,7 +50,8 @@ CREATE TABLE IF NOT EXISTS traces (
     -- and no episode policy). Recomputed when a label is mapped (policy_labels).
     policy_min     BIGINT,
     policy_max     BIGINT,
-    policy_unknown BIGINT
+    policy_unknown BIGINT,
+    work_type      VARCHAR         -- its episode's work_type, kept here so selections and credit need no join
 );
 
 -- Weight labels mapped to policy versions (db.set_policy_versions): a label matching

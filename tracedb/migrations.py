@@ -141,6 +141,11 @@ def _v5_to_v6(con: duckdb.DuckDBPyConnection) -> None:
         "CREATE TABLE policy_labels (label VARCHAR PRIMARY KEY, version BIGINT NOT NULL, "
         "set_at TIMESTAMP DEFAULT current_timestamp)"
     )
+    con.execute("ALTER TABLE traces ADD COLUMN work_type VARCHAR")
+    con.execute(
+        "UPDATE traces SET work_type = e.work_type FROM episodes e "
+        "WHERE traces.episode_id = e.episode_id AND e.work_type IS NOT NULL"
+    )
     policy.recompute_bounds(con)
 
 

@@ -336,7 +336,7 @@ def resolve_at(con: duckdb.DuckDBPyConnection, selection: Selection, watermark: 
     columns = ["trace_id", "n_tokens", "seq", "group_id"]
     columns.append("dropped IS NOT NULL AS is_dropped" if selection.include_dropped is False else "false")
     if selection.include_eval is False:
-        columns.append("episode_id IN (SELECT episode_id FROM episodes WHERE work_type = 'eval') IS TRUE AS is_eval")
+        columns.append("work_type IS NOT DISTINCT FROM 'eval' AS is_eval")
     else:
         columns.append("false")
     if selection.policy is not None:

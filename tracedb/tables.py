@@ -95,6 +95,7 @@ TRACES = pa.schema(
         _col("policy_min", pa.int64()),
         _col("policy_max", pa.int64()),
         _col("policy_unknown", pa.int64()),
+        _col("work_type", pa.string()),
     ]
 )
 

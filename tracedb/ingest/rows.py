@@ -203,6 +203,7 @@ class Batch:
                     "line": number,
                     "seq": self._number(),
                     "dropped": meta.get("dropped"),
+                    "work_type": work["work_type"],
                     **dict(zip(("policy_min", "policy_max", "policy_unknown"), self._bounds(t, default), strict=True)),
                 }
             )
