@@ -299,6 +299,23 @@ class CreditSetCreate(BaseModel):
     replace: bool = False
 
 
+class PolicyVersionsWrite(BaseModel):
+    versions: dict[Annotated[str, Field(min_length=1, max_length=500)], Annotated[int, Field(ge=0, le=2**31 - 1)]] = (
+        Field(description="Weight label -> policy version (labels such as step_12 name their own).", max_length=10_000)
+    )
+
+
+class PolicyVersionsResult(BaseModel):
+    labels: int = Field(description="Labels mapped.")
+    traces: int = Field(description="Traces whose policy-version bounds were stored again.")
+
+
+class PolicyLabel(BaseModel):
+    label: str
+    version: int
+    set_at: str | None
+
+
 class AdvantagesWrite(BaseModel):
     values: Floats | None = Field(
         description="One value per sampled token of the node (compact layout); null clears the node."

@@ -95,8 +95,11 @@ class Selection:
 
     FIELDS: ClassVar[tuple[str, ...]] = ()
     """The field names, in order: every facade method that selects takes each of them."""
-    LIVE: ClassVar[tuple[str, ...]] = ("after", "complete_groups", "through", "tags")
-    """The fields a consumer of a live run narrows a selection with."""
+    LIVE: ClassVar[tuple[str, ...]] = (
+        *("after", "complete_groups", "through", "tags", "policy", "max_staleness", "stale", "unknown"),
+        *("include_dropped", "include_eval", "max_groups"),
+    )
+    """The fields that narrow a selection beyond its ids (a live run's consumer's)."""
     STALE: ClassVar[tuple[str, ...]] = ("drop", "mask")
     UNKNOWN: ClassVar[tuple[str, ...]] = ("refuse", "keep", "drop")
 
@@ -121,7 +124,8 @@ class Selection:
 
     @property
     def is_live(self) -> bool:
-        """True when a live-run field (``after``, ``complete_groups``, ``through``, ``tags``) is set."""
+        """True when a field beyond the id filters is set (``after``, ``complete_groups``,
+        ``through``, ``tags``, the staleness and group-count fields)."""
         return any(getattr(self, name) is not None for name in self.LIVE)
 
     def pinned(self, mark: int) -> Selection:
