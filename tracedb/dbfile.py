@@ -224,7 +224,7 @@ def create_whole(path: str) -> None:
         return  # ATTACH says what is wrong
     tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{os.urandom(4).hex()}.creating")
     try:
-        con, _, _, _, release = runtime.attach(tmp, read_only=False)
+        con, _, _, _, release = runtime.attach(tmp, read_only=False, block_size=runtime.BLOCK_SIZE)
         con.close()
         release()  # detached: a whole, empty DuckDB file
         publish.sync_file(Path(tmp))

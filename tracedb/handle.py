@@ -85,10 +85,14 @@ class Handle:
     # ----------------------------------------------------------------- lifecycle
 
     def table_names(self) -> set[str]:
-        """The tables of this database (not of the other databases of the instance)."""
+        """The tables of this database (not of the other databases of the instance), and
+        its views (``nodes`` and ``segments`` are views over the tables holding them
+        encoded: :data:`tracedb.tables.ENCODED`)."""
         rows = self.con.execute(
             "SELECT table_name FROM duckdb_tables() WHERE database_name = current_database() "
-            "AND schema_name = current_schema()"
+            "AND schema_name = current_schema() UNION ALL "
+            "SELECT view_name FROM duckdb_views() WHERE database_name = current_database() "
+            "AND schema_name = current_schema() AND NOT internal"
         ).fetchall()
         return {r[0] for r in rows}
 
@@ -229,20 +233,24 @@ class Handle:
         """Which of ``keys`` (of SQL type ``sql_type``) ``table.column`` holds, read on
         ``con`` (default: this handle's connection; an ingest passes the reader that sees
         the database as committed before it). A large table is probed through the key's
-        index, a small one scanned (see :data:`INDEX_ROWS_PER_KEY`)."""
+        index, a small one, or one without an index on the key (``segment_store``), scanned
+        (see :data:`INDEX_ROWS_PER_KEY`)."""
         keys = list(keys)
         if not keys:
             return set()
         reader = con or self.con
         rows = reader.execute(
-            "SELECT estimated_size FROM duckdb_tables() WHERE database_name = current_database() "
-            "AND schema_name = current_schema() AND table_name = ?",
-            [table],
+            "SELECT t.estimated_size, EXISTS (SELECT 1 FROM duckdb_constraints() c WHERE "
+            "c.database_name = t.database_name AND c.schema_name = t.schema_name AND c.table_name = t.table_name "
+            "AND c.constraint_type IN ('PRIMARY KEY', 'UNIQUE') AND c.constraint_column_names = [?]) "
+            "FROM duckdb_tables() t WHERE t.database_name = current_database() "
+            "AND t.schema_name = current_schema() AND t.table_name = ?",
+            [column, table],
         ).fetchall()
-        size = rows[0][0] if rows else 0
+        size, indexed = rows[0] if rows else (0, False)
         name = quote_identifier(column)
         select = f"SELECT {name} FROM {quote_identifier(table)} WHERE {name} IN "
-        if size <= INDEX_ROWS_PER_KEY * len(keys):
+        if not indexed or size <= INDEX_ROWS_PER_KEY * len(keys):
             found = reader.execute(select + f"(SELECT unnest(?::{sql_type}[]))", [keys]).fetchall()
             return {r[0] for r in found}
         step = runtime.settings().segment_lookup

@@ -54,7 +54,7 @@ def test_views_inside_a_users_own_transaction(fixture_db) -> None:
     """A transaction opened with raw SQL is read inside and left open, uncommitted work and all."""
     expected = fixture_db.branches(columns=["advantages"])
     fixture_db.con.execute("BEGIN TRANSACTION")
-    fixture_db.con.execute("UPDATE nodes SET advantages = NULL")
+    fixture_db.con.execute("UPDATE node_store SET advantages = NULL")
     fixture_db.handle.view_cache = None
     inside = fixture_db.branches(columns=["advantages"])
     assert inside.column("advantages").null_count == inside.num_rows  # sees the uncommitted update

@@ -119,7 +119,7 @@ def _resolve(handle: Handle, reader: Any, batch: Batch, report: IngestReport, se
     seen.traces.update(known)
     segments = batch.segments
     new = [k for k in segments if k not in seen.segments]
-    stored = handle.existing("segments", "segment_id", new, con=reader, sql_type="BLOB")
+    stored = handle.existing("segment_store", "segment_id", new, con=reader, sql_type="BLOB")
     for key in list(segments):
         if key in seen.segments or key in stored:
             del segments[key]

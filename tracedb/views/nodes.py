@@ -3,9 +3,11 @@ view kernels (and the writers and credit algorithms) read.
 
 :func:`load_nodes` reads the nodes, segments and branches of the selected traces once,
 in one read transaction (a whole-database read takes the segments on a second cursor),
-and keeps them as DuckDB returned them: :class:`NodeColumns`, with the watermark (the
-highest sequence number committed) that read saw. Node rows are in (trace,
-node) order, so a trace's node ``i`` is row ``base[trace] + i``.
+from the tables that hold them (``node_store``, ``segment_store``: token ids and streams
+as text, :mod:`tracedb.codec`), decodes those into flat arrays, and keeps them as
+:class:`NodeColumns`, with the watermark (the highest sequence number committed) that
+read saw. Node rows are in (trace, node) order, so a trace's node ``i`` is row
+``base[trace] + i``.
 """
 
 from __future__ import annotations
@@ -20,9 +22,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tracedb import runtime
+from tracedb import codec, runtime
 from tracedb.handle import Handle
-from tracedb.views import _buffers
 
 
 def kernels() -> ModuleType:
@@ -168,88 +169,81 @@ _META = "trace_id, node_index, n_tokens, n_sampled, mask_prefix, mask_slots, los
 
 
 def read_all(con: Any, streams: Sequence[str]) -> tuple[pa.Table, dict[str, _Parts]]:
-    """Every node. List columns are read flat with ``unnest`` (DuckDB hands over flat
-    values several times faster than lists) and cut by the row lengths that a plain scan
-    of the same table returns in the same order (both keep insertion order)."""
-    lengths = "".join(f', len({s}) AS "len:{s}"' for s in streams)
-    nodes = _sql(con, f"SELECT {_META}{lengths} FROM nodes")
-    lists = {
-        s: flat_column(con, f"SELECT unnest({s}) FROM nodes", nodes.column(f"len:{s}"), np.float32) for s in streams
-    }
-    return nodes, lists
+    """Every node, its streams decoded (their text is handed over as strings, which DuckDB
+    does several times faster than lists)."""
+    nodes = _sql(con, f"SELECT {_META}{''.join(f', {s}' for s in streams)} FROM node_store")
+    return nodes, {s: codec.stream_values(nodes.column(s)) for s in streams}
 
 
 def read_segments(con: Any, own_cursor: bool) -> tuple[pa.ChunkedArray, _Parts]:
-    """Every segment: (ids, tokens), read flat like the node lists."""
+    """Every segment: (ids, tokens)."""
     try:
         if own_cursor:
             con.execute("BEGIN TRANSACTION")
-        segments = _sql(con, "SELECT segment_id, n_tokens FROM segments")
-        tokens = flat_column(con, "SELECT unnest(token_ids) FROM segments", segments.column("n_tokens"), np.int32)
+        segments = _sql(con, "SELECT segment_id, n_tokens, token_ids, tokens FROM segment_store")
         if own_cursor:
             con.execute("COMMIT")
-        return segments.column("segment_id"), tokens
+        return segments.column("segment_id"), segment_tokens(segments)
     finally:
         if own_cursor:
             con.close()
 
 
-def flat_column(con: Any, query: str, lengths: pa.ChunkedArray, dtype: type) -> _Parts:
-    """The values of ``query`` (one column of ``dtype``), cut by ``lengths``; streamed
-    batch by batch into one array (:mod:`tracedb.views._buffers`). Batches of the
-    ``stream_rows`` setting keep DuckDB's result buffers small enough for the C allocator
-    to reuse, instead of ~30 MB of fresh pages per read (measured: tokens and logprobs of
-    the benchmark database read in ~28 ms with ~0 page faults, ~40 ms with ~4k)."""
-    valid = lengths.is_valid().to_numpy(zero_copy_only=False)
-    offsets = np.zeros(len(lengths) + 1, np.int64)
-    np.cumsum(pc.fill_null(lengths, 0).to_numpy(zero_copy_only=False), out=offsets[1:])
-    total = int(offsets[-1])
-    if total == 0:  # nothing to read (a stream no node holds): skip the scan
-        return np.zeros(0, dtype), offsets, valid
-    values = _buffers.empty(total, dtype)
-    pos = end = 0
-    for batch in con.sql(query).to_arrow_reader(runtime.settings().stream_rows):
-        part = batch.column(0).to_numpy(zero_copy_only=False)
-        end = pos + len(part)
-        if end > total:
-            break
-        values[pos:end] = part
-        pos = end
-    if end != total:  # cannot happen within one transaction; never misalign silently
-        raise RuntimeError(f"{query!r} returned other than the {total} values its rows hold")
-    return values, offsets, valid
+def segment_tokens(segments: pa.Table) -> _Parts:
+    """The token ids of ``segment_store`` rows (``n_tokens``, ``token_ids``, ``tokens``),
+    each row's from its list or its text, as (values, offsets, validity)."""
+    text_values, text_off, _ = codec.token_values(segments.column("tokens"))
+    lists = segments.column("token_ids")
+    if lists.null_count == len(lists):
+        return text_values, text_off, np.ones(len(text_off) - 1, bool)
+    list_values, list_off, _ = list_parts(lists)
+    list_values = list_values[list_off[0] : list_off[-1]]
+    list_off = list_off - list_off[0]
+    if not len(text_values):
+        return list_values.astype(np.int32, copy=False), list_off, np.ones(len(list_off) - 1, bool)
+    # Rows of both kinds (batches stored each its own way): each row's ids where they go.
+    text_len, list_len = np.diff(text_off), np.diff(list_off)
+    offsets = np.zeros(len(text_len) + 1, np.int64)
+    np.cumsum(text_len + list_len, out=offsets[1:])
+    values = np.empty(int(offsets[-1]), np.int32)
+    for part, part_off, part_len in ((text_values, text_off, text_len), (list_values, list_off, list_len)):
+        at = np.repeat(offsets[:-1] - part_off[:-1], part_len) + np.arange(len(part), dtype=np.int64)
+        values[at] = part
+    return values, offsets, np.ones(len(text_len), bool)
 
 
 def read_lists(
     con: Any, streams: Sequence[str], where: str
 ) -> tuple[pa.Table, tuple[pa.ChunkedArray, _Parts], dict[str, _Parts]]:
-    """The nodes (``where``: of the traces in ``_tdb_sel``) and their segments, with list
-    columns as lists: each row carries its own values, so no row order is relied on (a
-    selection filters with a join, which keeps none; ``preserve_insertion_order`` may be
-    off)."""
+    """The nodes (``where``: of the traces in ``_tdb_sel``) and their segments: each row
+    carries its own values, so no row order is relied on (a selection filters with a
+    join, which keeps none; ``preserve_insertion_order`` may be off)."""
     columns = "".join(f", {s}" for s in streams)
-    nodes = _sql(con, f"SELECT {_META}{columns} FROM nodes{where}")
+    nodes = _sql(con, f"SELECT {_META}{columns} FROM node_store{where}")
+    wanted_columns = "segment_id, n_tokens, token_ids, tokens"
     if not where:
-        segments = _sql(con, "SELECT segment_id, token_ids FROM segments")
+        segments = _sql(con, f"SELECT {wanted_columns} FROM segment_store")
     else:
-        # The segments these nodes name: a short literal list is looked up through the
-        # key's index (~3x faster than a join for one trace); a long one is joined.
+        # The segments these nodes name: a short literal list is looked up as a filter
+        # (~3x faster than a join for one trace); a long one is joined.
         wanted = pc.unique(nodes.column("segment_id").combine_chunks())
         if len(wanted) <= runtime.settings().segment_lookup:
             marks = ", ".join("?" * len(wanted)) or "NULL"
             segments = _sql(
-                con, f"SELECT segment_id, token_ids FROM segments WHERE segment_id IN ({marks})", wanted.to_pylist()
+                con,
+                f"SELECT {wanted_columns} FROM segment_store WHERE segment_id IN ({marks})",
+                wanted.to_pylist(),
             )
         else:
             con.register("_tdb_segs", pa.table({"segment_id": wanted}))
             try:
                 segments = _sql(
-                    con, "SELECT s.segment_id, s.token_ids FROM segments s SEMI JOIN _tdb_segs USING (segment_id)"
+                    con, f"SELECT {wanted_columns} FROM segment_store s SEMI JOIN _tdb_segs USING (segment_id)"
                 )
             finally:
                 con.unregister("_tdb_segs")
-    lists = {s: list_parts(nodes.column(s)) for s in streams}
-    return nodes, (segments.column("segment_id"), list_parts(segments.column("token_ids"))), lists
+    lists = {s: codec.stream_values(nodes.column(s)) for s in streams}
+    return nodes, (segments.column("segment_id"), segment_tokens(segments)), lists
 
 
 def node_ordered(nodes: pa.Table) -> bool:
@@ -331,7 +325,7 @@ def _decode(
         take = np.where(valid, np.minimum(np.diff(offsets), n_sampled_scan), 0)
         decoded[name] = Stream(values.astype(np.float32, copy=False), rows(offsets[:-1]), rows(take), rows(valid))
     lw = nodes.column("loss_weights")
-    loss_weights = lw.to_pylist() if lw.null_count < len(lw) else [None] * n_rows
+    loss_weights = codec.loss_weights_values(lw) if lw.null_count < len(lw) else [None] * n_rows
     if perm is not None:
         loss_weights = [loss_weights[i] for i in perm.tolist()]
     return NodeColumns(
