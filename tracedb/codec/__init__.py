@@ -152,7 +152,7 @@ def token_form(ids: np.ndarray, sample_bytes: int = 1 << 18) -> str:
     width = max(hi, 1).bit_length()
     # A sample of whole runs from the start, middle and end (repeats are what zstd finds).
     take = max(1, sample_bytes // 3)
-    if len(ids) * 3 <= sample_bytes:
+    if len(ids) <= 3 * take:  # (overlapping parts would repeat, and zstd would find that)
         sample = ids
     else:
         mid = len(ids) // 2
