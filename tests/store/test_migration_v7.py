@@ -99,7 +99,10 @@ def test_the_migrated_layout_is_a_fresh_databases(tmp_path):
         f"FROM duckdb_columns() WHERE {here} ORDER BY ALL"
     )
     assert query(path, columns) == query(fresh, columns)
-    keys = f"SELECT table_name, constraint_type, constraint_column_names FROM duckdb_constraints() WHERE {here} ORDER BY ALL"
+    keys = (
+        "SELECT table_name, constraint_type, constraint_column_names FROM duckdb_constraints() "
+        f"WHERE {here} ORDER BY ALL"
+    )
     assert query(path, keys) == query(fresh, keys)
 
 
