@@ -45,7 +45,6 @@ import numpy as np
 import pyarrow as pa
 import zstandard
 
-from tracedb.sqltext import load_sql
 from tracedb.storage import breakdown
 
 CHUNK_BYTES = 1 << 20

@@ -58,7 +58,7 @@ def test_every_candidate_is_measured_and_exact(source: Path, tmp_path: Path) -> 
 def test_fixed_point_refuses_a_value_with_more_decimals(source: Path, tmp_path: Path) -> None:
     import duckdb
 
-    from benchmarks.encodings import source_tables, chunked_candidate
+    from benchmarks.encodings import chunked_candidate, source_tables
 
     bad = tmp_path / "bad.duckdb"
     con = duckdb.connect(str(bad))
