@@ -61,10 +61,18 @@ def test_the_compiled_loops_write_and_read_the_reference_text(monkeypatch):
     monkeypatch.setattr(codec, "KERNEL_VALUES", 0)
     assert codec.stream_text(values, offsets, valid).equals(reference)
     compiled = codec.stream_values(reference)
+    monkeypatch.setattr(codec, "PARALLEL_BYTES", 0)  # rows split among threads
+    threaded = codec.stream_values(reference)
+    chunked = codec.stream_values(
+        pa.chunked_array([reference.slice(0, 7), reference.slice(7, 200), reference.slice(207)])
+    )
+    tokens = codec.token_text(np.arange(5000, dtype=np.int32), np.arange(0, 5001, 50))
+    assert np.array_equal(codec.token_values(tokens)[0], np.arange(5000))
     monkeypatch.undo()
     plain = codec.stream_values(reference)
-    for a, b in zip(compiled, plain, strict=True):
-        assert np.array_equal(a, b)
+    for got in (compiled, threaded, chunked):
+        for a, b in zip(got, plain, strict=True):
+            assert np.array_equal(a, b)
     assert same_bits(compiled[0], values)
 
 

@@ -173,6 +173,9 @@ def test_segments_kept_as_lists_and_as_text_read_in_row_order() -> None:
             "tokens": pa.array([next(it) if k else None for k in as_text], pa.string()),
         }
     )
-    values, offsets, valid = segment_tokens(segments)
-    assert [values[offsets[i] : offsets[i + 1]].tolist() for i in range(len(rows))] == rows
-    assert valid.all() and values.dtype == np.int32
+    listed = [r if not k else [] for r, k in zip(rows, as_text, strict=True)]
+    flat = (np.array([t for r in listed for t in r], np.int32), np.cumsum([0] + [len(r) for r in listed]))
+    for given in (None, flat):  # lists read with the rows, or flat (the whole-database read)
+        values, offsets, valid = segment_tokens(segments, given)
+        assert [values[offsets[i] : offsets[i + 1]].tolist() for i in range(len(rows))] == rows
+        assert valid.all() and values.dtype == np.int32

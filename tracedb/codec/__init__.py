@@ -37,7 +37,9 @@ text either way, tested against each other.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -295,13 +297,43 @@ def stream_values(text: pa.Array | pa.ChunkedArray) -> Parts:
 
 
 def _decode(text: pa.Array | pa.ChunkedArray, skip: int, dtype: type) -> Parts:
-    parts = [_decode_chunk(c, skip, dtype) for c in _chunks(text)]
+    if isinstance(text, pa.ChunkedArray) and text.num_chunks > 1:
+        # One array (DuckDB hands over a chunk per vector of rows): one pass over all of it.
+        size = sum(c.buffers()[2].size for c in text.chunks if c.buffers()[2] is not None)
+        text = (text.cast(pa.large_string()) if size >= 2**31 else text).combine_chunks()
+    chunks = _chunks(text)
+    return _decode_chunk(chunks[0], skip, dtype)
+
+
+PARALLEL_BYTES = 1 << 20
+"""Text of more bytes than this is decoded by several threads (the compiled loops run
+without the GIL), each a part of the rows."""
+
+_POOL: list[ThreadPoolExecutor] = []
+os.register_at_fork(after_in_child=_POOL.clear)  # a forked child has none of the pool's threads
+
+
+def _parts(offsets: np.ndarray) -> list[tuple[int, int]]:
+    """Row ranges of about equal bytes, one per thread (one for small text)."""
+    n = len(offsets) - 1
+    total = int(offsets[-1] - offsets[0])
+    threads = min(os.cpu_count() or 1, 8) if total > PARALLEL_BYTES else 1
+    if threads == 1 or n < threads:
+        return [(0, n)]
+    marks = np.searchsorted(offsets, np.linspace(offsets[0], offsets[-1], threads + 1)[1:-1])
+    cuts = [0, *sorted({int(m) for m in marks if 0 < m < n}), n]
+    return list(zip(cuts[:-1], cuts[1:], strict=True))
+
+
+def _each(parts: list[tuple[int, int]], fn: Any) -> None:
+    """``fn(a, b)`` for each row range, on the pool's threads when there are several."""
     if len(parts) == 1:
-        return parts[0]
-    values = np.concatenate([p[0] for p in parts])
-    starts = np.cumsum([0] + [len(p[0]) for p in parts[:-1]])
-    offsets = np.concatenate([[0]] + [p[1][1:] + s for p, s in zip(parts, starts, strict=True)])
-    return values, offsets.astype(np.int64), np.concatenate([p[2] for p in parts])
+        fn(*parts[0])
+        return
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(max_workers=min(os.cpu_count() or 1, 8), thread_name_prefix="tdb-codec"))
+    for future in [_POOL[0].submit(fn, a, b) for a, b in parts]:
+        future.result()
 
 
 def _decode_chunk(text: pa.Array, skip: int, dtype: type) -> Parts:
@@ -312,14 +344,13 @@ def _decode_chunk(text: pa.Array, skip: int, dtype: type) -> Parts:
     if len(data) > KERNEL_VALUES:
         k = _compiled()
         counts = np.empty(n, np.int64)
-        k.text_counts(data, offsets, skip, counts)
+        parts = _parts(offsets)
+        _each(parts, lambda a, b: k.text_counts(data, offsets[a : b + 1], skip, counts[a:b]))
         out_off = np.zeros(n + 1, np.int64)
         np.cumsum(counts, out=out_off[1:])
         out = np.zeros(int(out_off[-1]), dtype)
-        if skip:
-            k.read_streams(data, offsets, out_off, out)
-        else:
-            k.read_text(data, offsets, out_off, out)
+        read = k.read_streams if skip else k.read_text
+        _each(parts, lambda a, b: read(data, offsets[a : b + 1], out_off[a : b + 1], out))
         if skip:
             _decimal_rows(data, offsets, out_off, out)
         return out, out_off, valid
