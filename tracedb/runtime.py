@@ -144,6 +144,8 @@ class Settings:
     """An ingest adding fewer tokens commits into the WAL, without the lowered threshold
     (a checkpoint rewrites the key indexes whole; a follower's small commits leave it to
     DuckDB's own threshold)."""
+    stream_rows: int = 1 << 16
+    """Rows per batch of a view's flat reads."""
     segment_lookup: int = 1000
     """A view of a selection looks its segments up by a literal list up to this many
     (through the key's index), else it joins."""

@@ -151,6 +151,32 @@ print(out.tolist())
     assert done.stdout.strip() == "[0.0, 5.0, 6.0, 0.0]"  # prefix 1, two values taken, the rest zero
 
 
+def test_flat_reads_in_many_small_batches_give_the_same_view(fixture_db, knobs) -> None:
+    expected = fixture_db.branches()
+    fixture_db.handle.view_cache = None
+    knobs(stream_rows=7)  # every flat column arrives in many batches
+    assert fixture_db.branches().equals(expected)
+
+
+def test_flat_read_refuses_values_that_do_not_fit_the_lengths(fixture_db) -> None:
+    """Lengths and values come from two scans; if they ever disagreed the read must fail,
+    not hand out shifted values."""
+    import numpy as np
+    import pytest
+
+    from tracedb.views.nodes import flat_column
+
+    con = fixture_db.con
+    lengths = con.sql("SELECT n_tokens FROM segments").to_arrow_table().column(0)
+    values, offsets, _ = flat_column(con, "SELECT unnest(token_ids) FROM segments", lengths, np.int32)
+    assert len(values) == offsets[-1] == sum(lengths.to_pylist())
+    short = pa.chunked_array([pa.array([n - (i == 0) for i, n in enumerate(lengths.to_pylist())], pa.int32())])
+    long = pa.chunked_array([pa.array([n + (i == 0) for i, n in enumerate(lengths.to_pylist())], pa.int32())])
+    for wrong in (short, long):
+        with pytest.raises(RuntimeError, match="other than the"):
+            flat_column(con, "SELECT unnest(token_ids) FROM segments", wrong, np.int32)
+
+
 def test_segments_kept_as_lists_and_as_text_read_in_row_order() -> None:
     """Batches store their segments each the smaller way (``tracedb.codec.token_form``):
     a read of rows of both kinds gives every row its own ids, in row order."""

@@ -355,11 +355,13 @@ def _decode_chunk(text: pa.Array, skip: int, dtype: type) -> Parts:
             _decimal_rows(data, offsets, out_off, out)
         return out, out_off, valid
     rows: list[np.ndarray] = []
-    for r in range(n):
+    lengths = np.zeros(n, np.int64)
+    for r in np.flatnonzero(valid & (offsets[1:] > offsets[:-1])).tolist():  # (a null row holds no text)
         lo, hi = int(offsets[r]), int(offsets[r + 1])
-        rows.append(_row_values(bytes(data[lo:hi]), skip, dtype) if valid[r] else np.zeros(0, dtype))
+        rows.append(_row_values(bytes(data[lo:hi]), skip, dtype))
+        lengths[r] = len(rows[-1])
     out_off = np.zeros(n + 1, np.int64)
-    np.cumsum([len(r) for r in rows], out=out_off[1:])
+    np.cumsum(lengths, out=out_off[1:])
     values = np.concatenate(rows).astype(dtype, copy=False) if rows else np.zeros(0, dtype)
     return values, out_off, valid
 
