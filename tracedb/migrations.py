@@ -191,9 +191,20 @@ MIGRATE_ROWS = 65_536
 
 
 def _batches(con: duckdb.DuckDBPyConnection, table: str) -> list[tuple[int, int]]:
-    """Row-id ranges of ``table`` of at most :data:`MIGRATE_ROWS` rows, in row order."""
-    top = con.execute(f"SELECT coalesce(max(rowid) + 1, 0) FROM {table}").fetchall()[0][0]
-    return [(lo, min(lo + MIGRATE_ROWS, top)) for lo in range(0, top, MIGRATE_ROWS)]
+    """Row-id ranges of ``table`` of at most :data:`MIGRATE_ROWS` rows, in row order. The
+    bounds are rows' own ids: rows an earlier migration of the same transaction wrote have
+    ids from 2**62 on (DuckDB's transaction-local ids), so ranges over 0..max would not end."""
+    bounds = [
+        r[0]
+        for r in con.execute(
+            f"SELECT rowid FROM (SELECT rowid, row_number() OVER (ORDER BY rowid) - 1 AS k FROM {table}) "
+            f"WHERE k % {MIGRATE_ROWS} = 0 ORDER BY rowid"
+        ).fetchall()
+    ]
+    if not bounds:
+        return []
+    top = con.execute(f"SELECT max(rowid) + 1 FROM {table}").fetchall()[0][0]
+    return list(zip(bounds, [*bounds[1:], top], strict=True))
 
 
 def _v6_to_v7(con: duckdb.DuckDBPyConnection) -> None:
