@@ -39,6 +39,42 @@ CREATE OR REPLACE MACRO credit_advantages(credit_set) AS TABLE
     LEFT JOIN trace_credit t
            ON t.credit_set = credit_set AND t.trace_id = n.trace_id AND n.n_sampled > 0;
 
+-- A weight label's own policy version (tracedb/policy.py's rule): step_12, v3, 12,
+-- version-7 (any case) name their number; any other label none (NULL) until mapped.
+CREATE OR REPLACE MACRO tdb_label_number(label) AS
+    TRY_CAST(nullif(regexp_extract(label, '^(?:step|v|version)?[_-]?([0-9]+)$', 1, 'i'), '') AS INTEGER);
+
+-- An integer compact stream widened onto the node's tokens: values on the sampled
+-- positions in order, NULL elsewhere.
+CREATE OR REPLACE MACRO tdb_widen_int(vals, n_tokens, mask_prefix, mask_slots) AS
+    CASE WHEN mask_slots IS NULL
+         THEN list_concat(list_resize([]::INTEGER[], mask_prefix), vals)
+         ELSE list_transform(mask_slots, lambda k: CASE WHEN k = 0 THEN NULL::INTEGER ELSE vals[k] END)
+    END;
+
+-- Each node's sampled tokens' policy versions (compact): a token a span covers has its
+-- label's number (its own, else policy_labels'; NULL when neither), any other sampled
+-- token its episode's policy start, else its step.
+CREATE OR REPLACE MACRO node_policy_versions() AS TABLE
+    WITH spans AS (
+        SELECT n.trace_id, n.node_index,
+               list({'start': s.start, 'end': s."end",
+                     'v': coalesce(tdb_label_number(s.version), TRY_CAST(m.version AS INTEGER))}) AS sv
+        FROM nodes n, unnest(n.weight_versions) AS u(s)
+        LEFT JOIN policy_labels m ON m.label = s.version
+        WHERE n.weight_versions IS NOT NULL
+        GROUP BY ALL
+    )
+    SELECT n.trace_id, n.node_index,
+           list_transform(range(n.n_sampled), lambda k:
+               CASE WHEN len(list_filter(coalesce(sp.sv, []), lambda s: s.start <= k AND k < s."end")) > 0
+                    THEN list_filter(sp.sv, lambda s: s.start <= k AND k < s."end")[1].v
+                    ELSE TRY_CAST(coalesce(e.policy_start, e.work_step) AS INTEGER) END) AS versions
+    FROM nodes n
+    LEFT JOIN spans sp USING (trace_id, node_index)
+    LEFT JOIN traces t USING (trace_id)
+    LEFT JOIN episodes e ON e.episode_id = t.episode_id;
+
 -- One row per node with its tokens and every stream in full (per-token) layout.
 CREATE OR REPLACE MACRO node_tokens(credit := NULL) AS TABLE
     SELECT n.trace_id, n.node_index, n.parent, n.role, n.sampled,
@@ -54,9 +90,11 @@ CREATE OR REPLACE MACRO node_tokens(credit := NULL) AS TABLE
            tdb_widen(n.trainer_logprobs, n.n_tokens, n.n_sampled, n.mask_prefix, n.mask_slots) AS trainer_logprobs,
            n.entropies IS NOT NULL AS has_entropies,
            tdb_widen(n.entropies, n.n_tokens, n.n_sampled, n.mask_prefix, n.mask_slots) AS entropies,
-           n.loss_weights
+           n.loss_weights,
+           tdb_widen_int(pv.versions, n.n_tokens, n.mask_prefix, n.mask_slots) AS policy_version
     FROM nodes n JOIN segments s USING (segment_id)
-    JOIN credit_advantages(credit) a USING (trace_id, node_index);
+    JOIN credit_advantages(credit) a USING (trace_id, node_index)
+    JOIN node_policy_versions() pv USING (trace_id, node_index);
 
 -- One row per (branch, node on its path), pos = 1 at the root. first_branch is the
 -- first trainable branch holding the node (or the first branch, if none is trainable).
@@ -116,13 +154,15 @@ CREATE OR REPLACE MACRO branch_tokens(train_once := false, credit := NULL) AS TA
                CASE WHEN bool_or(has_trainer_logprobs)
                     THEN flatten(list(trainer_logprobs ORDER BY pos)) END AS trainer_logprobs,
                CASE WHEN bool_or(has_entropies)
-                    THEN flatten(list(entropies ORDER BY pos)) END AS entropies
+                    THEN flatten(list(entropies ORDER BY pos)) END AS entropies,
+               CASE WHEN bool_or(list_count(policy_version) > 0)
+                    THEN flatten(list(policy_version ORDER BY pos)) END AS policy_version
         FROM bn
         GROUP BY trace_id, branch_index
     )
     SELECT s.trace_id, s.branch_index, s.trainable, s.token_ids, s.sampled_mask, s.logprobs,
            s.advantages, s.reference_logprobs, s.trainer_logprobs, s.entropies,
-           coalesce(lw.loss_weights, MAP {}::MAP(VARCHAR, FLOAT[])) AS loss_weights
+           coalesce(lw.loss_weights, MAP {}::MAP(VARCHAR, FLOAT[])) AS loss_weights, s.policy_version
     FROM spread s LEFT JOIN lw USING (trace_id, branch_index)
     ORDER BY s.trace_id, s.branch_index;
 

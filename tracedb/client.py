@@ -142,6 +142,13 @@ def poll_traces(
     complete_groups: int | None = None,
     tags: Mapping[str, Any] | None = None,
     through: int | None = None,
+    policy: int | None = None,
+    max_staleness: int | None = None,
+    stale: str | None = None,
+    unknown: str | None = None,
+    include_dropped: bool | None = None,
+    include_eval: bool | None = None,
+    max_groups: int | None = None,
     limit: int | None = None,
 ) -> dict[str, Any]:
     """The traces committed after the watermark ``after``, in arrival order (the other
@@ -149,7 +156,22 @@ def poll_traces(
     for one when there is none yet. Returns the server's answer: ``traces`` (rows with
     ``seq``, ids, reward, counts, ``tags``), ``watermark`` (pass it as ``after`` next time)
     and ``more`` (``limit`` cut it short: call again)."""
-    selection = Selection(trace_ids, group, episode, after, complete_groups, tags, through)
+    selection = Selection(
+        trace_ids,
+        group,
+        episode,
+        after,
+        complete_groups,
+        tags,
+        through,
+        policy,
+        max_staleness,
+        stale,
+        unknown,
+        include_dropped,
+        include_eval,
+        max_groups,
+    )
     params = _params(**_selected(selection), wait=wait, limit=limit)
     return _json(url, "/traces", params, timeout=TIMEOUT_S + wait)
 
@@ -164,6 +186,13 @@ def fetch_branches(
     complete_groups: int | None = None,
     tags: Mapping[str, Any] | None = None,
     through: int | None = None,
+    policy: int | None = None,
+    max_staleness: int | None = None,
+    stale: str | None = None,
+    unknown: str | None = None,
+    include_dropped: bool | None = None,
+    include_eval: bool | None = None,
+    max_groups: int | None = None,
     trainable: bool | None = None,
     branch_index: int | Sequence[int] | None = None,
     columns: Sequence[str] | None = None,
@@ -175,7 +204,22 @@ def fetch_branches(
     said of it: ``watermark``, ``tokens``, ``token_limit``, ``n_branches``,
     ``branch_limit``, ``truncated`` and ``truncated_by`` (which of the server's limits was
     reached, ``"tokens"`` or ``"branches"``: pass ``after=watermark`` for the rest)."""
-    selection = Selection(trace_ids, group, episode, after, complete_groups, tags, through)
+    selection = Selection(
+        trace_ids,
+        group,
+        episode,
+        after,
+        complete_groups,
+        tags,
+        through,
+        policy,
+        max_staleness,
+        stale,
+        unknown,
+        include_dropped,
+        include_eval,
+        max_groups,
+    )
     params = _params(
         **_selected(selection),
         trainable=trainable,
@@ -211,6 +255,13 @@ def fetch_micro_batches(
     complete_groups: int | None = None,
     tags: Mapping[str, Any] | None = None,
     through: int | None = None,
+    policy: int | None = None,
+    max_staleness: int | None = None,
+    stale: str | None = None,
+    unknown: str | None = None,
+    include_dropped: bool | None = None,
+    include_eval: bool | None = None,
+    max_groups: int | None = None,
     **options: Any,
 ) -> tuple[pa.Table, dict[str, Any]]:
     """One file of one rank's micro-batches, as ``tracedb pack`` writes it: ``part="tokens"``
@@ -220,7 +271,22 @@ def fetch_micro_batches(
     packing arguments (``credit``, ``overflow``, ``cost``, ``share_prefixes`` ...;
     ``trainable=None`` for every branch). Pass ``through`` to read several parts or ranks
     of one step."""
-    selection = Selection(trace_ids, group, episode, after, complete_groups, tags, through)
+    selection = Selection(
+        trace_ids,
+        group,
+        episode,
+        after,
+        complete_groups,
+        tags,
+        through,
+        policy,
+        max_staleness,
+        stale,
+        unknown,
+        include_dropped,
+        include_eval,
+        max_groups,
+    )
     extra = dict(options)
     if "cost" in extra:
         extra["cost_linear"], extra["cost_quadratic"] = extra.pop("cost")
@@ -247,11 +313,33 @@ def micro_batches(
     complete_groups: int | None = None,
     tags: Mapping[str, Any] | None = None,
     through: int | None = None,
+    policy: int | None = None,
+    max_staleness: int | None = None,
+    stale: str | None = None,
+    unknown: str | None = None,
+    include_dropped: bool | None = None,
+    include_eval: bool | None = None,
+    max_groups: int | None = None,
     **options: Any,
 ) -> tuple[list[MicroBatch], dict[str, Any]]:
     """One rank's micro-batches, the objects ``db.micro_batches(...)[rank]`` gives, and the
     plan's report: both files of the rank, the second read as of the first's watermark."""
-    selection = Selection(trace_ids, group, episode, after, complete_groups, tags, through)
+    selection = Selection(
+        trace_ids,
+        group,
+        episode,
+        after,
+        complete_groups,
+        tags,
+        through,
+        policy,
+        max_staleness,
+        stale,
+        unknown,
+        include_dropped,
+        include_eval,
+        max_groups,
+    )
     chosen = selection.kwargs()
     tokens, report = fetch_micro_batches(url, seq_len, rank=rank, ranks=ranks, part="tokens", **chosen, **options)
     chosen["through"] = report["watermark"]

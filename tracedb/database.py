@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import duckdb
 import pyarrow as pa
 
-from tracedb import batches, credit_sets, migrations, readback, sqlcheck, storage, views, writeback
+from tracedb import batches, credit_sets, migrations, policy_labels, readback, sqlcheck, storage, views, writeback
 from tracedb.dbfile import open_handle
 from tracedb.export import export
 from tracedb.handle import Handle
@@ -209,6 +209,13 @@ class Database:
         complete_groups: int | None = None,
         tags: Mapping[str, Any] | None = None,
         through: int | None = None,
+        policy: int | None = None,
+        max_staleness: int | None = None,
+        stale: str | None = None,
+        unknown: str | None = None,
+        include_dropped: bool | None = None,
+        include_eval: bool | None = None,
+        max_groups: int | None = None,
         limit: int | None = None,
     ) -> pa.Table:
         """The selected traces in arrival order, one row each (``seq``, ids, reward,
@@ -216,7 +223,22 @@ class Database:
         The table carries the watermark to pass as ``after`` next time
         (``tracedb.watermark_of``); with ``limit`` it is the last row's, so paging through
         a live run misses nothing and repeats nothing."""
-        selection = Selection(trace_ids, group, episode, after, complete_groups, tags, through)
+        selection = Selection(
+            trace_ids,
+            group,
+            episode,
+            after,
+            complete_groups,
+            tags,
+            through,
+            policy,
+            max_staleness,
+            stale,
+            unknown,
+            include_dropped,
+            include_eval,
+            max_groups,
+        )
         return readback.trace_listing(self.handle, selection, limit)
 
     # ----------------------------------------------------------------- records
@@ -246,6 +268,13 @@ class Database:
         complete_groups: int | None = None,
         tags: Mapping[str, Any] | None = None,
         through: int | None = None,
+        policy: int | None = None,
+        max_staleness: int | None = None,
+        stale: str | None = None,
+        unknown: str | None = None,
+        include_dropped: bool | None = None,
+        include_eval: bool | None = None,
+        max_groups: int | None = None,
         trainable: bool | None = None,
         branch_index: int | Sequence[int] | None = None,
         columns: Sequence[str] | None = None,
@@ -273,7 +302,22 @@ class Database:
         """
         return views.branches(
             self.handle,
-            Selection(trace_ids, group, episode, after, complete_groups, tags, through),
+            Selection(
+                trace_ids,
+                group,
+                episode,
+                after,
+                complete_groups,
+                tags,
+                through,
+                policy,
+                max_staleness,
+                stale,
+                unknown,
+                include_dropped,
+                include_eval,
+                max_groups,
+            ),
             trainable=trainable,
             branch_index=branch_index,
             columns=columns,
@@ -291,6 +335,13 @@ class Database:
         complete_groups: int | None = None,
         tags: Mapping[str, Any] | None = None,
         through: int | None = None,
+        policy: int | None = None,
+        max_staleness: int | None = None,
+        stale: str | None = None,
+        unknown: str | None = None,
+        include_dropped: bool | None = None,
+        include_eval: bool | None = None,
+        max_groups: int | None = None,
         trainable: bool | None = None,
         branch_index: int | Sequence[int] | None = None,
         columns: Sequence[str] | None = None,
@@ -303,7 +354,22 @@ class Database:
         carries the watermark the selection was made at."""
         return views.iter_branches(
             self.handle,
-            Selection(trace_ids, group, episode, after, complete_groups, tags, through),
+            Selection(
+                trace_ids,
+                group,
+                episode,
+                after,
+                complete_groups,
+                tags,
+                through,
+                policy,
+                max_staleness,
+                stale,
+                unknown,
+                include_dropped,
+                include_eval,
+                max_groups,
+            ),
             trainable=trainable,
             branch_index=branch_index,
             columns=columns,
@@ -324,6 +390,13 @@ class Database:
         complete_groups: int | None = None,
         tags: Mapping[str, Any] | None = None,
         through: int | None = None,
+        policy: int | None = None,
+        max_staleness: int | None = None,
+        stale: str | None = None,
+        unknown: str | None = None,
+        include_dropped: bool | None = None,
+        include_eval: bool | None = None,
+        max_groups: int | None = None,
         trainable: bool | None = None,
         columns: Sequence[str] | None = None,
         train_once: bool = False,
@@ -338,7 +411,22 @@ class Database:
         return export(
             self.handle,
             path,
-            Selection(trace_ids, group, episode, after, complete_groups, tags, through),
+            Selection(
+                trace_ids,
+                group,
+                episode,
+                after,
+                complete_groups,
+                tags,
+                through,
+                policy,
+                max_staleness,
+                stale,
+                unknown,
+                include_dropped,
+                include_eval,
+                max_groups,
+            ),
             format=format,
             trainable=trainable,
             columns=columns,
@@ -360,6 +448,13 @@ class Database:
         complete_groups: int | None = None,
         tags: Mapping[str, Any] | None = None,
         through: int | None = None,
+        policy: int | None = None,
+        max_staleness: int | None = None,
+        stale: str | None = None,
+        unknown: str | None = None,
+        include_dropped: bool | None = None,
+        include_eval: bool | None = None,
+        max_groups: int | None = None,
         trainable: bool | None = True,
         branch_index: int | Sequence[int] | None = None,
         credit: str | None = None,
@@ -394,7 +489,22 @@ class Database:
         return batches.micro_batches(
             self.handle,
             seq_len,
-            Selection(trace_ids, group, episode, after, complete_groups, tags, through),
+            Selection(
+                trace_ids,
+                group,
+                episode,
+                after,
+                complete_groups,
+                tags,
+                through,
+                policy,
+                max_staleness,
+                stale,
+                unknown,
+                include_dropped,
+                include_eval,
+                max_groups,
+            ),
             ranks=ranks,
             trainable=trainable,
             branch_index=branch_index,
@@ -436,6 +546,19 @@ class Database:
     ) -> int:
         """Return ``stream`` to unassigned (None) on every node of ``trace_ids`` (default: all)."""
         return writeback.clear(self.handle, stream=stream, credit=credit, trace_ids=trace_ids, name=name)
+
+    # ----------------------------------------------------------------- policy versions
+
+    def set_policy_versions(self, mapping: Mapping[str, int]) -> int:
+        """Map weight labels that name no number of their own (a checkpoint name, a hash)
+        to policy versions (``{"ckpt-abc": 12}``); a label like ``step_12`` or ``v3`` needs
+        none. The traces using them get their policy-version bounds again; returns how
+        many. See :mod:`tracedb.policy` for the rule."""
+        return policy_labels.set_versions(self.handle, mapping)
+
+    def policy_versions(self) -> pa.Table:
+        """The mapped weight labels: label, version, set_at."""
+        return policy_labels.listing(self.handle)
 
     # ----------------------------------------------------------------- credit sets
 

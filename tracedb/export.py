@@ -55,8 +55,12 @@ def export(
     of the machine after the call returned loses nothing of it, and concurrent exports to
     one path do not collide; it gets the process umask's mode. Returns
     rows, branches' tokens, bytes and the watermark the selection was read at (also in
-    the file's schema metadata, ``tracedb.watermark``).
+    the file's schema metadata, ``tracedb.watermark``). With ``trainable=True`` (a
+    trainer's export) dropped traces and eval episodes are left out unless the selection's
+    ``include_dropped`` / ``include_eval`` keep them.
     """
+    if trainable is True:
+        selection = selection.for_training()  # a trainer's export: dropped and eval traces out by default
     path = Path(path)
     fmt = format or FORMATS.get(path.suffix.lower())
     if fmt not in ("parquet", "arrow", "arrows"):

@@ -54,10 +54,39 @@ def live_selection(
             "or name=low..high (inclusive; an end may be empty). Repeatable.",
         ),
     ] = None,
+    policy: Annotated[
+        int | None, Query(ge=0, le=2**31 - 1, description="The trainer's policy version V (with max_staleness).")
+    ] = None,
+    max_staleness: Annotated[
+        int | None, Query(ge=0, le=2**31 - 1, description="K: groups older than V-K are stale.")
+    ] = None,
+    stale: Annotated[Literal["drop", "mask"] | None, Query(description="What a stale group gets.")] = None,
+    unknown: Annotated[
+        Literal["refuse", "keep", "drop"] | None, Query(description="A trace of unknown policy version under a bound.")
+    ] = None,
+    include_dropped: Annotated[
+        bool | None, Query(description="Dropped traces: true keeps, false leaves out (default: the route's).")
+    ] = None,
+    include_eval: Annotated[bool | None, Query(description="Traces of eval episodes, as include_dropped.")] = None,
+    max_groups: Annotated[
+        int | None, Query(ge=1, le=1_000_000, description="At most this many groups, oldest first.")
+    ] = None,
 ) -> Selection:
     """The live-run narrowing of a selection (``after``, ``complete_groups``, ``through``,
     ``tag``), from the query string; a route adds the id filters it takes."""
-    return Selection(after=after, complete_groups=complete_groups, through=through, tags=queries.tag_filters(tag))
+    return Selection(
+        after=after,
+        complete_groups=complete_groups,
+        through=through,
+        tags=queries.tag_filters(tag),
+        policy=policy,
+        max_staleness=max_staleness,
+        stale=stale,
+        unknown=unknown,
+        include_dropped=include_dropped,
+        include_eval=include_eval,
+        max_groups=max_groups,
+    )
 
 
 LiveSelection = Annotated[Selection, Depends(live_selection)]

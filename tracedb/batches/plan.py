@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from tracedb.batches import packing
 from tracedb.batches.samples import Samples
@@ -71,6 +72,28 @@ class PackReport:
     rank_costs: list[float] = field(default_factory=list)
     watermark: int = 0
     """The watermark the selection was read at: pass it as ``after`` for the next step."""
+    dropped: int = 0
+    """Dropped traces (verifiers' ``Trace.dropped``) left out (``include_dropped`` keeps them)."""
+    eval: int = 0
+    """Traces of eval episodes left out (``include_eval`` keeps them)."""
+    policy: int | None = None
+    """The policy version ``V`` staleness was measured from (None: no bound)."""
+    staleness_bound: int | None = None
+    """``V - K``: no loss token is older."""
+    stale_groups: int = 0
+    """Groups whose oldest member's lowest policy version is below the bound."""
+    stale_traces: int = 0
+    """Their traces: left out (``stale="drop"``) or kept masked (``"mask"``)."""
+    stale_tokens: int = 0
+    """With ``stale="mask"``: loss tokens older than the bound, taken out of the loss."""
+    unknown_dropped: int = 0
+    """Traces of unknown policy version left out (``unknown="drop"``)."""
+    off_policy_level: float | None = None
+    """Mean of ``V - policy_min`` over the packed traces (prime-rl's ``off_policy_level``)."""
+    off_policy_max: int | None = None
+    """Its maximum."""
+    groups_over: int = 0
+    """Groups past ``max_groups``, left for the next step."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -260,6 +283,22 @@ def _loss_weight_columns(samples: Samples) -> dict[str, tuple[np.ndarray, np.nda
     return dict(sorted(out.items()))
 
 
+def _version_column(samples: Samples) -> tuple[np.ndarray, np.ndarray] | None:
+    """``policy_version`` over the view's tokens (values, known per token), when some packed
+    sample has a token of known version."""
+    column = samples.view.column("policy_version").combine_chunks()
+    if column.null_count == len(column):
+        return None
+    valid = column.is_valid().to_numpy(zero_copy_only=False)
+    if not valid[samples.rows].any():
+        return None
+    start = column.offsets[0].as_py()
+    flat = column.values.slice(start, int(samples.view_offsets[-1]))
+    known = flat.is_valid().to_numpy(zero_copy_only=False)
+    values = pc.fill_null(flat, 0).to_numpy(zero_copy_only=False).astype(np.int32)
+    return values, known
+
+
 def build_plan(
     samples: Samples,
     *,
@@ -317,6 +356,7 @@ class _ViewColumns:
     advantages: np.ndarray
     streams: dict[str, tuple[np.ndarray, np.ndarray | None]]  # values, valid per view row (None: all)
     weights: dict[str, tuple[np.ndarray, np.ndarray]]  # loss_weights.NAME: values, held per view token
+    versions: tuple[np.ndarray, np.ndarray] | None = None  # policy_version: values, known per view token
 
     @classmethod
     def of(cls, samples: Samples) -> _ViewColumns:
@@ -334,6 +374,7 @@ class _ViewColumns:
             advantages=_flat(view, "advantages")[0],
             streams=streams,
             weights=_loss_weight_columns(samples),
+            versions=_version_column(samples),
         )
 
     def assemble(
@@ -351,6 +392,7 @@ class _ViewColumns:
         adv, lp = _buffers.empty(total, np.float32), _buffers.empty(total, np.float32)
         streams = {name: (_buffers.empty(total, np.float32), np.empty(total, bool)) for name in self.streams}
         weights = {name: (_buffers.empty(total, np.float32), np.empty(total, bool)) for name in self.weights}
+        versions = None if self.versions is None else (_buffers.empty(total, np.int32), np.empty(total, bool))
         ramp = np.arange(max((int(n) for n in samples.length), default=0) + 1, dtype=np.int32)
         at = 0
         for lay, pad in zip(layouts, pads, strict=True):
@@ -373,11 +415,16 @@ class _ViewColumns:
                 for name, (values, held) in self.weights.items():
                     weights[name][0][here] = values[there]
                     weights[name][1][here] = held[there]
+                if versions is not None and self.versions is not None:
+                    versions[0][here] = self.versions[0][there]
+                    versions[1][here] = self.versions[1][there]
                 at += length
             padding = slice(at, at + pad)
             ids[padding], pos[padding], loss[padding], adv[padding], lp[padding] = pad_token_id, 0, False, 0.0, 0.0
             for values, present in (*streams.values(), *weights.values()):
                 values[padding], present[padding] = 0.0, False
+            if versions is not None:
+                versions[0][padding], versions[1][padding] = 0, False
             at += pad
         columns: dict[str, pa.Array] = {
             "input_ids": _arrow(ids),
@@ -390,6 +437,8 @@ class _ViewColumns:
             columns[name] = _arrow(values, ~present)
         for name, (values, present) in weights.items():
             columns[f"loss_weights.{name}"] = _arrow(values, ~present)
+        if versions is not None:
+            columns["policy_version"] = _arrow(versions[0], ~versions[1])
         return columns
 
 

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+import pyarrow.compute as pc
+
 from tracedb import credit_sets
 from tracedb.batches.plan import Plan, build_plan
-from tracedb.batches.samples import OVERFLOW, build
+from tracedb.batches.samples import OVERFLOW, Samples, build
 from tracedb.handle import Handle
 from tracedb.records import COMPACT_STREAMS
 from tracedb.selection import Selection, resolve
-from tracedb.views import branch_indices
+from tracedb.views import branch_indices, versions
 from tracedb.views.nodes import load_nodes
 
 
@@ -47,12 +50,16 @@ def micro_batches(
             "share_prefixes stores a shared token once, so it is in the loss once: it needs train_once=True"
         )
     credit = credit_sets.resolve(handle, credit)
-    if selection.everything:
-        trace_ids, mark = None, None
-    else:
-        selected = resolve(handle, selection)
-        trace_ids, mark = [tid for tid, _ in selected.traces], selected.watermark
+    chosen = selection.for_training()  # dropped traces and eval episodes stay out unless asked in
+    selected = resolve(handle, chosen)
+    trace_ids: list[str] | None = [tid for tid, _ in selected.traces]
+    mark = selected.watermark
+    left_out = selected.report.get("dropped", 0) + selected.report.get("eval", 0)
+    if selection.everything and not left_out:
+        trace_ids = None  # every trace: the whole-database read (faster), at the watermark it sees
+        mark = None
     data = load_nodes(handle, trace_ids, list(COMPACT_STREAMS), credit)
+    versions.attach(handle, data)
     samples = build(
         data,
         seq_len,
@@ -63,6 +70,7 @@ def micro_batches(
         drop_zero_advantages=drop_zero_advantages,
         share_prefixes=share_prefixes,
     )
+    stale_tokens = mask_stale(samples, chosen)
     arguments = {
         "seq_len": seq_len,
         "ranks": ranks,
@@ -89,4 +97,36 @@ def micro_batches(
         arguments=arguments,
     )
     plan.report.watermark = data.watermark if mark is None else mark
+    report = plan.report
+    report.dropped = selected.report.get("dropped", 0)
+    report.eval = selected.report.get("eval", 0)
+    if chosen.bound is not None:
+        report.policy, report.staleness_bound = chosen.policy, chosen.bound
+        report.stale_groups = selected.report.get("stale_groups", 0)
+        report.stale_traces = selected.report.get("stale_traces", 0)
+        report.stale_tokens = stale_tokens
+        report.unknown_dropped = selected.report.get("unknown", 0)
+        packed = {samples.trace_id[i] for i in range(len(samples.trace_id))}
+        ages = [chosen.policy - low for t, low in selected.policy_min.items() if t in packed and low is not None]
+        report.off_policy_level = sum(ages) / len(ages) if ages else None
+        report.off_policy_max = max(ages) if ages else None
+    report.groups_over = selected.report.get("groups_over", 0)
     return plan
+
+
+def mask_stale(samples: Samples, selection: Selection) -> int:
+    """With ``stale="mask"``: the loss tokens older than the staleness bound leave the loss
+    (``samples.loss_mask`` false there); returns how many did."""
+    if selection.bound is None or (selection.stale or "drop") != "mask":
+        return 0
+    column = samples.view.column("policy_version").combine_chunks()
+    if column.null_count == len(column):
+        return 0
+    # The view's lists sit back to back over its tokens (views.spread builds them so), a
+    # null element where a token has no known version (unknown="keep" keeps those).
+    start = column.offsets[0].as_py()
+    flat = column.values.slice(start, int(samples.view_offsets[-1]))
+    values = pc.fill_null(flat, np.iinfo(np.int32).max).to_numpy(zero_copy_only=False)
+    old = samples.loss_mask & (values < selection.bound)
+    samples.loss_mask[old] = False
+    return int(old.sum())

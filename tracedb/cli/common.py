@@ -59,6 +59,62 @@ TagFilterOption = Annotated[
 ]
 
 
+PolicyOption = Annotated[
+    int | None,
+    typer.Option(
+        "--policy", help="The trainer's policy version V; with --max-staleness K, groups older than V-K are left out."
+    ),
+]
+MaxStalenessOption = Annotated[
+    int | None,
+    typer.Option("--max-staleness", help="K: a group whose oldest member's policy version is below V-K is stale."),
+]
+StaleOption = Annotated[
+    str | None,
+    typer.Option(
+        "--stale", help="What a stale group gets: drop (default: left out whole) or mask (old tokens out of the loss)."
+    ),
+]
+UnknownOption = Annotated[
+    str | None,
+    typer.Option(
+        "--unknown", help="A trace with tokens of unknown policy version under a bound: refuse (default), keep or drop."
+    ),
+]
+IncludeDroppedOption = Annotated[
+    bool, typer.Option("--include-dropped", help="Also dropped traces (verifiers' Trace.dropped), left out by default.")
+]
+IncludeEvalOption = Annotated[
+    bool, typer.Option("--include-eval", help="Also traces of eval episodes, left out by default.")
+]
+MaxGroupsOption = Annotated[
+    int | None,
+    typer.Option("--max-groups", help="At most this many groups, oldest first (the watermark ends at the last one)."),
+]
+
+
+def training_selection(
+    policy: int | None,
+    max_staleness: int | None,
+    stale: str | None,
+    unknown: str | None,
+    include_dropped: bool,
+    include_eval: bool,
+    max_groups: int | None,
+) -> dict[str, Any]:
+    """The staleness, dropped/eval and group-count keyword arguments of a training output,
+    from the shared options (an unset flag is the library's default)."""
+    return {
+        "policy": policy,
+        "max_staleness": max_staleness,
+        "stale": stale,
+        "unknown": unknown,
+        "include_dropped": True if include_dropped else None,
+        "include_eval": True if include_eval else None,
+        "max_groups": max_groups,
+    }
+
+
 def live_selection(
     after: int | None, complete_groups: int | None, through: int | None, tag: list[str] | None
 ) -> dict[str, Any]:

@@ -17,10 +17,17 @@ from tracedb.cli.common import (
     AfterOption,
     CompleteGroupsOption,
     DbOption,
+    IncludeDroppedOption,
+    IncludeEvalOption,
     JsonOption,
+    MaxGroupsOption,
+    MaxStalenessOption,
     MemoryLimitOption,
+    PolicyOption,
+    StaleOption,
     TagFilterOption,
     ThroughOption,
+    UnknownOption,
     checked_name,
     emit,
     emit_sql_rows,
@@ -34,6 +41,7 @@ from tracedb.cli.common import (
     report_ingest,
     report_pack,
     report_storage,
+    training_selection,
     write_pack,
 )
 from tracedb.cli.follow import follow as run_follower
@@ -252,11 +260,19 @@ def export(
     complete_groups: CompleteGroupsOption = None,
     through: ThroughOption = None,
     tag: TagFilterOption = None,
+    policy: PolicyOption = None,
+    max_staleness: MaxStalenessOption = None,
+    stale: StaleOption = None,
+    unknown: UnknownOption = None,
+    include_dropped: IncludeDroppedOption = False,
+    include_eval: IncludeEvalOption = False,
+    max_groups: MaxGroupsOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Export branch views, streaming in bounded memory. The result's watermark (printed,
     and in the file's schema) is the --after of the next export of a live run."""
     live = live_selection(after, complete_groups, through, tag)
+    live.update(training_selection(policy, max_staleness, stale, unknown, include_dropped, include_eval, max_groups))
     with open_db(db, read_only=True) as database:
         try:
             result = database.export(
@@ -300,12 +316,20 @@ def pack(
     complete_groups: CompleteGroupsOption = None,
     through: ThroughOption = None,
     tag: TagFilterOption = None,
+    policy: PolicyOption = None,
+    max_staleness: MaxStalenessOption = None,
+    stale: StaleOption = None,
+    unknown: UnknownOption = None,
+    include_dropped: IncludeDroppedOption = False,
+    include_eval: IncludeEvalOption = False,
+    max_groups: MaxGroupsOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Pack micro-batches for a trainer into a step directory: per rank an Arrow IPC file of
     micro-batches and their samples, then manifest.json (a trainer waits for it). On a live
     run, --after with the last step's watermark (in the report) packs what arrived since."""
     live = live_selection(after, complete_groups, through, tag)
+    live.update(training_selection(policy, max_staleness, stale, unknown, include_dropped, include_eval, max_groups))
     with open_db(db, read_only=True) as database:
         try:
             plan = database.micro_batches(
@@ -444,6 +468,38 @@ def credit_sets(db: DbOption = Path("tracedb.duckdb"), as_json: JsonOption = Fal
     """The credit sets side by side: algorithm, parameters, creation time, assigned nodes."""
     with open_db(db, read_only=True) as database:
         emit(database.credit_sets().to_pylist(), as_json, title="credit sets")
+
+
+@app.command("policy-versions")
+def policy_versions(
+    db: DbOption = Path("tracedb.duckdb"),
+    set_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set", help="Map a weight label with no number of its own to a policy version: LABEL=N (repeatable)."
+        ),
+    ] = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Weight labels and policy versions: a label such as step_12, v3 or 12 names its own
+    version; map any other (a checkpoint name, a hash) with --set LABEL=N, which stores the
+    bounds of the traces using it again. Without --set, list the mapped labels."""
+    if not set_:
+        with open_db(db, read_only=True) as database:
+            emit(database.policy_versions().to_pylist(), as_json, title="mapped weight labels")
+        return
+    mapping: dict[str, int] = {}
+    for text in set_:
+        label, sep, number = text.rpartition("=")
+        if not sep or not label or not number.strip().isdigit():
+            raise fail(f"--set: expected LABEL=N (N a whole number), got {text!r}", 2)
+        mapping[label] = int(number)
+    with open_db(db) as database:
+        try:
+            updated = database.set_policy_versions(mapping)
+        except TraceDBError as e:
+            raise fail(e, 2) from None
+    emit({"labels": len(mapping), "traces": updated}, as_json)
 
 
 @app.command()

@@ -61,12 +61,34 @@ class Lake(catalog.Opened):
         complete_groups: int | None = None,
         tags: Mapping[str, Any] | None = None,
         through: int | None = None,
+        policy: int | None = None,
+        max_staleness: int | None = None,
+        stale: str | None = None,
+        unknown: str | None = None,
+        include_dropped: bool | None = None,
+        include_eval: bool | None = None,
+        max_groups: int | None = None,
     ) -> dict[str, pa.Table]:
         """The visible rows of the selected traces in every table, by name (see
         :func:`tracedb.lake.read.visible`); the selection is :meth:`branches`'."""
         from tracedb.lake.select import visible_tables
 
-        selection = Selection(trace_ids, group, episode, after, complete_groups, tags, through)
+        selection = Selection(
+            trace_ids,
+            group,
+            episode,
+            after,
+            complete_groups,
+            tags,
+            through,
+            policy,
+            max_staleness,
+            stale,
+            unknown,
+            include_dropped,
+            include_eval,
+            max_groups,
+        )
         return visible_tables(self, selection)
 
     def watermark(self) -> int:
@@ -89,6 +111,13 @@ class Lake(catalog.Opened):
         complete_groups: int | None = None,
         tags: Mapping[str, Any] | None = None,
         through: int | None = None,
+        policy: int | None = None,
+        max_staleness: int | None = None,
+        stale: str | None = None,
+        unknown: str | None = None,
+        include_dropped: bool | None = None,
+        include_eval: bool | None = None,
+        max_groups: int | None = None,
     ) -> int:
         """Write the selected visible traces (all by default) into a file store (created
         if missing), skipping those it holds; returns how many were added. The selection
@@ -97,7 +126,25 @@ class Lake(catalog.Opened):
         what the pushed file store returned."""
         from tracedb.lake.select import visible_tables
 
-        rows = visible_tables(self, Selection(trace_ids, group, episode, after, complete_groups, tags, through))
+        rows = visible_tables(
+            self,
+            Selection(
+                trace_ids,
+                group,
+                episode,
+                after,
+                complete_groups,
+                tags,
+                through,
+                policy,
+                max_staleness,
+                stale,
+                unknown,
+                include_dropped,
+                include_eval,
+                max_groups,
+            ),
+        )
         with _database(db, read_only=False) as database:
             return move.write_into(database, rows)
 
@@ -111,6 +158,13 @@ class Lake(catalog.Opened):
         complete_groups: int | None = None,
         tags: Mapping[str, Any] | None = None,
         through: int | None = None,
+        policy: int | None = None,
+        max_staleness: int | None = None,
+        stale: str | None = None,
+        unknown: str | None = None,
+        include_dropped: bool | None = None,
+        include_eval: bool | None = None,
+        max_groups: int | None = None,
         trainable: bool | None = None,
         branch_index: int | Sequence[int] | None = None,
         columns: Sequence[str] | None = None,
@@ -130,7 +184,22 @@ class Lake(catalog.Opened):
 
         return views.branches(
             self,
-            Selection(trace_ids, group, episode, after, complete_groups, tags, through),
+            Selection(
+                trace_ids,
+                group,
+                episode,
+                after,
+                complete_groups,
+                tags,
+                through,
+                policy,
+                max_staleness,
+                stale,
+                unknown,
+                include_dropped,
+                include_eval,
+                max_groups,
+            ),
             trainable=trainable,
             branch_index=branch_index,
             columns=columns,
@@ -151,6 +220,13 @@ class Lake(catalog.Opened):
         complete_groups: int | None = None,
         tags: Mapping[str, Any] | None = None,
         through: int | None = None,
+        policy: int | None = None,
+        max_staleness: int | None = None,
+        stale: str | None = None,
+        unknown: str | None = None,
+        include_dropped: bool | None = None,
+        include_eval: bool | None = None,
+        max_groups: int | None = None,
         trainable: bool | None = True,
         branch_index: int | Sequence[int] | None = None,
         credit: str | None = None,
@@ -173,7 +249,22 @@ class Lake(catalog.Opened):
         return train.micro_batches(
             self,
             seq_len,
-            Selection(trace_ids, group, episode, after, complete_groups, tags, through),
+            Selection(
+                trace_ids,
+                group,
+                episode,
+                after,
+                complete_groups,
+                tags,
+                through,
+                policy,
+                max_staleness,
+                stale,
+                unknown,
+                include_dropped,
+                include_eval,
+                max_groups,
+            ),
             ranks=ranks,
             trainable=trainable,
             branch_index=branch_index,

@@ -60,6 +60,8 @@ class NodeColumns:
     loss_weights: list[Any]  # per node: None or list of (name, values)
     branches: pa.Table  # trace_id, branch_index, trainable, path (sorted)
     watermark: int = 0  # the highest sequence number committed when the nodes were read
+    versions: np.ndarray | None = None  # int32 node-flat policy versions (views/versions.py), when read
+    versions_read: bool = False
     _mask: np.ndarray | None = None
 
     @property
