@@ -17,7 +17,18 @@ from typing import TYPE_CHECKING, Any
 import duckdb
 import pyarrow as pa
 
-from tracedb import batches, credit_sets, migrations, policy_labels, readback, sqlcheck, storage, views, writeback
+from tracedb import (
+    batches,
+    credit_sets,
+    migrations,
+    offpolicy,
+    policy_labels,
+    readback,
+    sqlcheck,
+    storage,
+    views,
+    writeback,
+)
 from tracedb.dbfile import open_handle
 from tracedb.export import export
 from tracedb.handle import Handle
@@ -559,6 +570,50 @@ class Database:
     def policy_versions(self) -> pa.Table:
         """The mapped weight labels: label, version, set_at."""
         return policy_labels.listing(self.handle)
+
+    def policy_mismatch(
+        self,
+        *,
+        per: str = "trace",
+        c: float = 2.0,
+        trace_ids: Sequence[str] | None = None,
+        group: str | Sequence[str] | None = None,
+        episode: str | Sequence[str] | None = None,
+        after: int | None = None,
+        complete_groups: int | None = None,
+        tags: Mapping[str, Any] | None = None,
+        through: int | None = None,
+        policy: int | None = None,
+        max_staleness: int | None = None,
+        stale: str | None = None,
+        unknown: str | None = None,
+        include_dropped: bool | None = None,
+        include_eval: bool | None = None,
+        max_groups: int | None = None,
+    ) -> pa.Table:
+        """How far the trainer's policy (``trainer_logprobs``) is from the one that sampled
+        (``logprobs``), per trace or per turn (``per="turn"``) of the selected traces (filters
+        as in :meth:`branches`), over the tokens holding both: ``tokens``, ``k3_mean``
+        (estimates KL(inference || trainer)), ``ratio_mean`` and ``ratio_max`` of
+        exp(trainer - inference), ``outside_share`` of ``[1/c, c]``; see
+        :mod:`tracedb.offpolicy` (the ``policy_mismatch()`` macro in SQL)."""
+        selection = Selection(
+            trace_ids,
+            group,
+            episode,
+            after,
+            complete_groups,
+            tags,
+            through,
+            policy,
+            max_staleness,
+            stale,
+            unknown,
+            include_dropped,
+            include_eval,
+            max_groups,
+        )
+        return offpolicy.mismatch(self.handle, per=per, c=c, selection=selection)
 
     # ----------------------------------------------------------------- credit sets
 
