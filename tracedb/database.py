@@ -476,6 +476,8 @@ class Database:
         pad_token_id: int = 0,
         share_prefixes: bool = False,
         drop_zero_advantages: bool = False,
+        importance: str | None = None,
+        clip: float | None = None,
     ) -> batches.Plan:
         """Packed, rank-balanced micro-batches of the selected branches, for a trainer.
 
@@ -496,6 +498,13 @@ class Database:
         is rank r's micro-batches, ``plan.report`` what was packed and left out, and
         ``plan.report.watermark`` the watermark to pass as ``after`` for the next step
         (``complete_groups=N``: the groups completed since, each once; see :meth:`branches`).
+
+        ``importance="tis"`` adds the token column ``importance_weight``: on each loss token
+        holding both ``logprobs`` and ``trainer_logprobs`` (written back by a recompute pass
+        with ``write_nodes(rows, stream="trainer_logprobs")``) ``min(exp(trainer -
+        inference), clip)`` (``clip`` default 2.0), 1.0 on every other token; the report
+        counts the loss tokens weighted, defaulted to 1.0 and clipped
+        (:mod:`tracedb.batches.importance`).
         """
         return batches.micro_batches(
             self.handle,
@@ -527,6 +536,8 @@ class Database:
             pad_token_id=pad_token_id,
             share_prefixes=share_prefixes,
             drop_zero_advantages=drop_zero_advantages,
+            importance=importance,
+            clip=clip,
         )
 
     # ----------------------------------------------------------------- write-back
