@@ -9,7 +9,9 @@ together here is chosen from fixed fragments.
 
 Zero variance and credit status are the library's rules, read through its macros
 (``group_rewards()``, ``tdb_zero_variance``, ``trace_credit_status()``): a group is
-zero-variance when it has scored members and all of them hold the same reward.
+zero-variance when it has scored members and all of them hold the same reward. So is the
+policy mismatch (``node_mismatch()``: tokens holding both ``logprobs`` and
+``trainer_logprobs``, k3, the ratio band), summed per trace and per bin in SQL.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ def run_data(
     recent: int = 1000,
     hist_bins: int = 20,
     after: int | None = None,
+    mismatch_c: float = 2.0,
 ) -> dict[str, Any]:
     """The run page's aggregates as of the current watermark ``W``.
 
@@ -97,6 +100,13 @@ def run_data(
     ``axis.untagged``), the reward histogram of the latest ``recent`` traces (0: all) in
     ``hist_bins`` equal-width bins, and the latest groups. A group is counted in the bin
     of its newest member's x.
+
+    The policy mismatch, over the tokens holding both ``logprobs`` (the sampler's) and
+    ``trainer_logprobs`` (a recompute pass's): ``mismatch`` for the whole run and, per bin,
+    ``mismatch_traces`` (the bin's traces holding such tokens), ``mismatch_tokens``,
+    ``k3_mean`` (the mean over those tokens of k3, an estimate of KL(inference || trainer)),
+    ``ratio_mean``, ``ratio_max`` and ``outside_share`` (ratios exp(trainer - inference)
+    outside ``[1/mismatch_c, mismatch_c]``); null where no token holds both.
     """
     if not 1 <= bins <= MAX_BINS:
         raise invalid(f"bins: expected 1 to {MAX_BINS}, got {bins}")
@@ -104,17 +114,20 @@ def run_data(
         raise invalid(f"hist_bins: expected 1 to {MAX_HIST_BINS}, got {hist_bins}")
     if recent < 0:
         raise invalid(f"recent: expected 0 (all) or a count of traces, got {recent}")
+    if not (isinstance(mismatch_c, int | float) and math.isfinite(mismatch_c) and mismatch_c >= 1):
+        raise invalid(f"mismatch_c: expected a finite number of at least 1 (the band [1/c, c]), got {mismatch_c}")
     mark = db.watermark()
     state = {"watermark": mark, "rejects": rejects(db)}
     if after is not None and after == mark:
         return {**state, "changed": False}
     offered = axes(db, mark)
     axis = resolve_axis(by, offered)
-    series, layout = _bins(db, axis, bins, mark)
+    series, layout = _bins(db, axis, bins, mark, mismatch_c)
     return {
         **state,
         "changed": True,
         "summary": summary(db, mark),
+        "mismatch": mismatch_summary(db, mark, mismatch_c),
         "axes": offered,
         "axis": {"by": axis, "requested": by, "bins": bins, **layout},
         "bins": series,
@@ -165,9 +178,9 @@ def summary(db: Database, mark: int) -> dict[str, Any]:
 
 
 # The traces of the run with their x value; one of these, by axis kind.
-_X_SEQ = "SELECT group_id, reward, n_tokens, n_sampled, seq AS x FROM traces WHERE seq <= $through"
+_X_SEQ = "SELECT trace_id, group_id, reward, n_tokens, n_sampled, seq AS x FROM traces WHERE seq <= $through"
 _X_TAG = (
-    "SELECT t.group_id, t.reward, t.n_tokens, t.n_sampled, g.number AS x FROM traces t "
+    "SELECT t.trace_id, t.group_id, t.reward, t.n_tokens, t.n_sampled, g.number AS x FROM traces t "
     "JOIN trace_tags g ON g.trace_id = t.trace_id AND g.name = $tag AND g.number IS NOT NULL "
     "WHERE t.seq <= $through"
 )
@@ -202,7 +215,46 @@ FROM b LEFT JOIN gb USING (bin) ORDER BY bin
 """
 
 
-def _bins(db: Database, axis: str, bins: int, mark: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+# The policy mismatch per trace (node_mismatch() summed over its nodes), joined to the rows
+# of one axis and aggregated per bin over the tokens holding both streams.
+_MISMATCH_TRACES = """
+SELECT trace_id, sum(tokens) AS tokens, sum(k3_sum) AS k3_sum, sum(ratio_sum) AS ratio_sum,
+       max(ratio_max) AS ratio_max, sum(outside) AS outside
+FROM node_mismatch(c := $c) GROUP BY trace_id
+"""
+_MISMATCH_FIGURES = """
+count(*) AS mismatch_traces, sum(m.tokens)::BIGINT AS mismatch_tokens,
+sum(m.k3_sum) / sum(m.tokens) AS k3_mean, sum(m.ratio_sum) / sum(m.tokens) AS ratio_mean,
+max(m.ratio_max) AS ratio_max, sum(m.outside) / sum(m.tokens) AS outside_share
+"""
+_MISMATCH_BINS = (
+    "WITH t AS ({rows}), m AS (" + _MISMATCH_TRACES + ") "
+    "SELECT {key} AS bin, " + _MISMATCH_FIGURES + " FROM t JOIN m USING (trace_id) GROUP BY 1"
+)
+_MISMATCH_NONE = {
+    "mismatch_traces": 0,
+    "mismatch_tokens": 0,
+    "k3_mean": None,
+    "ratio_mean": None,
+    "ratio_max": None,
+    "outside_share": None,
+}
+
+
+def mismatch_summary(db: Database, mark: int, c: float) -> dict[str, Any]:
+    """The policy mismatch of the traces up to the watermark ``mark`` (see :func:`run_data`),
+    with the band's ``c``."""
+    row = db.sql(
+        "WITH m AS (" + _MISMATCH_TRACES + ") SELECT " + _MISMATCH_FIGURES + " FROM m "
+        "JOIN traces t USING (trace_id) WHERE t.seq <= $through",
+        {"c": c, "through": mark},
+    ).to_pylist()[0]
+    return {"c": c, **row, "mismatch_tokens": row["mismatch_tokens"] or 0}
+
+
+def _bins(
+    db: Database, axis: str, bins: int, mark: int, mismatch_c: float = 2.0
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Per-bin rows over ``axis`` and how the axis was cut (``layout``: width, values or range)."""
     params: dict[str, Any] = {"through": mark}
     if axis == "seq":
@@ -224,7 +276,10 @@ def _bins(db: Database, axis: str, bins: int, mark: int) -> tuple[list[dict[str,
             key, layout = _KEY_RANGE, {"layout": "range", "width": width, "lo": stats["lo"], "untagged": untagged}
             params.update(lo=stats["lo"], width=width, last=bins - 1)
     out = db.sql(_BINS.format(rows=rows, key=key), params).to_pylist()
+    found = db.sql(_MISMATCH_BINS.format(rows=rows, key=key), {**params, "c": mismatch_c}).to_pylist()
+    mismatch = {r.pop("bin"): r for r in found}
     for row in out:
+        row.update(mismatch.get(row["bin"], _MISMATCH_NONE))
         _edges(row, layout)
         row["tokens_mean"] = row["tokens"] / row["traces"]
         row["sampled_share"] = _share(row["sampled"], row["tokens"])

@@ -268,7 +268,7 @@ def fetch_micro_batches(
     (one record batch per micro-batch: ``table.to_batches()``) or ``"samples"`` (with a
     ``micro_batch`` column); and the plan's report (``report["watermark"]``: the next
     ``after``). The selection is :meth:`tracedb.Database.micro_batches`'; ``options`` its
-    packing arguments (``credit``, ``overflow``, ``cost``, ``share_prefixes`` ...;
+    packing arguments (``credit``, ``overflow``, ``cost``, ``share_prefixes``, ``importance``, ``clip`` ...;
     ``trainable=None`` for every branch). Pass ``through`` to read several parts or ranks
     of one step."""
     selection = Selection(

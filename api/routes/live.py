@@ -124,6 +124,17 @@ def get_micro_batches(
     pad_token_id: Annotated[int, Query(ge=-(2**31), le=2**31 - 1)] = 0,
     share_prefixes: Annotated[bool, Query(description="Store a prefix shared in a micro-batch once.")] = False,
     drop_zero_advantages: Annotated[bool, Query(description="Leave out samples whose advantages are all 0.")] = False,
+    importance: Annotated[
+        Literal["tis"] | None,
+        Query(
+            description="tis: add importance_weight = min(exp(trainer_logprobs - logprobs), clip) on each loss "
+            "token holding both (1.0 elsewhere; the report counts both kinds)."
+        ),
+    ] = None,
+    clip: Annotated[
+        float | None,
+        Query(gt=0, le=1e12, allow_inf_nan=False, description="The cap on the importance ratio (default 2.0)."),
+    ] = None,
 ) -> Any:
     """One rank's packed micro-batches of a selection (the arguments of ``db.micro_batches``),
     read as of one watermark: every rank (and both parts) of a step asked with the same
@@ -145,6 +156,8 @@ def get_micro_batches(
         "pad_token_id": pad_token_id,
         "share_prefixes": share_prefixes,
         "drop_zero_advantages": drop_zero_advantages,
+        "importance": importance,
+        "clip": clip,
     }
     key = (seq_len, json.dumps(arguments, sort_keys=True, default=str), backend.edits)
     try:

@@ -518,3 +518,13 @@ def test_run_writes_a_set_the_view_spreads(random_db):
         np.testing.assert_allclose(row["advantages"], expected, rtol=1e-5, atol=1e-5)
         assigned += 1
     assert assigned >= 30
+
+
+def test_rows_come_by_trace_id_whatever_the_ingest_order(tmp_path):
+    """The credit table is ordered by trace id then node index, as documented, also when
+    traces were ingested in another order (node rows follow the ingest order)."""
+    episodes = [_episode(trace_id=t) for t in ("t9", "t10", "a", "t2")]
+    db = _db(tmp_path, episodes)
+    for table in (R.returns(db), R.gae(db), R.returns_per_node(db), R.gae_per_node(db)):
+        keys = [(r["trace_id"], r["node_index"]) for r in table.to_pylist()]
+        assert keys == sorted(keys) and {k[0] for k in keys} == {"t9", "t10", "a", "t2"}

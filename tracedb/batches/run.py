@@ -8,6 +8,8 @@ import numpy as np
 import pyarrow.compute as pc
 
 from tracedb import credit_sets
+from tracedb.batches.importance import check as check_importance
+from tracedb.batches.importance import view_weights
 from tracedb.batches.plan import Plan, build_plan
 from tracedb.batches.samples import OVERFLOW, Samples, build
 from tracedb.handle import Handle
@@ -33,6 +35,8 @@ def micro_batches(
     pad_token_id: int = 0,
     share_prefixes: bool = False,
     drop_zero_advantages: bool = False,
+    importance: str | None = None,
+    clip: float | None = None,
 ) -> Plan:
     """Packed micro-batches of the selected branches; see :meth:`tracedb.Database.micro_batches`."""
     if seq_len < 1:
@@ -49,6 +53,7 @@ def micro_batches(
         raise ValueError(
             "share_prefixes stores a shared token once, so it is in the loss once: it needs train_once=True"
         )
+    cap = check_importance(importance, clip)
     credit = credit_sets.resolve(handle, credit)
     chosen = selection.for_training()  # dropped traces and eval episodes stay out unless asked in
     selected = resolve(handle, chosen)
@@ -71,6 +76,9 @@ def micro_batches(
         share_prefixes=share_prefixes,
     )
     stale_tokens = mask_stale(samples, chosen)
+    if cap is not None:  # per view token; which of them are loss tokens is decided as the bins are laid out
+        assert samples.path_off is not None and samples.path_rows is not None
+        samples.importance = view_weights(data, samples.path_off, samples.path_rows, samples.view_offsets, cap)
     arguments = {
         "seq_len": seq_len,
         "ranks": ranks,
@@ -85,6 +93,8 @@ def micro_batches(
         "pad_token_id": pad_token_id,
         "share_prefixes": share_prefixes,
         "drop_zero_advantages": drop_zero_advantages,
+        "importance": importance,
+        "clip": cap,
     }
     plan = build_plan(
         samples,
@@ -111,6 +121,7 @@ def micro_batches(
         report.off_policy_level = sum(ages) / len(ages) if ages else None
         report.off_policy_max = max(ages) if ages else None
     report.groups_over = selected.report.get("groups_over", 0)
+    report.importance, report.clip = importance, cap
     return plan
 
 

@@ -28,6 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from tracedb.batches.importance import Weights
 from tracedb.tables import NULLABLE_TOKEN_COLUMNS, TOKEN_COLUMNS
 from tracedb.views.nodes import NodeColumns
 from tracedb.views.spread import branch_entries, branch_table
@@ -50,6 +51,9 @@ class Samples:
     loss_mask: np.ndarray  # bool per view token (train-once rule applied; beyond a sample's length: unused)
     prefixes: list[list[tuple[int, int]]] | None  # per sample: (trie id, tokens up to it), with sharing
     counts: dict[str, int]
+    path_off: np.ndarray | None = None  # int64 per view row + 1: its path entries in ``path_rows``
+    path_rows: np.ndarray | None = None  # int64 per path entry: the node row
+    importance: Weights | None = None  # per view token, with importance="tis" (tracedb.batches.importance)
 
 
 def build(
@@ -137,6 +141,8 @@ def build(
         loss_mask=loss,
         prefixes=prefixes,
         counts=counts,
+        path_off=path_off,
+        path_rows=path_rows,
     )
 
 

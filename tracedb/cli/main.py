@@ -312,6 +312,16 @@ def pack(
     pad_token_id: Annotated[int, typer.Option(help="Token id of the padding.")] = 0,
     share_prefixes: Annotated[bool, typer.Option(help="Store a prefix shared in a bin once (spans).")] = False,
     drop_zero_advantages: Annotated[bool, typer.Option(help="Leave out samples whose advantages are all 0.")] = False,
+    importance: Annotated[
+        str | None,
+        typer.Option(
+            help="tis: add importance_weight = min(exp(trainer_logprobs - logprobs), --clip) on each loss token "
+            "holding both (1.0 elsewhere, counted in the report)."
+        ),
+    ] = None,
+    clip: Annotated[
+        float | None, typer.Option(help="The cap on the importance ratio (with --importance; default 2.0).")
+    ] = None,
     after: AfterOption = None,
     complete_groups: CompleteGroupsOption = None,
     through: ThroughOption = None,
@@ -348,6 +358,8 @@ def pack(
                 pad_token_id=pad_token_id,
                 share_prefixes=share_prefixes,
                 drop_zero_advantages=drop_zero_advantages,
+                importance=importance,
+                clip=clip,
             )
         except ValueError as e:
             raise fail(e, 2) from None

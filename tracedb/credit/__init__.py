@@ -73,6 +73,13 @@ ALGORITHMS: dict[str, Algorithm] = {
         Algorithm("branch", "branch:branch", "node", "CBPO: R - V(fork) per prefix-tree segment, scaled by its spread"),
         Algorithm("redistribute", "redistribute:redistribute", "node", "a trace advantage spread over turns by weight"),
         Algorithm("channels", "channels:channels", "node", "each selected token gets its channel's reward advantage"),
+        Algorithm(
+            "vtrace",
+            "vtrace:vtrace",
+            "node",
+            "V-trace: rho_s (r_s + gamma v_{s+1} - V_s), truncated ratios per turn from trainer_logprobs",
+            per_node="vtrace:vtrace_per_node",
+        ),
     )
 }
 """The one table of credit algorithms."""

@@ -305,9 +305,10 @@ def branch_turns(
     node = nodes.column("node_index").to_numpy()[row]
     tid = branches.column("trace_id").combine_chunks().take(pa.array(branch, pa.int64()))
     last = np.append(branch[1:] != branch[:-1], True)
-    # A node's row from the branch that owns it is the one kept, in node-row order.
+    # A node's row from the branch that owns it is the one kept, by trace id (the branches'
+    # order; node rows follow the ingest order) then node index.
     keep = np.flatnonzero(owner)
-    keep = keep[np.argsort(row[keep], kind="stable")]
+    keep = keep[np.lexsort((node[keep], t[branch[keep]]))]
 
     r[last] += traces["outcome"].to_numpy()[t[branch[last]]]
     boot = np.where(truncated[branch[last]], b[last], 0.0)

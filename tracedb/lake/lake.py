@@ -237,6 +237,8 @@ class Lake(catalog.Opened):
         pad_token_id: int = 0,
         share_prefixes: bool = False,
         drop_zero_advantages: bool = False,
+        importance: str | None = None,
+        clip: float | None = None,
     ) -> Plan:
         """Packed, rank-balanced micro-batches of the selected visible traces: the plan
         :meth:`tracedb.Database.micro_batches` makes of the same traces (the same
@@ -276,6 +278,8 @@ class Lake(catalog.Opened):
             pad_token_id=pad_token_id,
             share_prefixes=share_prefixes,
             drop_zero_advantages=drop_zero_advantages,
+            importance=importance,
+            clip=clip,
         )
 
     def credit(self, algorithm: str, name: str | None = None, **params: Any) -> dict[str, Any]:
