@@ -1,8 +1,12 @@
-"""``micro_batches``: read a selection's nodes once, make its samples, pack them."""
+"""``micro_batches``: read a selection's nodes once, make its samples, pack them.
+
+:func:`check` and :func:`plan_of` are the halves around the read, which the lake
+(:mod:`tracedb.lake.train`) calls around its own read of the same node columns."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from tracedb import credit_sets
 from tracedb.batches.plan import Plan, build_plan
@@ -11,7 +15,7 @@ from tracedb.handle import Handle
 from tracedb.records import COMPACT_STREAMS
 from tracedb.selection import Selection, resolve
 from tracedb.views import branch_indices
-from tracedb.views.nodes import load_nodes
+from tracedb.views.nodes import NodeColumns, load_nodes
 
 
 def micro_batches(
@@ -32,6 +36,44 @@ def micro_batches(
     drop_zero_advantages: bool = False,
 ) -> Plan:
     """Packed micro-batches of the selected branches; see :meth:`tracedb.Database.micro_batches`."""
+    check(seq_len, ranks, pad_to_multiple_of, overflow, cost, share_prefixes, train_once)
+    credit = credit_sets.resolve(handle, credit)
+    if selection.everything:
+        trace_ids, mark = None, None
+    else:
+        selected = resolve(handle, selection)
+        trace_ids, mark = [tid for tid, _ in selected.traces], selected.watermark
+    data = load_nodes(handle, trace_ids, list(COMPACT_STREAMS), credit)
+    plan = plan_of(
+        data,
+        seq_len,
+        selection.manifest(),
+        ranks=ranks,
+        trainable=trainable,
+        branch_index=branch_index,
+        credit=credit,
+        train_once=train_once,
+        overflow=overflow,
+        cost=cost,
+        pad_to_multiple_of=pad_to_multiple_of,
+        pad_token_id=pad_token_id,
+        share_prefixes=share_prefixes,
+        drop_zero_advantages=drop_zero_advantages,
+    )
+    plan.report.watermark = data.watermark if mark is None else mark
+    return plan
+
+
+def check(
+    seq_len: int,
+    ranks: int,
+    pad_to_multiple_of: int,
+    overflow: str,
+    cost: tuple[float, float],
+    share_prefixes: bool,
+    train_once: bool,
+) -> None:
+    """ValueError for packing arguments :func:`micro_batches` refuses (before anything is read)."""
     if seq_len < 1:
         raise ValueError(f"seq_len must be at least 1, got {seq_len}")
     if ranks < 1:
@@ -46,13 +88,28 @@ def micro_batches(
         raise ValueError(
             "share_prefixes stores a shared token once, so it is in the loss once: it needs train_once=True"
         )
-    credit = credit_sets.resolve(handle, credit)
-    if selection.everything:
-        trace_ids, mark = None, None
-    else:
-        selected = resolve(handle, selection)
-        trace_ids, mark = [tid for tid, _ in selected.traces], selected.watermark
-    data = load_nodes(handle, trace_ids, list(COMPACT_STREAMS), credit)
+
+
+def plan_of(
+    data: NodeColumns,
+    seq_len: int,
+    manifest: dict[str, Any],
+    *,
+    ranks: int,
+    trainable: bool | None,
+    branch_index: int | Sequence[int] | None,
+    credit: str | None,
+    train_once: bool,
+    overflow: str,
+    cost: tuple[float, float],
+    pad_to_multiple_of: int,
+    pad_token_id: int,
+    share_prefixes: bool,
+    drop_zero_advantages: bool,
+) -> Plan:
+    """The plan of the loaded node columns ``data`` (arguments checked by :func:`check`;
+    ``manifest``: the selection's, recorded in the plan's arguments); its report's
+    watermark is the caller's to set."""
     samples = build(
         data,
         seq_len,
@@ -66,7 +123,7 @@ def micro_batches(
     arguments = {
         "seq_len": seq_len,
         "ranks": ranks,
-        **selection.manifest(),
+        **manifest,
         "trainable": trainable,
         "branch_index": branch_index,
         "credit": credit,
@@ -78,7 +135,7 @@ def micro_batches(
         "share_prefixes": share_prefixes,
         "drop_zero_advantages": drop_zero_advantages,
     }
-    plan = build_plan(
+    return build_plan(
         samples,
         seq_len=seq_len,
         ranks=ranks,
@@ -88,5 +145,3 @@ def micro_batches(
         share_prefixes=share_prefixes,
         arguments=arguments,
     )
-    plan.report.watermark = data.watermark if mark is None else mark
-    return plan

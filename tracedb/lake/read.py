@@ -23,7 +23,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyiceberg.expressions import AlwaysTrue, BooleanExpression, In
 
-from tracedb.lake.catalog import BATCH, batched, lake_tables, per_trace
+from tracedb.lake import files as lake_files
+from tracedb.lake.catalog import BATCH, SEGMENT_HOME, batched, lake_tables, per_trace
 from tracedb.lake.scan import scan_keys, visible_traces
 from tracedb.selection import check_watermark
 from tracedb.sqltext import quote_identifier
@@ -35,7 +36,37 @@ REJECT_KEY = ("source", "line", "trace_id", "node", "field", "reason", "record_s
 
 
 def _scan(table: Any) -> pa.Table:
-    return table.scan().to_arrow()
+    return lake_files.read(table, lake_files.live_files(table))
+
+
+def trace_segments(
+    table: Any,
+    trace_ids: pa.Array | pa.ChunkedArray,
+    segment_ids: pa.Array | pa.ChunkedArray,
+    columns: Sequence[str] | None = None,
+    files: list[str] | None = None,
+) -> pa.Table:
+    """The rows of ``segment_ids`` in the segments table ``table`` that traces of
+    ``trace_ids`` use: read from the files of those traces' buckets (a write stores each
+    segment beside the traces using it, :data:`~tracedb.lake.catalog.SEGMENT_HOME`), only
+    the rows of those ids (a segment may show more than once); ``files`` (a list) gets
+    the paths of the data files read."""
+    ids = pa.array(pc.unique(segment_ids).to_pylist(), pa.binary())
+    if not len(ids):
+        return lake_files.read(table, [], columns)
+    found = lake_files.live_files(table)
+    traces = pc.unique(trace_ids).drop_null()
+    buckets = lake_files.buckets(table, SEGMENT_HOME, traces.cast(pa.string()))
+    where = lake_files.bucket_of(table, SEGMENT_HOME)
+    if buckets is not None and where is not None:
+        wanted = set(pc.unique(buckets).to_pylist())
+        spec = table.spec().spec_id
+        found = [f for f in found if f.spec_id != spec or f.partition[where[0]] in wanted]
+    else:  # segments bucketed by their own id (an older layout): by key
+        found = lake_files.key_files(table, "segment_id", ids, found)
+    if files is not None:
+        files.extend(f.path for f in found)
+    return lake_files.read(table, found, columns, key=("segment_id", ids))
 
 
 def stored(name: str, table: pa.Table | None) -> pa.Table:
@@ -95,9 +126,10 @@ def visible(
         out[name] = stored(name, visible_rows(con, name, raw))
         if name == "credit_sets":
             con.register(VISIBLE_SETS, out[name].select(["name"]))
-    used = pc.unique(out["nodes"].column("segment_id")).to_pylist()
-    raw = scan_keys(lake.table("segments"), "segment_id", used) if selected else _scan(lake.table("segments"))
-    out["segments"] = stored("segments", visible_segments(con, raw, used))
+    used = pc.unique(out["nodes"].column("segment_id"))
+    table = lake.table("segments")
+    raw = trace_segments(table, out["nodes"].column("trace_id"), used) if selected else _scan(table)
+    out["segments"] = stored("segments", visible_segments(con, raw, used.to_pylist()))
     con.close()
     return {name: out[name] for name in schemas}
 
@@ -149,4 +181,13 @@ def visible_segments(con: duckdb.DuckDBPyConnection, raw: pa.Table, used: Iterab
         con.unregister("used")
 
 
-__all__ = ["BATCH", "VISIBLE_SETS", "batched", "stored", "visible", "visible_rows", "visible_segments"]
+__all__ = [
+    "BATCH",
+    "VISIBLE_SETS",
+    "batched",
+    "stored",
+    "trace_segments",
+    "visible",
+    "visible_rows",
+    "visible_segments",
+]

@@ -259,7 +259,21 @@ def _segments(con: duckdb.DuckDBPyConnection, reader: _Reader, columns: set[str]
             row_filter = And(row_filter, In("segment_id", sorted(used))) if used else AlwaysFalse()
     if not used:
         row_filter = AlwaysFalse()
-    raw = reader.scan("segments", row_filter, columns | {"segment_id"}, keys=("segment_id", used))
+    nodes = reader.read.get("nodes")
+    users = None
+    if used and nodes is not None and {"trace_id", "segment_id"} <= set(nodes.column_names):
+        wanted = pa.array(sorted(used), pa.binary())
+        using = nodes.filter(pc.is_in(nodes.column("segment_id"), value_set=wanted))
+        if pc.count_distinct(using.column("segment_id")).as_py() == len(wanted):
+            users = using.column("trace_id")
+    if users is not None:  # the nodes using them were read: their traces' buckets hold them
+        files: list[str] = []
+        raw = read.trace_segments(reader.lake.table("segments"), users, wanted, sorted(columns | {"segment_id"}), files)
+        reader.report.files["segments"] = reader.report.files.get("segments", 0) + len(files)
+        reader.report.rows["segments"] = reader.report.rows.get("segments", 0) + raw.num_rows
+        reader.report.filters["segments"] = f"segment_id in {len(used)} keys, of {len(set(users.to_pylist()))} traces"
+    else:
+        raw = reader.scan("segments", row_filter, columns | {"segment_id"}, keys=("segment_id", used))
     return read.visible_segments(con, raw, used)
 
 
