@@ -57,7 +57,9 @@ def test_init_makes_the_stored_tables(tmp_path):
     spec = lake.table("nodes").spec()
     buckets = f"bucket[{catalog.DEFAULT_BUCKETS}]"
     assert [(f.name, str(f.transform)) for f in spec.fields] == [("trace_id_bucket", buckets)]
-    assert [(f.name, str(f.transform)) for f in lake.table("segments").spec().fields] == [("lake_trace_bucket", buckets)]
+    assert [(f.name, str(f.transform)) for f in lake.table("segments").spec().fields] == [
+        ("lake_trace_bucket", buckets)
+    ]
     meta = lake.table("tracedb_meta").scan().to_arrow().to_pylist()
     assert meta == [
         {"key": "lake_schema_version", "value": str(lakes.LAKE_SCHEMA_VERSION)},

@@ -368,6 +368,17 @@ def load(location: Location) -> dict[str, Table]:
         raise LakeError(f"lake {location.where}: {version_problem(version, location.where)}")
     if missing:
         raise LakeError(f"lake {location.where}: tables {missing} are missing; `tracedb lake init` adds them")
+    lacking = {
+        name: [f.name for f in lake_schema(name, schema) if f.name not in found[name].schema().column_names]
+        for name, schema in lake_tables().items()
+    }
+    lacking = {name: columns for name, columns in lacking.items() if columns}
+    if lacking:
+        said = "; ".join(f"{name}: {', '.join(columns)}" for name, columns in lacking.items())
+        raise LakeError(
+            f"lake {location.where}: its tables lack columns of this tracedb's schema ({said}); "
+            f"`tracedb lake init --warehouse {location.where}` (or tracedb.lake.init) adds them"
+        )
     return found
 
 
@@ -375,9 +386,10 @@ def version_problem(version: str | None, where: str) -> str:
     """Why a lake of layout ``version`` (None: not recorded) is not opened, and what to do."""
     found = f"lake schema version {version}, this tracedb reads {LAKE_SCHEMA_VERSION}"
     if version is not None and version.isdigit() and int(version) < LAKE_SCHEMA_VERSION:
+        does = {1: "rewrites traces with each trace's lake seq and segments beside their traces"}
         return (
             f"{found}; upgrade it with `tracedb lake init --warehouse {where}` (or tracedb.lake.init): "
-            "it rewrites traces with each trace's lake seq (stop the lake's writers first)"
+            f"it {does.get(int(version), 'rewrites segments beside their traces')} (stop the lake's writers first)"
         )
     if version is not None and version.isdigit():
         return f"{found}; a newer tracedb made it: upgrade tracedb"

@@ -159,7 +159,8 @@ def replace_files(
     table: Any, removed: Sequence[DataFile], added: Sequence[DataFile], properties: dict[str, str] | None = None
 ) -> None:
     """Replace ``removed`` (live files of ``table``) by ``added`` in one overwrite commit
-    (``properties`` in its summary), every data manifest merged into one per spec."""
+    (``properties`` in its summary), every data manifest merged into one per spec; the
+    manifests the commit wrote and merged away are deleted (they were never referenced)."""
     with table.transaction() as tx:
         producer = _MergedOverwrite(
             operation=Operation.OVERWRITE,
@@ -172,6 +173,10 @@ def replace_files(
                 producer.delete_data_file(f)
             for f in added:
                 producer.append_data_file(f)
+    referenced = {m.manifest_path for m in table.current_snapshot().manifests(table.io)}
+    for path in producer._written_manifests:  # noqa: SLF001 - the merge's inputs, written by this commit
+        if path not in referenced:
+            table.io.delete(path)
 
 
 __all__ = ["COMPACTED", "SORT_KEYS", "append_files", "compacted", "data_files", "replace_files"]

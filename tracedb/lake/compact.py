@@ -97,6 +97,8 @@ def _kept_query(name: str, schema: pa.Schema) -> str:
     """The SQL choosing the rows of ``raw`` (rows of the files rewritten) that readers can
     see (``vis``: the visible traces rows; ``sets``: the credit sets' names)."""
     b = catalog.BATCH
+    if name == "traces":
+        return f"SELECT r.* REPLACE (v.seq AS seq) FROM raw r JOIN vis v ON v.trace_id = r.trace_id AND v.{b} = r.{b}"
     if catalog.per_trace(name, schema):
         of_a_set = " AND r.credit_set IN (SELECT name FROM sets)" if "credit_set" in schema.names else ""
         return (
@@ -119,8 +121,6 @@ def _kept_query(name: str, schema: pa.Schema) -> str:
         return f"SELECT r.* FROM raw r QUALIFY row_number() OVER (PARTITION BY {key} ORDER BY r.rejected_at) = 1"
     if name == "credit_sets":
         return "SELECT r.* FROM raw r QUALIFY row_number() OVER (PARTITION BY r.name ORDER BY r.created_at) = 1"
-    if name == "traces":
-        return f"SELECT r.* REPLACE (v.seq AS seq) FROM raw r JOIN vis v ON v.trace_id = r.trace_id AND v.{b} = r.{b}"
     return "SELECT r.* FROM raw r"
 
 
@@ -130,6 +130,8 @@ def _decided_query(name: str, schema: pa.Schema, cutoff_ms: int) -> str | None:
     younger than ``cutoff_ms``; None for a table of no such rows."""
     b = catalog.BATCH
     young = f"r.{_ADDED} > {cutoff_ms}"
+    if name == "traces":  # a traces row is visible or lost: nothing waits
+        return None
     if catalog.per_trace(name, schema):
         return (
             f"SELECT DISTINCT r.{_FILE} FROM raw r WHERE {young} AND NOT EXISTS "
