@@ -283,29 +283,32 @@ else:
         lake = lakes.init(tmp_path / "L")
 
         def _dies_once(location, files, marker):
-            """An ingest task whose worker dies between writing its rows and committing its
-            traces, the first time it runs."""
+            """An ingest task whose worker dies after writing its data files, before it
+            hands them over, the first time it runs."""
+            result = ingest.ingest_files(location, files, False)
             if not os.path.exists(marker):
                 Path(marker).write_text("killed")
-
-                def die(*args, **kwargs):
-                    os._exit(1)
-
-                write._commit_traces = die
-            return ingest.ingest_files(location, files, False)
+                os._exit(1)
+            return result
 
         # defined here, so that Ray ships it by value (workers cannot import a test module)
         task = ray.remote(max_retries=2)(_dies_once)
         result = ray.get(task.remote(lake.location, [str(FIXTURES / "groups.traces.jsonl")], str(tmp_path / "m")))
         assert (tmp_path / "m").exists()
+        report = write.commit(lake, [result["staged"]])
         with tracedb.connect(":memory:") as db:
             db.ingest(FIXTURES / "groups.traces.jsonl")
             n = db.sql("SELECT count(*) FROM traces").column(0)[0].as_py()
             n_nodes = db.sql("SELECT count(*) FROM nodes").column(0)[0].as_py()
-        assert result["traces"] == n
+        assert report.traces == n and report.commits == 5
         visible = lake.tables()
         assert visible["traces"].num_rows == n and visible["nodes"].num_rows == n_nodes
-        assert lake.table("nodes").scan().to_arrow().num_rows == 2 * n_nodes  # the dead attempt's rows, invisible
+        assert lake.table("nodes").scan().to_arrow().num_rows == n_nodes  # the dead attempt's files: never committed
+        written = {str(p) for p in (tmp_path / "L" / "warehouse" / "tracedb" / "nodes").rglob("*.parquet")}
+        live = {f.file_path.removeprefix("file://") for f in (t.file for t in lake.table("nodes").scan().plan_files())}
+        assert live < written  # ... left unreferenced (expiry deletes them after its grace)
+        expired = lake.compact(grace=0, expire_older_than=0).expired
+        assert expired["nodes"]["files_deleted"] >= len(written - live)
 
     def test_cli_ingest(local_ray, tmp_path):
         import json
