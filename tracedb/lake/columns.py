@@ -83,7 +83,11 @@ def visible_columns(
     nodes = _written_with(nodes, traces)
     branches = _written_with(scan_keys(lake.table("branches"), "trace_id", ids, [*BRANCH_COLUMNS, BATCH]), traces)
     segments = trace_segments(
-        lake.table("segments"), nodes.column("trace_id"), nodes.column("segment_id"), ["segment_id", "token_ids"]
+        lake.table("segments"),
+        nodes.column("trace_id"),
+        nodes.column("segment_id"),
+        ["segment_id", "token_ids"],
+        batches=nodes.column(BATCH),
     )
     credit_rows = None
     if credit is not None and "advantages" in streams:

@@ -25,6 +25,7 @@ from pyiceberg.expressions import AlwaysTrue, BooleanExpression, In
 
 from tracedb.lake import files as lake_files
 from tracedb.lake.catalog import BATCH, SEGMENT_HOME, batched, lake_tables, per_trace
+from tracedb.lake.commit import compacted
 from tracedb.lake.scan import scan_keys, visible_traces
 from tracedb.selection import check_watermark
 from tracedb.sqltext import quote_identifier
@@ -45,12 +46,16 @@ def trace_segments(
     segment_ids: pa.Array | pa.ChunkedArray,
     columns: Sequence[str] | None = None,
     files: list[str] | None = None,
+    batches: pa.Array | pa.ChunkedArray | None = None,
 ) -> pa.Table:
     """The rows of ``segment_ids`` in the segments table ``table`` that traces of
     ``trace_ids`` use: read from the files of those traces' buckets (a write stores each
     segment beside the traces using it, :data:`~tracedb.lake.catalog.SEGMENT_HOME`), only
-    the rows of those ids (a segment may show more than once); ``files`` (a list) gets
-    the paths of the data files read."""
+    the rows of those ids (a segment may show more than once); given the ``batches`` of
+    those traces' visible rows, of a write's own files only those whose bounds of
+    :data:`~tracedb.lake.catalog.BATCH` admit one (a write stores every segment its traces
+    use in its own file of each of their buckets; a compaction's files hold any batch's);
+    ``files`` (a list) gets the paths of the data files read."""
     ids = pa.array(pc.unique(segment_ids).to_pylist(), pa.binary())
     if not len(ids):
         return lake_files.read(table, [], columns)
@@ -64,6 +69,10 @@ def trace_segments(
         found = [f for f in found if f.spec_id != spec or f.partition[where[0]] in wanted]
     else:  # segments bucketed by their own id (an older layout): by key
         found = lake_files.key_files(table, "segment_id", ids, found)
+    if batches is not None and BATCH in table.schema().column_names:
+        writes = [f for f in found if not compacted(f.path)]
+        kept = lake_files.key_files(table, BATCH, pc.unique(batches).drop_null().cast(pa.string()), writes)
+        found = [f for f in found if compacted(f.path) or f in kept]
     if files is not None:
         files.extend(f.path for f in found)
     return lake_files.read(table, found, columns, key=("segment_id", ids))

@@ -192,15 +192,11 @@ def read_for(lake: Any, scans: list[Scan]) -> tuple[dict[str, pa.Table], ScanRep
         # The traces the other tables' visibility needs, with the query's own traces rows.
         wanted: set[str] | None = set()
         everything = "episodes" in used  # an episode row is visible through any of its traces
+        bounded = _bounded(scans)
         for name in used:
             if per_trace(name, schemas[name]) and name != "traces":
                 _, keys = reader.restriction(name)
-                has_join_to_traces = all(
-                    any(reader.scans[o].table == "traces" and c == "trace_id" for c, o, _ in s.joins)
-                    for s in scans
-                    if s.table == name
-                )
-                if keys.get("trace_id") is None and not has_join_to_traces:
+                if keys.get("trace_id") is None and not all(bounded[i] for i, s in enumerate(scans) if s.table == name):
                     everything = True
                 elif keys.get("trace_id") is not None and wanted is not None:
                     wanted |= keys["trace_id"]
@@ -228,6 +224,11 @@ def read_for(lake: Any, scans: list[Scan]) -> tuple[dict[str, pa.Table], ScanRep
                 keys if name not in ("rejects", "credit_sets") else set(schemas[name].names)
             )
             held = keys_of.get("trace_id") if per_trace(name, schemas[name]) else None
+            if held is None and per_trace(name, schemas[name]) and not everything:
+                # Every scan of it joins (through others) the traces read or pinned ones:
+                # only the rows of the visible traces read are needed.
+                held = set(vis.column("trace_id").to_pylist())
+                row_filter = And(row_filter, In("trace_id", sorted(held))) if held else AlwaysFalse()
             raw = reader.scan(name, row_filter, need, keys=None if held is None else ("trace_id", held))
             out[name] = read.visible_rows(con, name, raw)
             if name == "credit_sets":
@@ -238,6 +239,20 @@ def read_for(lake: Any, scans: list[Scan]) -> tuple[dict[str, pa.Table], ScanRep
     finally:
         con.close()
     return {name: read.stored(name, out.get(name)) for name in schemas}, reader.report
+
+
+def _bounded(scans: list[Scan]) -> list[bool]:
+    """Per scan: whether the trace ids of the rows it needs are among those of the traces
+    read (its trace id pinned, or joined on it to a ``traces`` scan or to a scan that is
+    bounded, through any number of such joins)."""
+    out = [s.table == "traces" or "trace_id" in s.pins for s in scans]
+    changed = True
+    while changed:
+        changed = False
+        for i, scan in enumerate(scans):
+            if not out[i] and any(c == "trace_id" and oc == "trace_id" and out[o] for c, o, oc in scan.joins):
+                out[i] = changed = True
+    return out
 
 
 def _segments(con: duckdb.DuckDBPyConnection, reader: _Reader, columns: set[str]) -> pa.Table:
@@ -265,13 +280,18 @@ def _segments(con: duckdb.DuckDBPyConnection, reader: _Reader, columns: set[str]
         wanted = pa.array(sorted(used), pa.binary())
         using = nodes.filter(pc.is_in(nodes.column("segment_id"), value_set=wanted))
         if pc.count_distinct(using.column("segment_id")).as_py() == len(wanted):
-            users = using.column("trace_id")
+            users = using
     if users is not None:  # the nodes using them were read: their traces' buckets hold them
         files: list[str] = []
-        raw = read.trace_segments(reader.lake.table("segments"), users, wanted, sorted(columns | {"segment_id"}), files)
+        batches = users.column(BATCH) if BATCH in users.column_names else None
+        segments = reader.lake.table("segments")
+        raw = read.trace_segments(
+            segments, users.column("trace_id"), wanted, sorted(columns | {"segment_id"}), files, batches
+        )
         reader.report.files["segments"] = reader.report.files.get("segments", 0) + len(files)
         reader.report.rows["segments"] = reader.report.rows.get("segments", 0) + raw.num_rows
-        reader.report.filters["segments"] = f"segment_id in {len(used)} keys, of {len(set(users.to_pylist()))} traces"
+        traces = pc.count_distinct(users.column("trace_id")).as_py()
+        reader.report.filters["segments"] = f"segment_id in {len(used)} keys, of {traces} traces"
     else:
         raw = reader.scan("segments", row_filter, columns | {"segment_id"}, keys=("segment_id", used))
     return read.visible_segments(con, raw, used)

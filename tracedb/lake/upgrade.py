@@ -165,7 +165,7 @@ def _homed_files(table: object, con: duckdb.DuckDBPyConnection, homes: pa.Table,
     stamped = lake_rows("segments", rows.drop_columns(["batch"]), "")
     at = stamped.schema.get_field_index(catalog.BATCH)
     stamped = stamped.set_column(at, catalog.BATCH, rows.column("batch").cast(pa.string()))
-    return data_files(table, stamped)
+    return data_files(table, stamped, compaction=True)  # rows of many writes: read as a compaction's
 
 
 __all__ = ["UPGRADED", "add_columns", "rehome_segments", "upgrade"]
