@@ -430,15 +430,36 @@ class Opened:
         return getattr(made, "commits", None) or Commits()
 
     def table(self, name: str) -> Table:
-        """The Iceberg table ``name``, reloaded (as of its latest commit)."""
+        """The Iceberg table ``name``, reloaded (as of its latest commit: with a SQL catalog,
+        only when the catalog's metadata pointer moved, which one query tells)."""
         table = self._tables.get(name)
         if table is None and self._source is not None:
             table = self._tables[name] = self._source.load_table(f"{self.location.namespace}.{name}")
             return table
         if table is None:
             raise LakeError(f"lake {self.location.where}: no table {name!r}")
-        table.refresh()
+        if current_location(table.catalog, self.location.namespace, name) != table.metadata_location:
+            table.refresh()
         return table
+
+
+def current_location(catalog: Catalog, namespace: str, name: str) -> str | None:
+    """Where table ``name``'s current metadata file is, as a pyiceberg SQL catalog's row
+    says (one query, no metadata file read); None for another kind of catalog."""
+    from pyiceberg.catalog.sql import IcebergTables, SqlCatalog
+    from sqlalchemy import select
+    from sqlalchemy.orm import Session
+
+    if not isinstance(catalog, SqlCatalog):
+        return None
+    with Session(catalog.engine) as session:
+        return session.scalar(
+            select(IcebergTables.metadata_location).where(
+                IcebergTables.catalog_name == catalog.name,
+                IcebergTables.table_namespace == namespace,
+                IcebergTables.table_name == name,
+            )
+        )
 
 
 _worker_catalogs: dict[tuple[Any, ...], Catalog] = {}

@@ -48,7 +48,6 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyarrow.fs import FileSelector, FileType
@@ -185,7 +184,7 @@ def compact_table(
     part_of = pa.array([parts.setdefault((f.spec_id, f.partition), len(parts)) for f in chosen], pa.int32())
     raw = raw.append_column(_ADDED, pc.take(added, raw.column(_FILE)))
     raw = raw.append_column(_PART, pc.take(part_of, raw.column(_FILE)))
-    con = duckdb.connect()
+    con = lake_files.duck()
     try:
         con.register("vis", vis)
         con.register("sets", sets)

@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -74,22 +75,19 @@ class LiveFile:
     row stores none)."""
     snapshot_id: int
     """The snapshot that added it."""
+    path: str
+    partition: tuple[Any, ...]
+    spec_id: int
 
-    @property
-    def path(self) -> str:
-        return self.data_file.file_path
+    @classmethod
+    def of(cls, data_file: DataFile, sequence_number: int, snapshot_id: int) -> LiveFile:
+        return cls(
+            data_file, sequence_number, snapshot_id, data_file.file_path, tuple(data_file.partition), data_file.spec_id
+        )
 
     @property
     def records(self) -> int:
         return self.data_file.record_count
-
-    @property
-    def partition(self) -> tuple[Any, ...]:
-        return tuple(self.data_file.partition)
-
-    @property
-    def spec_id(self) -> int:
-        return self.data_file.spec_id
 
 
 class _Lru:
@@ -116,9 +114,25 @@ class _Lru:
 
 
 _manifests = _Lru(MANIFEST_CACHE)
+_snapshots = _Lru(MANIFEST_CACHE)
 _footers = _Lru(FOOTER_CACHE)
+_ios = _Lru(64)
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
+
+
+_duck: list[duckdb.DuckDBPyConnection] = []
+_duck_lock = threading.Lock()
+
+
+def duck() -> duckdb.DuckDBPyConnection:
+    """A DuckDB connection of its own (close it after) on the process's in-memory database
+    for the lake's Arrow work: a cursor costs microseconds, a new database ~20 ms; what a
+    caller registers, and its temporary tables, are its connection's alone."""
+    with _duck_lock:
+        if not _duck:
+            _duck.append(duckdb.connect())
+        return _duck[0].cursor()
 
 
 def _threads() -> ThreadPoolExecutor:
@@ -135,6 +149,9 @@ def live_files(table: Any) -> list[LiveFile]:
     snapshot = table.current_snapshot()
     if snapshot is None:
         return []
+    listed = _snapshots.get(snapshot.manifest_list)  # a snapshot's files never change either
+    if listed is not None:
+        return list(listed)
     out: list[LiveFile] = []
     for manifest in snapshot.manifests(table.io):
         if manifest.content != ManifestContent.DATA:
@@ -143,11 +160,12 @@ def live_files(table: Any) -> list[LiveFile]:
         entries = _manifests.get(key)
         if entries is None:
             entries = tuple(
-                LiveFile(e.data_file, e.sequence_number, e.snapshot_id)
+                LiveFile.of(e.data_file, e.sequence_number, e.snapshot_id)
                 for e in manifest.fetch_manifest_entry(table.io, discard_deleted=True)
             )
             _manifests.put(key, entries)
         out.extend(entries)
+    _snapshots.put(snapshot.manifest_list, tuple(out))
     return out
 
 
@@ -316,9 +334,21 @@ def _filter_columns(row_filter: BooleanExpression) -> list[str]:
     return sorted(c for c in filtered_columns(row_filter) if c != "?")
 
 
+def _io(table: Any) -> Any:
+    """The table's FileIO, one per FileIO type and properties in a process (a new one per
+    table load would make its file systems again: a millisecond each)."""
+    io = table.io
+    key = (type(io), tuple(sorted(io.properties.items())))
+    held = _ios.get(key)
+    if held is None:
+        _ios.put(key, io)
+        return io
+    return held
+
+
 def _reader(table: Any, schema: pa.Schema, needed: list[str], ordered: tuple[str, list[Any], pa.Array] | None) -> Any:
     target = pa.schema([schema.field(c) for c in needed])
-    io = table.io
+    io = _io(table)
 
     def read_one(file: LiveFile) -> pa.Table:
         footer = _footers.get(file.path)
@@ -374,6 +404,7 @@ __all__ = [
     "arrow_schema",
     "bucket_of",
     "buckets",
+    "duck",
     "filtered_columns",
     "key_files",
     "live_files",

@@ -175,7 +175,8 @@ def ingest(
     sizes = {p: p.stat().st_size for p in files}
     large = {p: spans(sizes[p], range_bytes) for p in files if splittable(p) and sizes[p] > range_bytes}
     counting = ray.remote(max_retries=3)(measure)  # first round: every span of every large file at once
-    measured = iter(_run(ray, [(counting, (str(p), *s, sizes[p])) for p, cut in large.items() for s in cut], limit))
+    spans_of = [(counting, (str(p), *s, sizes[p])) for p, cut in large.items() for s in cut]
+    measured = iter(run_limited(ray, spans_of, limit))
     ranges = [r for p, cut in large.items() for r in numbered(str(p), list(islice(measured, len(cut))))]
     groups: list[list[str | ByteRange]] = [*chunks([str(p) for p in files if p not in large], files_per_task)]
     groups += [[r] for r in ranges]
@@ -193,7 +194,7 @@ def ingest(
             written.merge(commit(lake, pending))
             pending.clear()
 
-    _run(ray, [(task, (lake.location, group, allow_ragged)) for group in groups], limit, gathered)
+    run_limited(ray, [(task, (lake.location, group, allow_ragged)) for group in groups], limit, gathered)
     if pending:
         written.merge(commit(lake, pending))
     report.traces = written.traces
@@ -204,7 +205,7 @@ def ingest(
     return report
 
 
-def _run(ray: Any, calls: list[tuple[Any, tuple]], limit: int, each: Any = None) -> list[Any]:
+def run_limited(ray: Any, calls: list[tuple[Any, tuple]], limit: int, each: Any = None) -> list[Any]:
     """Run remote ``(function, arguments)`` calls with at most ``limit`` at once; their
     results in order. ``each`` (given): called with each result as it arrives, in the
     order they finish (the driver commits while the tasks run)."""

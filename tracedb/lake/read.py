@@ -115,7 +115,7 @@ def visible(
     traces = visible_traces(lake.table("traces"), row_filter, trace_ids=ids)  # ids read by key
     if after is not None:  # on the visible rows: a trace committed at or before `after` is not taken
         traces = traces.filter(pc.greater(traces.column("seq"), after))
-    con = duckdb.connect()
+    con = lake_files.duck()
     con.register("vis", traces)
     ids = traces.column("trace_id").to_pylist()
     out: dict[str, pa.Table] = {"traces": stored("traces", traces)}

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import Any
 
-import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyiceberg.expressions import AlwaysTrue, BooleanExpression
@@ -81,7 +80,7 @@ def visible_traces(
     picked = None if columns is None else [*columns, "trace_id", BATCH]
     raw = scan_traces(table, row_filter, picked, stored_from=stored_from, trace_ids=trace_ids)
     first = f"QUALIFY row_number() OVER (PARTITION BY trace_id ORDER BY seq, {BATCH}) = 1"
-    con = duckdb.connect()
+    con = lake_files.duck()
     try:
         con.register("raw_traces", raw)
         if filtered_columns(row_filter) - {"trace_id"} and raw.num_rows:

@@ -17,12 +17,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyiceberg.expressions import AlwaysTrue, BooleanExpression, In
 
 from tracedb.lake import catalog, read
+from tracedb.lake import files as lake_files
 from tracedb.lake.scan import scan_traces, visible_traces
 from tracedb.selection import Selection, resolve_at, values_of
 
@@ -82,7 +82,7 @@ def resolve_rows(lake: catalog.Opened, selection: Selection) -> tuple[pa.Table, 
     table = lake.table("traces")
     snapshot = table.current_snapshot()
     mark = 0 if snapshot is None else snapshot.sequence_number
-    con = duckdb.connect()
+    con = lake_files.duck()
     try:
         con.register("lake_traces", _traces(table, selection).select([*TRACE_COLUMNS, "seq"]))
         con.execute(

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import reduce
@@ -97,15 +98,34 @@ def plan(
     query: str, params: Sequence[Any] | dict[str, Any] | None = None, *, protected: Sequence[str] = ()
 ) -> list[Scan] | None:
     """The scans of lake tables in the optimized plan of ``query``, planned over empty
-    tables of the stored schemas (in a connection of its own); None when the plan cannot
-    be read. A statement that does not only read (a COPY may not write into
-    ``protected``) raises :class:`~tracedb.errors.SqlRefused`, a query DuckDB refuses
-    its error, here, before anything of it ran."""
-    con = duckdb.connect()
-    try:
-        return _plan(con, query, params, protected)
-    finally:
-        con.close()
+    tables of the stored schemas (a connection of the process's own, made once per
+    schema); None when the plan cannot be read. A statement that does not only read (a
+    COPY may not write into ``protected``) raises :class:`~tracedb.errors.SqlRefused`, a
+    query DuckDB refuses its error, here, before anything of it ran."""
+    with _planning:
+        return _plan(_planner(), query, params, protected)
+
+
+_planning = threading.Lock()
+_planners: dict[Any, duckdb.DuckDBPyConnection] = {}
+
+
+def _planner() -> duckdb.DuckDBPyConnection:
+    """The planning connection of the stored schemas as they are (made when first asked for)."""
+    schemas = lake_tables()
+    key = tuple(schemas.items())
+    con = _planners.get(key)
+    if con is None:
+        con = duckdb.connect()
+        for name, schema in schemas.items():
+            con.register("_tdb_empty", pa.Table.from_batches([], schema=schema))
+            con.execute(f"CREATE TABLE {quote_identifier(name)} AS SELECT * FROM _tdb_empty")
+            con.unregister("_tdb_empty")
+        con.execute(load_sql("macros.sql"))
+        con.execute(f"SET disabled_optimizers = '{PLANNING_OFF}'")
+        _planners.clear()  # one schema at a time (another only when the stored schema changed)
+        _planners[key] = con
+    return con
 
 
 def _plan(
@@ -115,20 +135,17 @@ def _plan(
     protected: Sequence[str] = (),
 ) -> list[Scan] | None:
     schemas = lake_tables()
-    for name, schema in schemas.items():
-        con.register("_tdb_empty", pa.Table.from_batches([], schema=schema))
-        con.execute(f"CREATE TABLE {quote_identifier(name)} AS SELECT * FROM _tdb_empty")
-        con.unregister("_tdb_empty")
-    con.execute(load_sql("macros.sql"))
     sqlcheck.check(con, query, copy_to_file=True, protected=protected)
-    con.execute(f"SET disabled_optimizers = '{PLANNING_OFF}'")
     planned = with_literals(con, query, params)
     serialized = json.loads(
-        con.execute("SELECT json_serialize_plan(?, optimize := true, skip_null := true)", [planned]).fetchone()[0]
+        con.execute("SELECT json_serialize_plan(?, optimize := true, skip_null := true)", [planned]).fetchall()[0][0]
     )
     if serialized.get("error") or len(serialized.get("plans", [])) != 1:
         con.execute("RESET disabled_optimizers")
-        con.sql(query, params=params)  # DuckDB's own error for a bad query, else: not a plan to read
+        try:
+            con.sql(query, params=params)  # DuckDB's own error for a bad query, else: not a plan to read
+        finally:
+            con.execute(f"SET disabled_optimizers = '{PLANNING_OFF}'")
         return None
     scans: list[Scan] = []
     _walk(serialized["plans"][0], scans, _Parameters(params), set(schemas), {})

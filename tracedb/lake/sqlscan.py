@@ -24,6 +24,7 @@ macro's tables without the macro's semantics; the optimized plan is DuckDB's own
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import reduce
@@ -36,11 +37,12 @@ import pyarrow.compute as pc
 from pyiceberg.expressions import AlwaysFalse, AlwaysTrue, And, BooleanExpression, In, Or
 
 from tracedb import sqlvalues
+from tracedb.lake import files as lake_data
 from tracedb.lake import read
 from tracedb.lake.catalog import BATCH, lake_tables, per_trace
 from tracedb.lake.scan import scan_keys, visible_traces
 from tracedb.lake.sqlplan import KEYS, Scan, all_of, plan
-from tracedb.sqltext import load_sql
+from tracedb.sqltext import load_sql, quote_identifier
 
 REDUCTION_LIMIT = 20_000
 """The most key values one reduction sends to a scan as an ``IN`` list (more: not reduced)."""
@@ -76,17 +78,40 @@ def run(
         tables, report = read.visible(lake), ScanReport(pushed=False)
     else:
         tables, report = read_for(lake, scans)
-    con = duckdb.connect()
+    con = _runner()
     try:
         for name, table in tables.items():
             con.register(name, table)
-        con.execute(load_sql("macros.sql"))
         result = con.sql(query, params=params)
         if result is None:
             return pa.table({}), report
         return (sqlvalues.portable(result) if portable else result).to_arrow_table(), report
     finally:
         con.close()
+
+
+_base: dict[Any, duckdb.DuckDBPyConnection] = {}
+_base_lock = threading.Lock()
+
+
+def _runner() -> duckdb.DuckDBPyConnection:
+    """A connection of its own for one query, on the process's database holding
+    tracedb's macros over empty tables of the stored schemas (made once per schema): the
+    query's tables, registered on it alone, stand in for those."""
+    schemas = lake_tables()
+    key = tuple(schemas.items())
+    with _base_lock:
+        made = _base.get(key)
+        if made is None:
+            made = duckdb.connect()
+            for name, schema in schemas.items():
+                made.register("_tdb_empty", pa.Table.from_batches([], schema=schema))
+                made.execute(f"CREATE TABLE {quote_identifier(name)} AS SELECT * FROM _tdb_empty")
+                made.unregister("_tdb_empty")
+            made.execute(load_sql("macros.sql"))
+            _base.clear()
+            _base[key] = made
+        return made.cursor()
 
 
 def lake_files(lake: Any) -> list[str]:
@@ -167,13 +192,12 @@ class _Reader:
             self.report.rows[name] = self.report.rows.get(name, 0) + got.num_rows
             self.report.filters[name] = f"{keys[0]} in {len(keys[1])} keys (scan_keys)"
             return got
-        scan = table.scan(row_filter=row_filter, selected_fields=fields)
-        tasks = list(scan.plan_files())
-        self.report.files[name] = self.report.files.get(name, 0) + len(tasks)
+        chosen = lake_data.pruned(table, row_filter)
+        self.report.files[name] = self.report.files.get(name, 0) + len(chosen)
         if name == "traces":
             got = visible_traces(table, row_filter, [c for c in fields if c != "seq"])
         else:
-            got = scan.to_arrow() if tasks else pa.Table.from_batches([], table.schema().select(*fields).as_arrow())
+            got = lake_data.read(table, chosen, fields, row_filter=row_filter)
         self.report.rows[name] = self.report.rows.get(name, 0) + got.num_rows
         self.report.filters[name] = str(row_filter)
         return got
@@ -186,7 +210,7 @@ def read_for(lake: Any, scans: list[Scan]) -> tuple[dict[str, pa.Table], ScanRep
     schemas = lake_tables()
     used = {s.table for s in scans}
     columns = {name: set().union(*(s.columns for s in scans if s.table == name)) for name in used}
-    con = duckdb.connect()
+    con = lake_data.duck()
     out: dict[str, pa.Table] = {}
     try:
         # The traces the other tables' visibility needs, with the query's own traces rows.

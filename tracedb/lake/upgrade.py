@@ -120,7 +120,7 @@ def rehome_segments(load: object, buckets: int, properties: dict[str, str]) -> b
     nodes_files = lake_files.live_files(nodes_table)
     groups = sorted({f.partition[position[0]] for f in nodes_files}) if position is not None else [None]
     added = []
-    con = duckdb.connect()
+    con = lake_files.duck()
     try:
         con.register("vis", visible)
         for bucket in groups:
