@@ -315,18 +315,33 @@ def measure_writers(jsonl: Path, scratch: Path, catalogs: dict[str, Lakes | str]
 
 
 def measure(
-    jsonl: Path, sql_jsonl: Path, workdir: Path, shards: int, catalogs: list[str], quick: bool
+    jsonl: Path,
+    sql_jsonl: Path,
+    workdir: Path,
+    shards: int,
+    catalogs: list[str],
+    quick: bool,
+    partial: Path | None = None,
 ) -> dict[str, Any]:
-    """The measurements (inside the namespace): see the module notes."""
+    """The measurements (inside the namespace): see the module notes. ``partial`` (a
+    path): the figures so far written there after each step, so that a run that fails
+    late (or is stopped) still shows what it measured."""
     import ray
 
     import tracedb
 
     scratch = Path(tempfile.mkdtemp(prefix="lake-bench-", dir=workdir))
-    log = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    out: dict[str, Any] = {}
+
+    def log(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+        if partial is not None and out:
+            out.setdefault("load", {})[f"at {message}"] = os.getloadavg()
+            partial.write_text(json.dumps(out, indent=2))
+
     try:
         runs = _shards(jsonl, scratch / "shards", shards)
-        out: dict[str, Any] = {"shards": len(runs), "input_bytes": jsonl.stat().st_size, "load": {}}
+        out.update({"shards": len(runs), "input_bytes": jsonl.stat().st_size, "load": {}})
         out["load"]["start"] = os.getloadavg()
         started = time.perf_counter()
         with tracedb.connect(scratch / "file.duckdb") as db:
@@ -338,6 +353,7 @@ def measure(
             out["file_micro_batches_s"], plan = _warm(lambda: db.micro_batches(32_768, ranks=8))
         out.update(traces=n_traces, tokens=int(tokens), lines=report.lines, branches=views.num_rows)
         out["file_bytes"] = (scratch / "file.duckdb").stat().st_size
+        log("lake: file store measured")
         with _catalogs(catalogs, scratch, log) as chosen:
             ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
             ray.data.DataContext.get_current().enable_progress_bars = False
@@ -363,6 +379,7 @@ def measure(
                     log(f"lake: {name}: one-trace SQL, compaction growth")
                     out[name].update(measure_sql(lakes, db, ids))
                     out[name].update(measure_growth(lakes, db, ids, GROWTH_QUICK if quick else GROWTH))
+                    log(f"lake: {name}: one-trace SQL and compaction growth measured")
             ray.init(num_cpus=max(WRITERS), include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
             try:
                 log("lake: many writers")
@@ -370,6 +387,7 @@ def measure(
             finally:
                 ray.shutdown()
         out["load"]["end"] = os.getloadavg()
+        log("lake: done")
         return out
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -553,7 +571,13 @@ if __name__ == "__main__":  # the child, inside the namespace: measure and write
     jsonl, sql_jsonl, workdir, shards, result, chosen, quick = sys.argv[1:8]
     try:
         measured = measure(
-            Path(jsonl), Path(sql_jsonl), Path(workdir), int(shards), [c for c in chosen.split(",") if c], quick == "1"
+            Path(jsonl),
+            Path(sql_jsonl),
+            Path(workdir),
+            int(shards),
+            [c for c in chosen.split(",") if c],
+            quick == "1",
+            partial=Path(result).with_suffix(".partial.json"),
         )
     except CorrectnessError as e:
         print(f"CORRECTNESS FAILURE: {e}", file=sys.stderr)
