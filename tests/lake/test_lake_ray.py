@@ -328,6 +328,47 @@ else:
         assert second.exit_code == 1 and "1 line(s) rejected" in second.output
         missing = run(app, ["lake", "ingest", str(tmp_path / "none"), "--lake", lake])
         assert missing.exit_code == 1 and "no such file or directory" in missing.output
+        got = json.loads(first.output)
+        assert got["tasks"] == 8 and got["commits"] == len(got["rows"])  # 8 tasks' writes gathered: a commit per table
+
+    def test_ingest_gathers_its_tasks_writes_into_commits_of_commit_traces(local_ray, tmp_path):
+        """``--commit-traces N``: the driver commits its tasks' staged writes once they hold
+        N traces (one commit per table for all of them, traces last); each commit of N = 1
+        holds one task's write. The lake shows the same traces either way."""
+        import json
+
+        from typer.testing import CliRunner
+
+        from tracedb.cli.main import app
+
+        a, _ = _runs(tmp_path)
+        files = [str(f) for f in sorted(a.iterdir())[:4]]  # 4 tasks, a trace or more each
+        run = CliRunner().invoke
+        reports = {}
+        for n in ("1", "256"):
+            lake = str(tmp_path / f"L{n}")
+            lakes.init(lake)
+            done = run(
+                app, ["lake", "ingest", *files, "--lake", lake, "--workers", "2", "--commit-traces", n, "--json"]
+            )
+            assert done.exit_code == 0, done.output
+            reports[n] = json.loads(done.output)
+            snapshots = {name: len(lakes.open(lake).table(name).snapshots()) for name in reports[n]["rows"]}
+            assert sum(snapshots.values()) == reports[n]["commits"]
+            if n == "256":
+                assert set(snapshots.values()) == {1}  # every table committed once
+            else:
+                assert snapshots["traces"] == reports[n]["tasks"]  # one commit per task's write
+        one, gathered = reports["1"], reports["256"]
+        assert one["traces"] == gathered["traces"] > 0 and one["rows"] == gathered["rows"]
+        assert one["commits"] > gathered["commits"] == len(gathered["rows"])
+        same = [
+            sorted(lakes.open(str(tmp_path / f"L{n}")).tables()["traces"].column("trace_id").to_pylist())
+            for n in reports
+        ]
+        assert same[0] == same[1]
+        bad = run(app, ["lake", "ingest", *files, "--lake", str(tmp_path / "L1"), "--commit-traces", "0"])
+        assert bad.exit_code == 2 and "--commit-traces" in bad.output
 
     @pytest.mark.parametrize("seed", [3, 11])
     def test_random_forests_ingested_and_viewed_on_ray_equal_the_file_store(local_ray, tmp_path, seed):
