@@ -34,6 +34,8 @@ older writer keeps writing its layout until the meta row says this version.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import duckdb
 import pyarrow as pa
 from pyiceberg.transforms import BucketTransform
@@ -53,7 +55,10 @@ def upgrade(location: catalog.Location) -> int | None:
     """Upgrade the lake at ``location`` to this version, and add to its tables the columns
     of this tracedb's schema they lack; returns the version it had (None: it was of this
     version already). A lake of a newer or unknown version is refused
-    (:class:`~tracedb.lake.catalog.LakeError`)."""
+    (:class:`~tracedb.lake.catalog.LakeError`). The steps of :data:`STEPS` from its
+    version on run in order, then the tables get this version's properties and the meta
+    rows are set (last: a rerun after a crash runs the steps again, each of which finds
+    its own work done)."""
     load = compact.own_tables(location)
     held = catalog.meta_rows(load(catalog.META))
     version = held.get(catalog.VERSION_KEY)
@@ -63,23 +68,32 @@ def upgrade(location: catalog.Location) -> int | None:
     add_columns(load)
     if version == str(catalog.LAKE_SCHEMA_VERSION):
         return None
-    target = str(catalog.LAKE_SCHEMA_VERSION)
-    if version == "1":
-        traces = load("traces")
-        marked = {s.snapshot_id for s in traces.metadata.snapshots if s.summary and s.summary[UPGRADED] in ("2", "3")}
-        current = traces.current_snapshot()
-        if current is not None and current.snapshot_id not in marked:
-            compact.rewrite_traces(load, stored_from=marked, properties={UPGRADED: target}, force=True)
     buckets = catalog.lake_buckets(held)
-    rehome_segments(load, buckets, {UPGRADED: target})
+    marker = {UPGRADED: str(catalog.LAKE_SCHEMA_VERSION)}
+    for step in range(int(version), catalog.LAKE_SCHEMA_VERSION):
+        STEPS[step](load, buckets, marker)
     for name in catalog.lake_tables():  # the properties of this version's tables (statistics, row groups)
         table = load(name)
         wanted = catalog.table_properties(name, catalog.lake_schema(name, catalog.lake_tables()[name]))
         if any(table.properties.get(k) != v for k, v in wanted.items()):
             with table.transaction() as tx:
                 tx.set_properties(wanted)
-    catalog.set_meta(load(catalog.META), {catalog.VERSION_KEY: target, catalog.BUCKETS_KEY: str(buckets)})
+    catalog.set_meta(
+        load(catalog.META), {catalog.VERSION_KEY: str(catalog.LAKE_SCHEMA_VERSION), catalog.BUCKETS_KEY: str(buckets)}
+    )
     return int(version)
+
+
+def seq_into_traces(load: object, buckets: int, properties: dict[str, str]) -> bool:
+    """1 → 2: ``traces`` rewritten with each row's lake seq stored in it (see the module's
+    docstring); False when its current snapshot is such a rewrite already (a rerun)."""
+    traces = load("traces")  # type: ignore[operator]
+    marked = {s.snapshot_id for s in traces.metadata.snapshots if s.summary and s.summary[UPGRADED]}
+    current = traces.current_snapshot()
+    if current is None or current.snapshot_id in marked:
+        return False
+    compact.rewrite_traces(load, stored_from=marked, properties=properties, force=True)
+    return True
 
 
 def add_columns(load: object) -> dict[str, list[str]]:
@@ -148,6 +162,15 @@ def rehome_segments(load: object, buckets: int, properties: dict[str, str]) -> b
     return True
 
 
+STEPS: dict[int, Callable[[object, int, dict[str, str]], bool]] = {1: seq_into_traces, 2: rehome_segments}
+"""The upgrade from each version to the next, by the version it upgrades from: each takes
+the table loader, the lake's bucket count and the summary properties marking its
+rewrites, does nothing when it finds its work done (a rerun after a crash), and says
+whether it did anything. A new layout version adds its step here (its new columns,
+added by :func:`add_columns` before any step, filled in by it when they need more than
+null)."""
+
+
 def _homed_files(table: object, con: duckdb.DuckDBPyConnection, homes: pa.Table, found: pa.Table) -> list:
     """The data files of the segment rows ``found`` (each id once) homed as ``homes`` says."""
     mine = [c for c in (catalog.BATCH, catalog.SEGMENT_HOME) if c in found.column_names]
@@ -168,4 +191,4 @@ def _homed_files(table: object, con: duckdb.DuckDBPyConnection, homes: pa.Table,
     return data_files(table, stamped, compaction=True)  # rows of many writes: read as a compaction's
 
 
-__all__ = ["UPGRADED", "add_columns", "rehome_segments", "upgrade"]
+__all__ = ["STEPS", "UPGRADED", "add_columns", "rehome_segments", "seq_into_traces", "upgrade"]
