@@ -410,9 +410,9 @@ def ratios(m: dict[str, Any], catalog: str) -> dict[str, float]:
 
 
 def project(m: dict[str, Any], target: dict[str, Any] = TARGET) -> dict[str, Any]:
-    """The run of ``target`` from the measured per-trace and per-commit figures (the
-    SQLite catalog's; the catalogs differ in commit latency, not in these)."""
-    lake = m["sqlite"] if "sqlite" in m else m[next(c for c in CATALOGS if c in m)]
+    """The run of ``target`` from the measured per-trace and per-commit figures: the
+    PostgreSQL catalog's (the one for many writers) when measured, else SQLite's."""
+    lake = m["postgres"] if "postgres" in m else m[next(c for c in CATALOGS if c in m)]
     scale = target["tokens"] / (m["tokens"] / m["traces"])  # measured traces were this much shorter
     commits = target["rollouts"] / target["traces_per_commit"]
     per_commit = lake["commits_per_256_traces"] * target["traces_per_commit"] / 256

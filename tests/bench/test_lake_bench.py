@@ -65,6 +65,14 @@ def _measured(writers: dict | None = None) -> dict[str, Any]:
     }
 
 
+def test_projection_falls_back_to_the_catalog_measured() -> None:
+    from benchmarks.lake import project
+
+    measured = _measured()
+    del measured["postgres"]
+    assert project(measured)["ingest_core_s"] == pytest.approx(8.0 / 512 * 10 * 1_000_000)
+
+
 def test_ratios_against_the_targets() -> None:
     from benchmarks.lake import TARGETS, ratios
 
@@ -86,13 +94,13 @@ def test_projection_scales_the_measured_figures() -> None:
         "traces_per_commit": 256,
         "traces_per_writer_minute": 60,
     }
-    p = project(_measured(), target)  # the SQLite catalog's figures, traces 10x longer
+    p = project(_measured(), target)  # the PostgreSQL catalog's figures, traces 10x longer
     assert p["input_bytes"] == pytest.approx(1_000_000 / 512 * 10 * 1_000)
     assert p["lake_bytes"] == pytest.approx(500_000 / 512 * 10 * 1_000)
     assert p["commits_of_traces"] == pytest.approx(1_000 / 256)
     assert p["table_commits"] == pytest.approx(1_000 / 256 * 5)
     assert p["traces_commits_per_s"] == pytest.approx(8 / 256) and p["commits_per_s"] == pytest.approx(8 / 256 * 5)
-    assert p["ingest_core_s"] == pytest.approx(8.0 / 512 * 10 * 1_000)
+    assert p["ingest_core_s"] == pytest.approx(10.0 / 512 * 10 * 1_000)
     assert p["data_files_per_commit"] == pytest.approx(64)
     assert p["compact_core_s"] == pytest.approx(2.0 / 256 * 20 * 1_000)  # the growth lake's traces: 1.5k tokens
     assert p["views_core_s"] == pytest.approx(2.5 * 2 / 512 * 10 * 1_000)  # 2 cores busy
