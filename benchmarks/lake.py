@@ -417,7 +417,7 @@ def project(m: dict[str, Any], target: dict[str, Any] = TARGET) -> dict[str, Any
     commits = target["rollouts"] / target["traces_per_commit"]
     per_commit = lake["commits_per_256_traces"] * target["traces_per_commit"] / 256
     commit_rate = target["writers"] * target["traces_per_writer_minute"] / 60 / target["traces_per_commit"]
-    files_per_commit = lake["lake_data_files"] / max(1, lake["lake_ingest_2w_commits"])
+    files_per_commit = lake["lake_data_files"] / (m["traces"] / 256)  # data files a 256-trace commit adds
     return {
         "input_bytes": m["input_bytes"] / m["traces"] * scale * target["rollouts"],
         "lake_bytes": lake["lake_bytes"] / m["traces"] * scale * target["rollouts"],

@@ -101,7 +101,7 @@ def test_projection_scales_the_measured_figures() -> None:
     assert p["table_commits"] == pytest.approx(1_000 / 256 * 5)
     assert p["traces_commits_per_s"] == pytest.approx(8 / 256) and p["commits_per_s"] == pytest.approx(8 / 256 * 5)
     assert p["ingest_core_s"] == pytest.approx(10.0 / 512 * 10 * 1_000)
-    assert p["data_files_per_commit"] == pytest.approx(64)
+    assert p["data_files_per_commit"] == pytest.approx(640 / 2)  # 640 files for 512 traces
     assert p["compact_core_s"] == pytest.approx(2.0 / 256 * 20 * 1_000)  # the growth lake's traces: 1.5k tokens
     assert p["views_core_s"] == pytest.approx(2.5 * 2 / 512 * 10 * 1_000)  # 2 cores busy
 
