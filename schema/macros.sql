@@ -170,11 +170,15 @@ CREATE OR REPLACE MACRO branch_tokens(train_once := false, credit := NULL) AS TA
 CREATE OR REPLACE MACRO branch_stats() AS TABLE
     SELECT b.trace_id, b.branch_index, b.trainable, b.n_tokens, b.n_sampled,
            CASE WHEN b.n_tokens > 0 THEN b.n_sampled / b.n_tokens END AS sampled_share,
-           len(b.path) AS n_nodes,
+           b.n_nodes,
            count(n.advantages) AS credited_nodes,
            count(*) FILTER (WHERE n.sampled) AS sampled_nodes
-    FROM branches b, unnest(b.path) AS u(node_index)
-    JOIN nodes n ON n.trace_id = b.trace_id AND n.node_index = u.node_index
+    -- The path unnested in a select list, not laterally: a filter on the trace id (or the
+    -- branch) then reaches the scans of branches and nodes (a lake reads only its traces).
+    FROM (SELECT trace_id, branch_index, trainable, n_tokens, n_sampled, len(path) AS n_nodes,
+                 unnest(path) AS node_index
+          FROM branches) b
+    JOIN nodes n ON n.trace_id = b.trace_id AND n.node_index = b.node_index
     GROUP BY ALL;
 
 -- Which nodes carry credit in a set, and how much (NULL = never assigned, not zero).

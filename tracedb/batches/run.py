@@ -1,8 +1,12 @@
-"""``micro_batches``: read a selection's nodes once, make its samples, pack them."""
+"""``micro_batches``: read a selection's nodes once, make its samples, pack them.
+
+:func:`check` and :func:`plan_of` are the halves around the read, which the lake
+(:mod:`tracedb.lake.train`) calls around its own read of the same node columns."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow.compute as pc
@@ -14,9 +18,9 @@ from tracedb.batches.plan import Plan, build_plan
 from tracedb.batches.samples import OVERFLOW, Samples, build
 from tracedb.handle import Handle
 from tracedb.records import COMPACT_STREAMS
-from tracedb.selection import Selection, resolve
+from tracedb.selection import Selected, Selection, resolve
 from tracedb.views import branch_indices, versions
-from tracedb.views.nodes import load_nodes
+from tracedb.views.nodes import NodeColumns, load_nodes
 
 
 def micro_batches(
@@ -39,6 +43,55 @@ def micro_batches(
     clip: float | None = None,
 ) -> Plan:
     """Packed micro-batches of the selected branches; see :meth:`tracedb.Database.micro_batches`."""
+    cap = check(seq_len, ranks, pad_to_multiple_of, overflow, cost, share_prefixes, train_once, importance, clip)
+    credit = credit_sets.resolve(handle, credit)
+    chosen = selection.for_training()  # dropped traces and eval episodes stay out unless asked in
+    selected = resolve(handle, chosen)
+    trace_ids: list[str] | None = [tid for tid, _ in selected.traces]
+    mark = selected.watermark
+    left_out = selected.report.get("dropped", 0) + selected.report.get("eval", 0)
+    if selection.everything and not left_out:
+        trace_ids = None  # every trace: the whole-database read (faster), at the watermark it sees
+        mark = None
+    data = load_nodes(handle, trace_ids, list(COMPACT_STREAMS), credit)
+    versions.attach(handle, data)
+    plan = plan_of(
+        data,
+        seq_len,
+        selection.manifest(),
+        ranks=ranks,
+        trainable=trainable,
+        branch_index=branch_index,
+        credit=credit,
+        train_once=train_once,
+        overflow=overflow,
+        cost=cost,
+        pad_to_multiple_of=pad_to_multiple_of,
+        pad_token_id=pad_token_id,
+        share_prefixes=share_prefixes,
+        drop_zero_advantages=drop_zero_advantages,
+        importance=importance,
+        clip=cap,
+        chosen=chosen,
+        selected=selected,
+    )
+    plan.report.watermark = data.watermark if mark is None else mark
+    return plan
+
+
+def check(
+    seq_len: int,
+    ranks: int,
+    pad_to_multiple_of: int,
+    overflow: str,
+    cost: tuple[float, float],
+    share_prefixes: bool,
+    train_once: bool,
+    importance: str | None = None,
+    clip: float | None = None,
+) -> float | None:
+    """ValueError for packing arguments :func:`micro_batches` refuses (before anything is
+    read); returns the importance weights' resolved clip (None without ``importance``)."""
     if seq_len < 1:
         raise ValueError(f"seq_len must be at least 1, got {seq_len}")
     if ranks < 1:
@@ -53,18 +106,35 @@ def micro_batches(
         raise ValueError(
             "share_prefixes stores a shared token once, so it is in the loss once: it needs train_once=True"
         )
-    cap = check_importance(importance, clip)
-    credit = credit_sets.resolve(handle, credit)
-    chosen = selection.for_training()  # dropped traces and eval episodes stay out unless asked in
-    selected = resolve(handle, chosen)
-    trace_ids: list[str] | None = [tid for tid, _ in selected.traces]
-    mark = selected.watermark
-    left_out = selected.report.get("dropped", 0) + selected.report.get("eval", 0)
-    if selection.everything and not left_out:
-        trace_ids = None  # every trace: the whole-database read (faster), at the watermark it sees
-        mark = None
-    data = load_nodes(handle, trace_ids, list(COMPACT_STREAMS), credit)
-    versions.attach(handle, data)
+    return check_importance(importance, clip)
+
+
+def plan_of(
+    data: NodeColumns,
+    seq_len: int,
+    manifest: dict[str, Any],
+    *,
+    ranks: int,
+    trainable: bool | None,
+    branch_index: int | Sequence[int] | None,
+    credit: str | None,
+    train_once: bool,
+    overflow: str,
+    cost: tuple[float, float],
+    pad_to_multiple_of: int,
+    pad_token_id: int,
+    share_prefixes: bool,
+    drop_zero_advantages: bool,
+    importance: str | None = None,
+    clip: float | None = None,
+    chosen: Selection = Selection(),
+    selected: Selected | None = None,
+) -> Plan:
+    """The plan of the loaded node columns ``data`` (arguments checked by :func:`check`,
+    ``clip`` as it resolved; ``manifest``: the selection's, recorded in the plan's
+    arguments; ``chosen``/``selected``: the training selection and what it resolved to, for
+    stale masking and the report's staleness figures); its report's watermark is the
+    caller's to set."""
     samples = build(
         data,
         seq_len,
@@ -76,13 +146,13 @@ def micro_batches(
         share_prefixes=share_prefixes,
     )
     stale_tokens = mask_stale(samples, chosen)
-    if cap is not None:  # per view token; which of them are loss tokens is decided as the bins are laid out
+    if clip is not None:  # per view token; which of them are loss tokens is decided as the bins are laid out
         assert samples.path_off is not None and samples.path_rows is not None
-        samples.importance = view_weights(data, samples.path_off, samples.path_rows, samples.view_offsets, cap)
+        samples.importance = view_weights(data, samples.path_off, samples.path_rows, samples.view_offsets, clip)
     arguments = {
         "seq_len": seq_len,
         "ranks": ranks,
-        **selection.manifest(),
+        **manifest,
         "trainable": trainable,
         "branch_index": branch_index,
         "credit": credit,
@@ -94,7 +164,7 @@ def micro_batches(
         "share_prefixes": share_prefixes,
         "drop_zero_advantages": drop_zero_advantages,
         "importance": importance,
-        "clip": cap,
+        "clip": clip,
     }
     plan = build_plan(
         samples,
@@ -106,8 +176,10 @@ def micro_batches(
         share_prefixes=share_prefixes,
         arguments=arguments,
     )
-    plan.report.watermark = data.watermark if mark is None else mark
     report = plan.report
+    report.importance, report.clip = importance, clip
+    if selected is None:
+        return plan
     report.dropped = selected.report.get("dropped", 0)
     report.eval = selected.report.get("eval", 0)
     if chosen.bound is not None:
@@ -116,12 +188,11 @@ def micro_batches(
         report.stale_traces = selected.report.get("stale_traces", 0)
         report.stale_tokens = stale_tokens
         report.unknown_dropped = selected.report.get("unknown", 0)
-        packed = {samples.trace_id[i] for i in range(len(samples.trace_id))}
+        packed = set(samples.trace_id)
         ages = [chosen.policy - low for t, low in selected.policy_min.items() if t in packed and low is not None]
         report.off_policy_level = sum(ages) / len(ages) if ages else None
         report.off_policy_max = max(ages) if ages else None
     report.groups_over = selected.report.get("groups_over", 0)
-    report.importance, report.clip = importance, cap
     return plan
 
 

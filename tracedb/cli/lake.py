@@ -109,15 +109,29 @@ def init(
         Path,
         typer.Option("--warehouse", help="A local lake's directory (SQLite catalog + warehouse), or a .yaml/.json."),
     ],
+    buckets: Annotated[
+        int | None,
+        typer.Option(
+            "--buckets",
+            min=1,
+            help="Hash buckets of a new lake's tables (default 64, sized for about a million traces; "
+            "an existing lake keeps its own).",
+        ),
+    ] = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Make a lake (idempotent: an existing one gets the tables it lacks)."""
+    """Make a lake (idempotent: an existing one gets the tables it lacks, an older layout is upgraded)."""
     lakes = _lakes()
     try:
-        lake = lakes.init(warehouse)
-    except TraceDBError as e:
+        lake = lakes.init(warehouse, buckets=buckets)
+    except (TraceDBError, ValueError) as e:
         raise fail(e, 2) from None
-    made = {"lake": str(warehouse), "lake_schema_version": lakes.LAKE_SCHEMA_VERSION, "watermark": lake.watermark()}
+    made = {
+        "lake": str(warehouse),
+        "lake_schema_version": lakes.LAKE_SCHEMA_VERSION,
+        "buckets": lake.buckets,
+        "watermark": lake.watermark(),
+    }
     emit(made, as_json)
 
 
@@ -185,6 +199,14 @@ def ingest(
     allow_ragged: Annotated[
         bool, typer.Option(help="Accept compact streams longer/shorter than the sampled count.")
     ] = False,
+    commit_traces: Annotated[
+        int,
+        typer.Option(
+            "--commit-traces",
+            min=1,
+            help="Gather the tasks' output into commits of at least this many traces (one commit per table).",
+        ),
+    ] = 256,
     as_json: JsonOption = False,
 ) -> None:
     """Ingest files into the lake in Ray tasks (the file store's scanner and checks; rejects kept).
@@ -196,7 +218,12 @@ def ingest(
     started = _started_ray(ray_address, workers)
     try:
         report = opened.ingest(  # type: ignore[attr-defined]
-            paths, workers=workers, files_per_task=files_per_task, allow_ragged=allow_ragged, range_bytes=range_bytes
+            paths,
+            workers=workers,
+            files_per_task=files_per_task,
+            allow_ragged=allow_ragged,
+            range_bytes=range_bytes,
+            commit_traces=commit_traces,
         )
     except (TraceDBError, FileNotFoundError) as e:
         raise fail(e) from None
@@ -332,14 +359,18 @@ def compact(
             help="Also expire snapshots replaced longer ago than this (seconds) and delete the files only they held.",
         ),
     ] = None,
+    full: Annotated[
+        bool, typer.Option("--full", help="Rewrite every file, not only those added since the last compaction.")
+    ] = False,
     as_json: JsonOption = False,
 ) -> None:
     """Remove what readers never see (a killed writer's rows, duplicate segments) and
-    rewrite small files, table by table; readers' answers are unchanged (traces keep
-    their seq). --expire-older-than also drops old snapshots and their files."""
+    merge the files added since the last compaction, table by table; readers' answers
+    are unchanged (traces keep their seq). --expire-older-than also drops old snapshots
+    and their files."""
     opened = _open(lake)
     try:
-        report = opened.compact(grace=grace, expire_older_than=expire_older_than)  # type: ignore[attr-defined]
+        report = opened.compact(grace=grace, expire_older_than=expire_older_than, full=full)  # type: ignore[attr-defined]
     except (TraceDBError, ValueError) as e:
         raise fail(e) from None
     rows = [{"table": name, **entry, **report.expired.get(name, {})} for name, entry in report.tables.items()]

@@ -17,12 +17,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyiceberg.expressions import AlwaysTrue, BooleanExpression, In
 
 from tracedb.lake import catalog, read
+from tracedb.lake import files as lake_files
 from tracedb.lake.scan import scan_traces, visible_traces
 from tracedb.selection import Selection, resolve_at, values_of
 
@@ -43,15 +43,17 @@ def _filter(
 
 
 def _traces(table: Any, selection: Selection) -> pa.Table:
-    """The visible ``traces`` rows ``selection`` may need (see the module's docstring)."""
-    narrow = _filter(selection.trace_ids, selection.group, selection.episode)
+    """The visible ``traces`` rows ``selection`` may need (see the module's docstring);
+    trace ids are read by key (their buckets' files), not through a row filter."""
+    ids = None if selection.trace_ids is None else values_of(selection.trace_ids)
+    narrow = _filter(None, selection.group, selection.episode)
     if selection.complete_groups is None:
-        return visible_traces(table, narrow, TRACE_COLUMNS)
+        return visible_traces(table, narrow, TRACE_COLUMNS, trace_ids=ids)
     if selection.trace_ids is None and selection.episode is None:
-        return visible_traces(table, _filter(None, selection.group, None), TRACE_COLUMNS)
-    chosen = scan_traces(table, narrow, ["group_id"]).column("group_id")  # the groups it may take, all their members
+        return visible_traces(table, narrow, TRACE_COLUMNS)
+    chosen = scan_traces(table, narrow, ["group_id"], trace_ids=ids).column("group_id")  # the groups it may take
     groups = pc.unique(chosen.filter(pc.is_valid(chosen))).to_pylist()
-    return visible_traces(table, In("group_id", groups), TRACE_COLUMNS)
+    return visible_traces(table, In("group_id", groups), TRACE_COLUMNS)  # all their members
 
 
 def _tags(lake: catalog.Opened, selection: Selection) -> pa.Table:
@@ -70,10 +72,17 @@ def resolve_lake(lake: catalog.Opened, selection: Selection) -> tuple[list[str],
     chunks of it keep groups whole), and the watermark they were selected at (the
     lake's, or ``through`` when lower: the ``after`` of the next call). ValueError
     (the file store's) for a bad ``after``, ``through``, ``complete_groups`` or tag filter."""
+    rows, mark = resolve_rows(lake, selection)
+    return rows.column("trace_id").to_pylist(), mark
+
+
+def resolve_rows(lake: catalog.Opened, selection: Selection) -> tuple[pa.Table, int]:
+    """:func:`resolve_lake`'s traces as their visible rows (``trace_id`` and
+    :data:`~tracedb.lake.catalog.BATCH`, in that order), and the watermark."""
     table = lake.table("traces")
     snapshot = table.current_snapshot()
     mark = 0 if snapshot is None else snapshot.sequence_number
-    con = duckdb.connect()
+    con = lake_files.duck()
     try:
         con.register("lake_traces", _traces(table, selection).select([*TRACE_COLUMNS, "seq"]))
         con.execute(
@@ -88,12 +97,13 @@ def resolve_lake(lake: catalog.Opened, selection: Selection) -> tuple[list[str],
             )
         selected = resolve_at(con, selection, mark)
         con.register("chosen", pa.table({"trace_id": pa.array([t for t, _ in selected.traces], pa.string())}))
-        ordered = con.execute(
-            "SELECT trace_id FROM traces SEMI JOIN chosen USING (trace_id) ORDER BY group_id, trace_id"
-        ).fetchall()
+        ordered = con.sql(
+            f"SELECT trace_id, {catalog.BATCH} FROM traces SEMI JOIN chosen USING (trace_id) "
+            "ORDER BY group_id, trace_id"
+        ).to_arrow_table()
     finally:
         con.close()
-    return [row[0] for row in ordered], selected.watermark
+    return ordered, selected.watermark
 
 
 def select_ids(lake: catalog.Opened, selection: Selection) -> list[str]:
@@ -112,4 +122,4 @@ def visible_tables(lake: catalog.Opened, selection: Selection) -> dict[str, pa.T
     return read.visible(lake, trace_ids=resolve_lake(lake, selection)[0])
 
 
-__all__ = ["resolve_lake", "select_ids", "visible_tables"]
+__all__ = ["resolve_lake", "resolve_rows", "select_ids", "visible_tables"]
