@@ -1,0 +1,133 @@
+"""Credit on a selection: stamp only the selected traces into a set, step by step.
+
+A trainer of a live run credits each step's new groups (``after=W, complete_groups=N``, a
+staleness bound, ``max_groups``) into one set, instead of recomputing the set over the
+whole database with ``replace``. :func:`stamp_selected` reads the selection and runs the
+algorithm in one transaction (one snapshot: the selection's watermark and the rows the
+algorithm reads agree), then keeps the algorithm's rows of the selected traces and adds
+them to the set, creating it on first use.
+
+- **Statistics over what is stored.** The algorithm runs as it always does, over every
+  stored trace: a group mean (grpo, rloo, tree, ...) is taken over each selected trace's
+  whole group as stored at that moment, members outside the selection included, dropped
+  and eval traces out of it as in any run. With ``complete_groups`` a group is credited
+  once it is complete, so its statistics are those of the whole group, and stepping
+  through a run gives the values one run over everything gives.
+- **One algorithm per set.** A set holds one algorithm's credit with one set of
+  parameters: a selection adds to a set only with the algorithm and parameters the set
+  was made with (and its layout).
+- **Once per trace.** A selected trace the set already holds is refused, naming the
+  traces, unless ``replace=True``, which computes those traces again (their old rows go).
+- **Training selection.** The selection is a training output's (dropped traces and eval
+  episodes left out unless asked for, :meth:`Selection.for_training`), so the groups a
+  step credits are the groups the same selection packs (``max_groups`` included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from tracedb import credit_sets, writeback
+from tracedb.errors import WriteError
+from tracedb.handle import Handle
+from tracedb.selection import Selected, Selection, resolve
+
+SHOWN = 10
+"""How many trace ids a refusal names (then how many more there are)."""
+
+
+def training_selection(selection: Selection, params: Mapping[str, Any]) -> Selection:
+    """The selection a credit run stamps: a training output's, except that an algorithm
+    asked to credit dropped traces or eval work (``include_dropped=True``,
+    ``include_eval=True`` among its parameters) has them selected as well."""
+    changes = {
+        name: True
+        for name in ("include_dropped", "include_eval")
+        if getattr(selection, name) is None and params.get(name) is True
+    }
+    if changes:
+        selection = dataclasses.replace(selection, **changes)
+    return selection.for_training()
+
+
+def stamp_selected(
+    handle: Handle,
+    name: str,
+    selection: Selection,
+    compute: Callable[[], tuple[pa.Table, Any]],
+    *,
+    algorithm: str,
+    params: Mapping[str, Any],
+    description: str | None = None,
+    replace: bool = False,
+) -> tuple[pa.Table, Any, Selected, int]:
+    """Resolve ``selection`` and ``compute`` the credit (``(table, extra)``) in one
+    transaction, then stamp the table's rows of the selected traces into set ``name``
+    (created when missing). Returns the rows stamped, ``extra``, the resolved selection and
+    the nodes written. :class:`WriteError` (nothing written) for a set made by another
+    algorithm, other parameters or of another layout, or for selected traces it already
+    holds without ``replace``."""
+    with handle.transaction():
+        picked = resolve(handle, selection)
+        table, extra = compute()
+        ids = pa.array(picked.trace_ids, pa.string())
+        table = table.filter(pc.is_in(table.column("trace_id").cast(pa.string()), value_set=ids))
+        layout = writeback.stamp_layout(table)
+        if not credit_sets.exists(handle, name):
+            credit_sets.create(handle, name, algorithm=algorithm, params=params, description=description, layout=layout)
+            return table, extra, picked, writeback.stamp_into(handle, name, table, created=True)
+        _check_same(handle, name, algorithm, params, layout)
+        held = _held(handle, name, layout, ids)
+        if held and not replace:
+            raise WriteError(
+                f"credit set {name!r} already holds {len(held)} of the selected traces ({_named(held)}); "
+                "pass replace=True (--replace) to compute them again; nothing written"
+            )
+        if held:
+            with handle.registered("_tdb_restamp", pa.table({"trace_id": pa.array(held, pa.string())})):
+                handle.con.execute(
+                    f"DELETE FROM {credit_sets.TABLES[layout]} WHERE credit_set = ? "
+                    "AND trace_id IN (SELECT trace_id FROM _tdb_restamp)",
+                    [name],
+                )
+        return table, extra, picked, writeback.stamp_into(handle, name, table)
+
+
+def _check_same(handle: Handle, name: str, algorithm: str, params: Mapping[str, Any], layout: str) -> None:
+    """Refuse to add to set ``name`` credit of another algorithm, parameters or layout."""
+    row = handle.row("SELECT algorithm, params, layout FROM credit_sets WHERE name = ?", [name])
+    assert row is not None  # the caller found the set in this transaction
+    held_algorithm, held_params, held_layout = row
+    stored = json.loads(held_params) if held_params else {}
+    given = json.loads(json.dumps(dict(params), sort_keys=True, default=str))
+    if (held_algorithm, stored) != (algorithm, given):
+        raise WriteError(
+            f"credit set {name!r} holds {held_algorithm} with {json.dumps(stored, sort_keys=True)}, not {algorithm} "
+            f"with {json.dumps(given, sort_keys=True)}: a set holds one algorithm's credit with one set of "
+            "parameters (name another set, or recompute the whole set: replace=True without a selection); "
+            "nothing written"
+        )
+    if held_layout != layout:
+        raise WriteError(f"credit set {name!r} is stored per {held_layout}, this credit per {layout}; nothing written")
+
+
+def _held(handle: Handle, name: str, layout: str, ids: pa.Array) -> list[str]:
+    """The traces of ``ids`` that set ``name`` holds rows of, by id."""
+    with handle.registered("_tdb_selected", pa.table({"trace_id": ids})):
+        rows = handle.con.execute(
+            f"SELECT DISTINCT trace_id FROM {credit_sets.TABLES[layout]} WHERE credit_set = ? "
+            "AND trace_id IN (SELECT trace_id FROM _tdb_selected) ORDER BY trace_id",
+            [name],
+        ).fetchall()
+    return [r[0] for r in rows]
+
+
+def _named(ids: list[str]) -> str:
+    shown = ", ".join(ids[:SHOWN])
+    return shown if len(ids) <= SHOWN else f"{shown} and {len(ids) - SHOWN} more"
