@@ -122,8 +122,12 @@ function histChart(svg, bars, xlabel) {
   svg.dataset.points = String(bars.length);
 }
 
+function axisName(by) {
+  return by === "seq" ? "seq" : by === "work_step" ? "step" : by.slice(4);
+}
+
 function binLabel(b, axis) {
-  const name = axis.by === "seq" ? "seq" : axis.by.slice(4);
+  const name = axisName(axis.by);
   return b.lo === b.hi ? `${name} ${fmt(b.lo)}` : `${name} ${fmt(b.lo)}–${fmt(b.hi)}`;
 }
 
@@ -135,7 +139,7 @@ const BANDS = {
 
 function draw(data, state) {
   const { bins, axis } = data;
-  const xlabel = axis.by === "seq" ? "ingest sequence" : axis.by.slice(4);
+  const xlabel = axis.by === "seq" ? "ingest sequence" : axis.by === "work_step" ? "training step" : axis.by.slice(4);
   const at = (b, y, text) => ({ x: b.x, y, title: `${binLabel(b, axis)}: ${text}` });
   const [bandName, bandOf] = BANDS[state.band];
   document.getElementById("band-name").textContent = bandName;
@@ -159,6 +163,9 @@ function draw(data, state) {
   lineChart(document.getElementById("plot-sampled"),
     bins.map((b) => at(b, b.sampled_share, `${pct(b.sampled_share)} sampled (${fmt(b.sampled)} tokens)`)),
     { yr: [0, 1], xlabel, ylabel: "share", cls: "sampled" });
+  lineChart(document.getElementById("plot-dropped"),
+    bins.map((b) => at(b, b.dropped_share, `${pct(b.dropped_share)} dropped (${fmt(b.dropped)} of ${fmt(b.traces)} traces)`)),
+    { yr: [0, 1], xlabel, ylabel: "share", cls: "dropped" });
   lineChart(document.getElementById("plot-traces"),
     bins.map((b) => at(b, b.traces, `${b.traces} traces, ${b.groups} groups completed here`)),
     { yr: [0, Math.max(...bins.map((b) => b.traces), 1)], xlabel, ylabel: "traces", cls: "traces" });
@@ -173,6 +180,7 @@ function draw(data, state) {
   stat("zero_variance", s.groups_scored ? `${fmt(s.groups_zero_variance)} (${pct(s.zero_variance_share)})` : "—");
   stat("tokens", fmt(s.tokens));
   stat("sampled_share", pct(s.sampled_share));
+  stat("dropped", s.dropped ? `${fmt(s.dropped)} (${pct(s.dropped_share)})` : "0");
   state.age = s.age_s === null ? null : { base: s.age_s, at: performance.now() };
 
   const note = [];
