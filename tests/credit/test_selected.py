@@ -5,6 +5,7 @@ dropped and eval traces stay out; every refusal is one error and writes nothing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 
 import tracedb
 import tracedb.credit
+from tracedb.credit import selected
 from tracedb.errors import WriteError
 from tracedb.selection import Selection
 from tracedb.synthetic import generate_episodes, versioned
@@ -67,14 +69,16 @@ def _rows(db: tracedb.Database, name: str) -> dict:
 
 RUNS = {
     "g": ("grpo", {"scale_std": True}),
-    "r": ("rloo", {}),
     "a": ("gae", {"gamma": 0.9, "lam": 0.8}),
     "t": ("tree", {}),
+    "p": ("potential", {"kappa": 0.5}),
+    "e": ("grpo", {"group_by": "$.task.data.idx"}),  # another grouping: read whole
 }
 
 
 def test_a_trainer_crediting_each_steps_new_groups_ends_with_one_run_over_everything(tmp_path):
-    """Per trace (grpo, rloo) and per node (gae, tree) algorithms alike."""
+    """Per trace (grpo) and per node (gae, tree, potential) algorithms alike, read on the
+    selected groups or (grouped by task) whole."""
     episodes = _episodes()
     after = 0
     stamped: list[str] = []
@@ -185,3 +189,34 @@ def test_a_step_credits_what_the_same_selection_packs(tmp_path):
         assert nxt["traces"] > 0 and not set(_rows(db, "step")) - packed - set(
             db.traces(after=result["watermark"]).column("trace_id").to_pylist()
         )
+
+
+def test_a_group_local_run_reads_only_the_selected_groups(tmp_path, monkeypatch):
+    """The algorithm sees the selected traces' whole groups and nothing else (temporary
+    views over the stored tables, gone after the run, also after a failure); another
+    grouping reads everything."""
+    seen: list[tuple[int | None, int]] = []
+    real = selected.scoped
+
+    @contextlib.contextmanager
+    def spying(handle, trace_ids):
+        with real(handle, trace_ids):
+            count = handle.scalar("SELECT count(*) FROM traces")
+            assert handle.scalar("SELECT count(DISTINCT trace_id) FROM nodes") == count
+            assert handle.scalar("SELECT count(DISTINCT trace_id) FROM branches") == count
+            seen.append((None if trace_ids is None else len(trace_ids), count))
+            yield
+
+    monkeypatch.setattr(selected, "scoped", spying)
+    with tracedb.connect(tmp_path / "run.duckdb") as db:
+        db.ingest(_write(tmp_path / "all.jsonl", _episodes(dropped=0.0)), progress=False)
+        total = db.stats()["traces"]
+        one = db.traces(group="group-2").column("trace_id").to_pylist()
+        tracedb.credit.run(db, "gae", "a", trace_ids=one[:1])
+        assert seen[-1] == (GROUP, GROUP)  # the trace's whole group
+        tracedb.credit.run(db, "grpo", "e", trace_ids=one[:1], group_by="$.task.data.idx")
+        assert seen[-1] == (None, total)
+        assert db.scalar("SELECT count(*) FROM traces") == total
+        with pytest.raises(ValueError):
+            tracedb.credit.run(db, "gae", "a2", trace_ids=one[:1], gamma=2.0)
+        assert db.scalar("SELECT count(*) FROM traces") == total and not db.has_credit_set("a2")

@@ -18,6 +18,11 @@ them to the set, creating it on first use.
   was made with (and its layout).
 - **Once per trace.** A selected trace the set already holds is refused, naming the
   traces, unless ``replace=True``, which computes those traces again (their old rows go).
+- **Read only the groups it needs.** For the algorithms whose statistics stay within a
+  group (:data:`GROUP_LOCAL`, grouped by ``group_id``: their default), the algorithm reads
+  the selected traces' groups only (``traces``, ``nodes``, ``branches`` and ``trace_tags``
+  narrowed to them for the run, :func:`scoped`), so a step costs what its groups cost,
+  however long the run; any other algorithm or grouping reads everything.
 - **Training selection.** The selection is a training output's (dropped traces and eval
   episodes left out unless asked for, :meth:`Selection.for_training`), so the groups a
   step credits are the groups the same selection packs (``max_groups`` included).
@@ -27,9 +32,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
+import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -37,9 +44,15 @@ from tracedb import credit_sets, writeback
 from tracedb.errors import WriteError
 from tracedb.handle import Handle
 from tracedb.selection import Selected, Selection, resolve
+from tracedb.sqltext import quote_identifier
 
 SHOWN = 10
 """How many trace ids a refusal names (then how many more there are)."""
+GROUP_LOCAL = ("grpo", "rloo", "returns", "gae", "tree", "branch", "potential", "channels", "anchor")
+"""The algorithms whose credit for a trace reads only the traces of its group (by
+``group_by``, when that is ``group_id``; anchor without ``history``)."""
+SCOPED_TABLES = ("traces", "nodes", "branches", "trace_tags")
+"""The tables a scoped run reads narrowed to its traces."""
 
 
 def training_selection(selection: Selection, params: Mapping[str, Any]) -> Selection:
@@ -75,7 +88,8 @@ def stamp_selected(
     holds without ``replace``."""
     with handle.transaction():
         picked = resolve(handle, selection)
-        table, extra = compute()
+        with scoped(handle, _scope(handle, picked, algorithm, params)):
+            table, extra = compute()
         ids = pa.array(picked.trace_ids, pa.string())
         table = table.filter(pc.is_in(table.column("trace_id").cast(pa.string()), value_set=ids))
         layout = writeback.stamp_layout(table)
@@ -131,3 +145,51 @@ def _held(handle: Handle, name: str, layout: str, ids: pa.Array) -> list[str]:
 def _named(ids: list[str]) -> str:
     shown = ", ".join(ids[:SHOWN])
     return shown if len(ids) <= SHOWN else f"{shown} and {len(ids) - SHOWN} more"
+
+
+def _scope(handle: Handle, picked: Selected, algorithm: str, params: Mapping[str, Any]) -> list[str] | None:
+    """The traces a run on ``picked`` must read: every stored member of the selected
+    traces' groups (and the ungrouped selected traces), for a group-local algorithm; None
+    (everything) otherwise."""
+    if algorithm not in GROUP_LOCAL or params.get("group_by", "group_id") != "group_id" or params.get("history"):
+        return None
+    with handle.registered("_tdb_picked", pa.table({"trace_id": pa.array(picked.trace_ids, pa.string())})):
+        rows = handle.con.execute(
+            "WITH p AS (SELECT trace_id FROM _tdb_picked) SELECT trace_id FROM traces "
+            "WHERE trace_id IN (SELECT trace_id FROM p) OR group_id IN "
+            "(SELECT group_id FROM traces WHERE trace_id IN (SELECT trace_id FROM p) AND group_id IS NOT NULL)"
+        ).fetchall()
+    return [r[0] for r in rows]
+
+
+@contextmanager
+def scoped(handle: Handle, trace_ids: list[str] | None) -> Iterator[None]:
+    """Within the block, :data:`SCOPED_TABLES` read on ``handle``'s connection hold only
+    the rows of ``trace_ids`` (temporary views of the same names, which the connection
+    finds before the stored tables); None: the block reads everything. The views are gone
+    after the block, also when it fails."""
+    if trace_ids is None:
+        yield
+        return
+    con = handle.con
+    catalog, schema = handle.row("SELECT current_database(), current_schema()")
+    stored = f"{quote_identifier(catalog)}.{quote_identifier(schema)}"
+    ids = pa.table({"trace_id": pa.array(trace_ids, pa.string())})
+    made: list[str] = []
+    try:
+        with handle.registered("_tdb_scope_in", ids):
+            con.execute("CREATE OR REPLACE TEMP TABLE _tdb_scope AS SELECT DISTINCT trace_id FROM _tdb_scope_in")
+        made.append("TABLE temp.main._tdb_scope")
+        for table in SCOPED_TABLES:
+            con.execute(
+                f"CREATE OR REPLACE TEMP VIEW {table} AS SELECT * FROM {stored}.{table} "
+                "WHERE trace_id IN (SELECT trace_id FROM temp.main._tdb_scope)"
+            )
+            made.append(f"VIEW temp.main.{table}")
+        yield
+    finally:
+        for what in reversed(made):
+            try:
+                con.execute(f"DROP {what}")
+            except duckdb.Error:  # an aborted transaction refuses it; its ROLLBACK drops it
+                pass
