@@ -4,11 +4,12 @@ plain call, and what the policy-version spans cost the file (``python -m benchma
 **Workload.** The core workload's episodes (``benchmarks/workload.py``, read back from the
 verifiers-written file) as an asynchronous run (:func:`tracedb.synthetic.versioned`): every
 group dispatched at step ``STEP`` with a policy span on every episode (``run.work.policy``
-= ``[STEP - 1, STEP]``), 1-3 weight-version spans per assistant node (a weight swap
-mid-turn), 25% of the groups zero-variance (one reward for every member) and 20% sampled
-two versions further back, so stale at ``K = 1``. Written with ``json.dumps`` (verifiers
-0.4.0, the version the core workload is written with, has no ``weight_versions``). A twin
-file holds the same episodes without the spans.
+= ``[STEP - 1, STEP]``) and 1-3 weight-version spans per assistant node (a weight swap
+mid-turn); then exactly 25% of the groups made zero-variance (one reward for every member)
+and exactly 20% moved two versions further back, so stale at ``K = 1`` (:func:`_shape`:
+``versioned`` draws its shares per group, which at 32 groups can land far from them).
+Written with ``json.dumps`` (verifiers 0.4.0, the version the core workload is written
+with, has no ``weight_versions``). A twin file holds the same episodes without the spans.
 
 **Figures** (medians over ``repeat`` runs, warm, one database):
 
@@ -57,23 +58,57 @@ STALE_SHARE = 0.2
 ZERO_VARIANCE_SHARE = 0.25
 
 
+def _shape(episodes: list[dict[str, Any]], seed: int) -> tuple[set[str], set[str]]:
+    """Exactly ``STALE_SHARE`` of the groups (rounded) two policy versions further back
+    (``run.work.policy`` and every span label, as :func:`versioned`'s lag does) and exactly
+    ``ZERO_VARIANCE_SHARE`` with one reward for every member (advantages 0), each drawn
+    with ``seed``; returns both sets of group ids."""
+    by_group: dict[str, list[dict[str, Any]]] = {}
+    for ep in episodes:
+        by_group.setdefault((ep.get("group") or {}).get("id", ep["id"]), []).append(ep)
+    order = sorted(by_group)
+    rng = np.random.default_rng(seed + 31)
+    stale = {order[i] for i in rng.permutation(len(order))[: round(STALE_SHARE * len(order))]}
+    flat = {order[i] for i in rng.permutation(len(order))[: round(ZERO_VARIANCE_SHARE * len(order))]}
+    for gid in stale:
+        for ep in by_group[gid]:
+            policy = ep["run"]["work"]["policy"]
+            policy["start"], policy["end"] = policy["start"] - 2, policy["end"] - 2
+            for trace in ep["traces"]:
+                for node in trace["nodes"]:
+                    for span in node.get("weight_versions") or ():
+                        span["version"] = f"step_{int(span['version'].removeprefix('step_')) - 2}"
+    for gid in flat:
+        for ep in by_group[gid]:
+            for trace in ep["traces"]:
+                trace["rewards"] = {"resolved": {"score": 1.0, "weight": 1.0}}
+                for node in trace["nodes"]:
+                    if node.get("advantages") is not None:
+                        node["advantages"] = [0.0] * len(node["advantages"])
+    return stale, flat
+
+
 def write_runs(files: WorkloadFiles, rundir: Path, seed: int = 0) -> tuple[Path, Path, dict[str, Any]]:
     """The versioned run and its spanless twin under ``rundir``; facts about them."""
     versioned_path, twin_path = rundir / "versioned.jsonl", rundir / "twin.jsonl"
     with files.jsonl.open() as src:
         episodes = [json.loads(line) for line in src]
     groups = len({(e.get("group") or {}).get("id", e["id"]) for e in episodes})
-    spans = nodes = 0
-    with versioned_path.open("w") as out, twin_path.open("w") as twin:
-        for ep in versioned(
+    episodes = list(
+        versioned(
             episodes,
             step=STEP,
             groups_per_step=groups,
-            stale_share=STALE_SHARE,
-            zero_variance_share=ZERO_VARIANCE_SHARE,
+            stale_share=0.0,
+            zero_variance_share=0.0,
             seed=seed,
             first_step=STEP,
-        ):
+        )
+    )
+    stale, flat = _shape(episodes, seed)
+    spans = nodes = 0
+    with versioned_path.open("w") as out, twin_path.open("w") as twin:
+        for ep in episodes:
             out.write(json.dumps(ep, separators=(",", ":")) + "\n")
             for trace in ep["traces"]:
                 for node in trace["nodes"]:
@@ -87,6 +122,8 @@ def write_runs(files: WorkloadFiles, rundir: Path, seed: int = 0) -> tuple[Path,
         twin_path,
         {
             "groups": groups,
+            "stale_groups": len(stale),
+            "zero_variance_groups": len(flat),
             "spans": spans,
             "nodes_with_spans": nodes,
             "jsonl_bytes": versioned_path.stat().st_size,
@@ -186,7 +223,7 @@ def run(
     m["spans"].peer.append(sizes["twin"] / 1e6)
     m["spans"].tracedb.append((sizes["versioned"] - sizes["twin"]) / 1e6)
     m["column"] = Metric(
-        "column", "  nodes.weight_versions' bytes (share of the file)", "fraction", SPAN_TARGET, unit="MB"
+        "column", "  nodes.weight_versions' own bytes (share of the file)", "fraction", SPAN_TARGET, unit="MB"
     )
 
     def call(db: Any, **kwargs: Any) -> Any:
@@ -205,7 +242,7 @@ def run(
             None,
         )
         m["column"].peer.append(sizes["versioned"] / 1e6)
-        m["column"].tracedb.append((column or {}).get("bytes", 0) / 1e6)
+        m["column"].tracedb.append(((column or {}).get("bytes", 0) - (column or {}).get("tail_bytes", 0)) / 1e6)
         log("warm-up (untimed): each call once")
         plain, bound, mask = (
             call(db),
@@ -238,7 +275,11 @@ def run(
         },
         call={"seq_len": seq_len, "ranks": ranks},
         setup_seconds=setup,
-        file_bytes={**sizes, "weight_versions_column": None if column is None else column.get("bytes")},
+        file_bytes={
+            **sizes,
+            "weight_versions_column": None if column is None else column.get("bytes"),
+            "weight_versions_tail": None if column is None else column.get("tail_bytes"),
+        },
         repeat=repeat,
         metrics=m,
         correctness=correctness,
@@ -253,11 +294,13 @@ def render(results: dict[str, Any]) -> str:
     lines += [
         "",
         f"workload: the core run ({results['workload']['traces']} traces, {v['groups']} groups) at step {v['step']}, "
-        f"{v['spans']:,} weight-version spans on {v['nodes_with_spans']:,} nodes, {v['stale_share']:.0%} of groups "
-        f"two versions back, {v['zero_variance_share']:.0%} zero-variance; micro_batches({results['call']['seq_len']}, "
+        f"{v['spans']:,} weight-version spans on {v['nodes_with_spans']:,} nodes, {v['stale_groups']} groups two "
+        f"versions back, {v['zero_variance_groups']} zero-variance; micro_batches({results['call']['seq_len']}, "
         f"ranks={results['call']['ranks']})",
         f"bytes: database {b['versioned']:,} with spans, {b['twin']:,} without; nodes.weight_versions "
-        f"{b['weight_versions_column'] or 0:,} bytes (db.storage())",
+        f"{b['weight_versions_column'] or 0:,} bytes in db.storage(), {b['weight_versions_tail'] or 0:,} of them the "
+        "unused tails of blocks it shares (charged to its last segments; the twin's all-null column is "
+        "charged as many)",
         f"correctness: {c['stale_groups']} of {c['groups']} groups stale at K={v['k']} "
         f"({c['stale_group_share']:.0%}), left out whole ({c['bound_samples']} of {c['plain_samples']} samples packed, "
         f"off-policy level {c['off_policy_level']}, max {c['off_policy_max']}); masked: {c['masked_tokens']:,} tokens "
