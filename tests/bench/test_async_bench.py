@@ -46,7 +46,7 @@ def test_quick_async_benchmark_completes_and_is_correct(quick_run: tuple[Path, s
 
 def test_the_rule_check_has_teeth(quick_run: tuple[Path, str]) -> None:
     import tracedb
-    from benchmarks.asyncfeed import K, STEP, check
+    from benchmarks.asyncfeed import STEP, K, check
     from benchmarks.harness import CorrectnessError
 
     tmp, _ = quick_run
