@@ -216,7 +216,7 @@ def run(
     m = {
         "bound": Metric("bound", f"micro_batches policy={STEP}, max_staleness={K} vs plain", "multiple", TARGET),
         "mask": Metric("mask", "  same, stale='mask' vs plain", "multiple", TARGET),
-        "twin": Metric("twin", "plain call: versioned run vs its spanless twin", "multiple", None),
+        "twin": Metric("twin", "plain call: with spans vs its spanless twin", "multiple", None),
     }
     sizes = {"versioned": db_bytes(db_path), "twin": db_bytes(twin_db)}
     m["spans"] = Metric("spans", "file bytes the spans add (share of the twin's)", "fraction", SPAN_TARGET, unit="MB")
