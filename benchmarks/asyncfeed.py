@@ -17,9 +17,12 @@ with, has no ``weight_versions``). A twin file holds the same episodes without t
 - ``bound``: the same with ``policy=STEP, max_staleness=1`` (prime-rl's rule: stale groups
   left out whole), and ``mask``: with ``stale="mask"`` (stale groups kept, their old tokens
   out of the loss): each at most ``TARGET``x the plain call;
+- ``twin`` (info): the plain call over the same call on the spanless twin, whose tokens
+  take their version from the episode's policy span (what the spans cost the feed);
 - ``spans``: the bytes the spans add to the database file (versioned minus the twin, both
-  closed), at most ``SPAN_TARGET`` of the twin's; ``nodes.weight_versions``' own bytes from
-  ``db.storage()`` beside it.
+  closed), at most ``SPAN_TARGET`` of the twin's; ``column``: ``nodes.weight_versions``' own
+  bytes from ``db.storage()`` (without the unused block tails charged to it), at most
+  ``SPAN_TARGET`` of the file.
 
 Correctness, checked every run: the bound leaves out exactly the groups whose oldest
 member's ``policy_min`` is below ``STEP - 1``, no loss token of a bounded plan is older
