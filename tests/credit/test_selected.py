@@ -208,8 +208,13 @@ def test_a_group_local_run_reads_only_the_selected_groups(tmp_path, monkeypatch)
             yield
 
     monkeypatch.setattr(selected, "scoped", spying)
+    episodes = _episodes(dropped=0.0)
+    for ep in episodes:  # a per-turn reward field only group-0's nodes hold
+        if ep["group"]["id"] == "group-0":
+            for node in ep["traces"][0]["nodes"]:
+                node["w"] = 0.5
     with tracedb.connect(tmp_path / "run.duckdb") as db:
-        db.ingest(_write(tmp_path / "all.jsonl", _episodes(dropped=0.0)), progress=False)
+        db.ingest(_write(tmp_path / "all.jsonl", episodes), progress=False)
         total = db.stats()["traces"]
         one = db.traces(group="group-2").column("trace_id").to_pylist()
         tracedb.credit.run(db, "gae", "a", trace_ids=one[:1])
@@ -217,6 +222,9 @@ def test_a_group_local_run_reads_only_the_selected_groups(tmp_path, monkeypatch)
         tracedb.credit.run(db, "grpo", "e", trace_ids=one[:1], group_by="$.task.data.idx")
         assert seen[-1] == (None, total)
         assert db.scalar("SELECT count(*) FROM traces") == total
+        # a field checked over every node: read whole, so group-2 (which lacks it) is not refused as a typo
+        tracedb.credit.run(db, "potential", "p", trace_ids=one[:1], reward_field="w")
+        assert seen[-1] == (None, total)
         with pytest.raises(ValueError):
             tracedb.credit.run(db, "gae", "a2", trace_ids=one[:1], gamma=2.0)
         assert db.scalar("SELECT count(*) FROM traces") == total and not db.has_credit_set("a2")

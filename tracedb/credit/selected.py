@@ -19,7 +19,8 @@ them to the set, creating it on first use.
 - **Once per trace.** A selected trace the set already holds is refused, naming the
   traces, unless ``replace=True``, which computes those traces again (their old rows go).
 - **Read only the groups it needs.** For the algorithms whose statistics stay within a
-  group (:data:`GROUP_LOCAL`, grouped by ``group_id``: their default), the algorithm reads
+  group (:data:`GROUP_LOCAL`, grouped by ``group_id``: their default; no field named
+  that the algorithm checks some node has), the algorithm reads
   the selected traces' groups only (``traces``, ``nodes``, ``branches`` and ``trace_tags``
   narrowed to them for the run, :func:`scoped`), so a step costs what its groups cost,
   however long the run; any other algorithm or grouping reads everything.
@@ -48,9 +49,12 @@ from tracedb.sqltext import quote_identifier
 
 SHOWN = 10
 """How many trace ids a refusal names (then how many more there are)."""
-GROUP_LOCAL = ("grpo", "rloo", "returns", "gae", "tree", "branch", "potential", "channels", "anchor")
+GROUP_LOCAL = ("grpo", "rloo", "returns", "gae", "tree", "branch", "potential", "anchor")
 """The algorithms whose credit for a trace reads only the traces of its group (by
-``group_by``, when that is ``group_id``; anchor without ``history``)."""
+``group_by``, when that is ``group_id``; anchor without ``history``). A run naming a field
+the algorithm checks some node has (``reward_field``, a ``key_field`` of its own: a typo
+check over the data) reads everything, so the check sees every node; so does ``channels``
+(its roles, ``loss_weights`` names and rewards are checked the same way)."""
 SCOPED_TABLES = ("traces", "nodes", "branches", "trace_tags")
 """The tables a scoped run reads narrowed to its traces."""
 
@@ -151,7 +155,15 @@ def _scope(handle: Handle, picked: Selected, algorithm: str, params: Mapping[str
     """The traces a run on ``picked`` must read: every stored member of the selected
     traces' groups (and the ungrouped selected traces), for a group-local algorithm; None
     (everything) otherwise."""
-    if algorithm not in GROUP_LOCAL or params.get("group_by", "group_id") != "group_id" or params.get("history"):
+    from tracedb.credit.states import DEFAULT_KEY_FIELD  # with the algorithms, imported when first used
+
+    if (
+        algorithm not in GROUP_LOCAL
+        or params.get("group_by", "group_id") != "group_id"
+        or params.get("history")
+        or params.get("reward_field") is not None
+        or params.get("key_field", DEFAULT_KEY_FIELD) != DEFAULT_KEY_FIELD
+    ):
         return None
     with handle.registered("_tdb_picked", pa.table({"trace_id": pa.array(picked.trace_ids, pa.string())})):
         rows = handle.con.execute(
