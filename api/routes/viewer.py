@@ -238,8 +238,9 @@ By = Annotated[
     str,
     Query(
         max_length=200,
-        description="The x axis: seq (ingest sequence), tag:NAME (a numeric ingest tag, e.g. tag:step) "
-        "or auto (tag:step when traces have it, else seq).",
+        description="The x axis: seq (ingest sequence), work_step (the episodes' training step, run.work.step), "
+        "tag:NAME (a numeric ingest tag, e.g. tag:step) or auto (tag:step when traces have it, else work_step "
+        "when episodes have it, else seq).",
     ),
 ]
 Bins = Annotated[int, Query(ge=1, le=pages.MAX_BINS, description="Bins over the x axis, at most.")]

@@ -122,8 +122,12 @@ function histChart(svg, bars, xlabel) {
   svg.dataset.points = String(bars.length);
 }
 
+function axisName(by) {
+  return by === "seq" ? "seq" : by === "work_step" ? "step" : by.slice(4);
+}
+
 function binLabel(b, axis) {
-  const name = axis.by === "seq" ? "seq" : axis.by.slice(4);
+  const name = axisName(axis.by);
   return b.lo === b.hi ? `${name} ${fmt(b.lo)}` : `${name} ${fmt(b.lo)}–${fmt(b.hi)}`;
 }
 
@@ -135,7 +139,7 @@ const BANDS = {
 
 function draw(data, state) {
   const { bins, axis } = data;
-  const xlabel = axis.by === "seq" ? "ingest sequence" : axis.by.slice(4);
+  const xlabel = axis.by === "seq" ? "ingest sequence" : axis.by === "work_step" ? "training step" : axis.by.slice(4);
   const at = (b, y, text) => ({ x: b.x, y, title: `${binLabel(b, axis)}: ${text}` });
   const [bandName, bandOf] = BANDS[state.band];
   document.getElementById("band-name").textContent = bandName;
@@ -172,6 +176,9 @@ function draw(data, state) {
   const m = data.mismatch;
   document.getElementById("mismatch-note").textContent = m.mismatch_tokens
     ? `(${fmt(m.mismatch_tokens)} tokens of ${fmt(m.mismatch_traces)} traces hold both)` : "";
+  lineChart(document.getElementById("plot-dropped"),
+    bins.map((b) => at(b, b.dropped_share, `${pct(b.dropped_share)} dropped (${fmt(b.dropped)} of ${fmt(b.traces)} traces)`)),
+    { yr: [0, 1], xlabel, ylabel: "share", cls: "dropped" });
   lineChart(document.getElementById("plot-traces"),
     bins.map((b) => at(b, b.traces, `${b.traces} traces, ${b.groups} groups completed here`)),
     { yr: [0, Math.max(...bins.map((b) => b.traces), 1)], xlabel, ylabel: "traces", cls: "traces" });
@@ -187,6 +194,7 @@ function draw(data, state) {
   stat("tokens", fmt(s.tokens));
   stat("sampled_share", pct(s.sampled_share));
   stat("mismatch", m.mismatch_tokens ? `${fmt(m.k3_mean)} (${pct(m.outside_share)} outside)` : "—");
+  stat("dropped", s.dropped ? `${fmt(s.dropped)} (${pct(s.dropped_share)})` : "0");
   state.age = s.age_s === null ? null : { base: s.age_s, at: performance.now() };
 
   const note = [];

@@ -281,7 +281,9 @@ def assert_drawn(page: Page, answer: dict[str, Any]) -> None:
     zero = drawn(page, "plot-zero", "circle.pt", ("data-y",))
     shares = [b["zero_variance_share"] for b in bins if b["zero_variance_share"] is not None]
     assert [float(p["data-y"]) for p in zero] == pytest.approx(shares)
-    for svg, key in (("plot-tokens", "tokens_mean"), ("plot-sampled", "sampled_share"), ("plot-traces", "traces")):
+    for svg, key in (("plot-tokens", "tokens_mean"), ("plot-sampled", "sampled_share"), ("plot-traces", "traces")) + (
+        ("plot-dropped", "dropped_share"),
+    ):
         values = [float(p["data-y"]) for p in drawn(page, svg, "circle.pt", ("data-y",))]
         assert values == pytest.approx([b[key] for b in bins]), svg
     for svg, key in (("plot-k3", "k3_mean"), ("plot-outside", "outside_share")):

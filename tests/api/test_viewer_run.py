@@ -131,6 +131,7 @@ def assert_bins(got: list[dict[str, Any]], want: dict[Any, dict[str, Any]], keys
             assert (row[name] is None) == (ref[name] is None), (key, name)
             if ref[name] is not None:
                 assert row[name] == pytest.approx(ref[name], abs=1e-12), (key, name)
+        assert row["dropped"] == 0 and row["dropped_share"] == 0.0  # this run drops nothing
         assert row["tokens_mean"] == pytest.approx(ref["tokens"] / ref["traces"])
         assert row["sampled_share"] == pytest.approx(ref["sampled"] / ref["tokens"])
         share = ref["zero_variance"] / ref["groups_scored"] if ref["groups_scored"] else None
@@ -157,6 +158,44 @@ def test_summary_matches_the_written_run(client: TestClient, run: Run) -> None:
     assert s["age_s"] >= 0 and s["last_arrival"]
     assert data["rejects"]["total"] == 1 and data["rejects"]["recent"] == 1
     assert data["rejects"]["last_source"].endswith("bad.jsonl") and data["rejects"]["last_reason"]
+
+
+def test_dropped_share_per_training_step(tmp_path: Path, client: TestClient) -> None:
+    """An asynchronous run (verifiers 0.4.1's fields): the episodes' training step is an x
+    axis (auto picks it without a step tag), and each step's dropped traces and their share
+    are counted from the records as written, as is the headline figure."""
+    from tracedb.synthetic import generate_episodes, versioned
+
+    eps = generate_episodes(
+        groups=8, group_size=3, tokens_per_trace=300, system_tokens=20, task_tokens=8, turn_tokens=(8, 30), seed=4
+    )
+    episodes = list(versioned(eps, step=4, groups_per_step=2, dropped_share=0.3, seed=4))
+    path = tmp_path / "async.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in episodes))
+    want: dict[int, list[int]] = {}
+    for ep in episodes:
+        counts = want.setdefault(ep["run"]["work"]["step"], [0, 0])
+        for trace in ep["traces"]:
+            counts[0] += 1
+            counts[1] += trace.get("dropped") is not None
+    assert len(want) == 4 and 0 < sum(d for _, d in want.values()) < len(episodes)
+    with tracedb.connect(tmp_path / "async.duckdb") as db:
+        db.ingest(path)
+    with TestClient(create_app(tmp_path / "async.duckdb"), base_url="http://127.0.0.1") as c:
+        data = get_run(c)
+        assert data["axis"]["by"] == "work_step" and "work_step" in data["axes"]
+        assert data["axis"]["layout"] == "values" and data["axis"]["untagged"] == 0
+        got = {row["lo"]: (row["traces"], row["dropped"], row["dropped_share"]) for row in data["bins"]}
+        assert got == {step: (n, d, pytest.approx(d / n)) for step, (n, d) in want.items()}
+        total, dropped = len(episodes), sum(d for _, d in want.values())
+        assert data["summary"]["dropped"] == dropped and data["summary"]["dropped_share"] == pytest.approx(
+            dropped / total
+        )
+        by_seq = get_run(c, by="seq", bins=1)["bins"]
+        assert by_seq[0]["dropped"] == dropped
+    response = client.get("/api/run", params={"by": "work_step"})  # a run without training steps
+    assert response.status_code == 422 and "training step" in response.json()["detail"]
+    assert "work_step" not in get_run(client)["axes"]
 
 
 @pytest.mark.parametrize("bins", [1, 3, 7, 100])
@@ -331,6 +370,7 @@ def test_run_page_renders(client: TestClient) -> None:
         "plot-sampled",
         "plot-k3",
         "plot-outside",
+        "plot-dropped",
         "mismatch-c",
         "headline",
         "groups",

@@ -17,9 +17,12 @@ import tracedb.credit
 from tracedb.credit import returns as R
 from tracedb.credit.layouts import NODE_CREDIT
 
-from support import FIXTURES
+from support import FIXTURES, FIXTURES_041
 
-LIMITS = ("max_turns", "max_input_tokens", "max_output_tokens", "max_total_tokens", "compaction_failed")
+LIMITS = (
+    *("max_turns", "max_input_tokens", "max_output_tokens", "max_total_tokens"),
+    *("max_turn_tokens", "compaction_failed"),
+)
 
 
 def _fixture(name: str) -> dict[str, Any]:
@@ -310,6 +313,31 @@ def test_terminated_vs_truncated_bootstrap(tmp_path):
     assert out[("done", 10)] == pytest.approx(1.0 - 0.75)
     assert out[("cut", 10)] == pytest.approx(1.0 + g * 0.75 - 0.75)
     assert out[("done", 8)] == pytest.approx(g * 0.75 - 2.0)
+
+
+def test_a_response_cut_at_max_turn_tokens_is_truncated(tmp_path):
+    """verifiers 0.4.1's new stop condition: the trace its fixture stopped by the per-turn
+    cap bootstraps from its last turn's value, as every other limit does; its kept
+    neighbours, which completed, do not."""
+    episodes = [json.loads(line) for line in (FIXTURES_041 / "dropped_group.traces.jsonl").read_text().splitlines()]
+    stops = {}
+    for ep in episodes:
+        for trace in ep["traces"]:
+            stops[trace["id"]] = trace.get("stop_condition")
+            for node in trace["nodes"]:
+                if node.get("sampled"):
+                    node["value"] = 0.5
+    assert "max_turn_tokens" in stops.values()
+    db = _db(tmp_path, episodes)
+    out = _result(R.returns(db, gamma=1.0, value_field="value", reward="correct"))
+    rewards = {r["trace_id"]: r["reward"] for r in R.trace_rewards(db, reward="correct").to_dicts()}
+    last = {}
+    for (tid, node), value in sorted(out.items()):
+        last[tid] = (node, value)
+    cut = next(t for t, s in stops.items() if s == "max_turn_tokens")
+    assert last[cut][1] == pytest.approx(rewards[cut] + 0.5)  # V_T := V_{T-1}
+    done = [t for t, s in stops.items() if s == "agent_completed" and t in last]
+    assert done and all(last[t][1] == pytest.approx(rewards[t]) for t in done)  # V_T = 0
 
 
 def test_compaction_attempts_are_truncated(tmp_path):

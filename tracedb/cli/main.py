@@ -48,6 +48,7 @@ from tracedb.cli.follow import follow as run_follower
 from tracedb.cli.lake import app as lake_app
 from tracedb.credit import dose as dose_lib
 from tracedb.errors import SqlRefused, TraceDBError
+from tracedb.selection import Selection
 
 app = typer.Typer(
     help="Trace storage for RL of LLM agents: verifiers v1 message graphs in DuckDB, branch-spread token views.",
@@ -418,12 +419,37 @@ def credit(
     param: Annotated[
         list[str] | None, typer.Option("--param", "-p", help="Algorithm parameter key=value (JSON values), repeatable.")
     ] = None,
-    replace: Annotated[bool, typer.Option(help="Recompute an existing set of that name.")] = False,
+    replace: Annotated[
+        bool,
+        typer.Option(help="Recompute an existing set of that name (with a selection: the selected traces it holds)."),
+    ] = False,
     list_algorithms: Annotated[bool, typer.Option("--list", help="List the algorithms and their parameters.")] = False,
+    trace_id: Annotated[
+        list[str] | None, typer.Option("--trace-id", "--trace-ids", help="Only these traces (repeatable).")
+    ] = None,
+    group: Annotated[list[str] | None, typer.Option(help="Only traces of these groups (repeatable).")] = None,
+    episode: Annotated[list[str] | None, typer.Option(help="Only traces of these episodes (repeatable).")] = None,
+    after: AfterOption = None,
+    complete_groups: CompleteGroupsOption = None,
+    through: ThroughOption = None,
+    tag: TagFilterOption = None,
+    policy: PolicyOption = None,
+    max_staleness: MaxStalenessOption = None,
+    stale: StaleOption = None,
+    unknown: UnknownOption = None,
+    max_groups: MaxGroupsOption = None,
     db: DbOption = Path("tracedb.duckdb"),
     as_json: JsonOption = False,
 ) -> None:
-    """Stamp advantages with a credit algorithm as a named credit set (one transaction)."""
+    """Stamp advantages with a credit algorithm as a named credit set (one transaction).
+
+    With a selection (--after W --complete-groups N, --trace-id, --group, --policy V
+    --max-staleness K, --max-groups B, ...) only the selected traces are stamped, into the
+    set, created on first use: a trainer credits each step's new groups. Group means are
+    taken over each selected trace's whole group as stored; a trace the set already holds
+    is refused unless --replace (which computes it again). The result's watermark is the
+    next step's --after. Dropped traces and eval episodes are left out as in every credit
+    run (-p include_dropped=true / include_eval=true credits them)."""
     if list_algorithms or algorithm is None:
         rows = [
             {"algorithm": a.name, "layout": a.layout, "params": a.params(), "summary": a.summary}
@@ -433,9 +459,15 @@ def credit(
         return
     params = dict(key_value(p) for p in param or [])
     checked_name(name)
+    fields = {"trace_ids": trace_id or None, "group": group or None, "episode": episode or None}
+    fields.update(live_selection(after, complete_groups, through, tag))
+    fields.update(training_selection(policy, max_staleness, stale, unknown, False, False, max_groups))
+    selection = None
+    if any(v is not None for v in fields.values()):
+        selection = Selection(**fields)
     with open_db(db) as database:
         try:
-            result = credit_lib.run(database, algorithm, name, replace=replace, **params)
+            result = credit_lib.run(database, algorithm, name, replace=replace, selection=selection, **params)
         except (TraceDBError, ValueError, TypeError) as e:
             raise fail(e) from None
     emit(result, as_json)

@@ -58,8 +58,16 @@ from tracedb.handle import Handle, HandleOf, handle_of
 from tracedb.sqltext import quote_identifier
 from tracedb.views.nodes import node_ordered
 
-LIMITS = ("max_turns", "max_input_tokens", "max_output_tokens", "max_total_tokens", "compaction_failed")
-"""Stop conditions that cut an episode short (verifiers ``Trace.is_truncated``)."""
+LIMITS = (
+    "max_turns",
+    "max_input_tokens",
+    "max_output_tokens",
+    "max_total_tokens",
+    "max_turn_tokens",
+    "compaction_failed",
+)
+"""Stop conditions that cut an episode short (verifiers ``Trace.is_truncated``;
+``max_turn_tokens``, a response cut at the per-turn cap, since verifiers 0.4.1)."""
 
 
 def returns(
