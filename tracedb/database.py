@@ -465,6 +465,7 @@ class Database:
         pad_token_id: int = 0,
         share_prefixes: bool = False,
         drop_zero_advantages: bool = False,
+        replay: batches.Replay | None = None,
     ) -> batches.Plan:
         """Packed, rank-balanced micro-batches of the selected branches, for a trainer.
 
@@ -485,6 +486,9 @@ class Database:
         is rank r's micro-batches, ``plan.report`` what was packed and left out, and
         ``plan.report.watermark`` the watermark to pass as ``after`` for the next step
         (``complete_groups=N``: the groups completed since, each once; see :meth:`branches`).
+        ``replay=tracedb.Replay(...)`` replaces each zero-variance group of the selection by
+        an earlier complete group with signal, within a staleness bound and a use limit
+        (:mod:`tracedb.batches.replay`; ``plan.report.replayed`` says what replaced what).
         """
         return batches.micro_batches(
             self.handle,
@@ -516,6 +520,7 @@ class Database:
             pad_token_id=pad_token_id,
             share_prefixes=share_prefixes,
             drop_zero_advantages=drop_zero_advantages,
+            replay=replay,
         )
 
     # ----------------------------------------------------------------- write-back

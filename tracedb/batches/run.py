@@ -8,11 +8,14 @@ import numpy as np
 import pyarrow.compute as pc
 
 from tracedb import credit_sets
+from tracedb.batches import provenance
+from tracedb.batches import replay as replays
 from tracedb.batches.plan import Plan, build_plan
+from tracedb.batches.replay import Replay, Replayed
 from tracedb.batches.samples import OVERFLOW, Samples, build
 from tracedb.handle import Handle
 from tracedb.records import COMPACT_STREAMS
-from tracedb.selection import Selection, resolve
+from tracedb.selection import Selection, resolve_at
 from tracedb.views import branch_indices, versions
 from tracedb.views.nodes import load_nodes
 
@@ -33,8 +36,13 @@ def micro_batches(
     pad_token_id: int = 0,
     share_prefixes: bool = False,
     drop_zero_advantages: bool = False,
+    replay: Replay | Replayed | None = None,
 ) -> Plan:
-    """Packed micro-batches of the selected branches; see :meth:`tracedb.Database.micro_batches`."""
+    """Packed micro-batches of the selected branches; see :meth:`tracedb.Database.micro_batches`.
+    ``replay``: the selection's zero-variance groups replaced by earlier ones
+    (:mod:`tracedb.batches.replay`); a :class:`~tracedb.batches.replay.Replayed` makes a
+    step's recorded choices again. ``plan.record`` is what the step's manifest records of
+    its inputs (:mod:`tracedb.batches.provenance`)."""
     if seq_len < 1:
         raise ValueError(f"seq_len must be at least 1, got {seq_len}")
     if ranks < 1:
@@ -51,11 +59,21 @@ def micro_batches(
         )
     credit = credit_sets.resolve(handle, credit)
     chosen = selection.for_training()  # dropped traces and eval episodes stay out unless asked in
-    selected = resolve(handle, chosen)
+    if replay is not None:
+        replays.check(replay, chosen)  # before any reading
+    read_at = handle.watermark()
+    selected = resolve_at(handle.con, chosen, read_at)
     trace_ids: list[str] | None = [tid for tid, _ in selected.traces]
     mark = selected.watermark
     left_out = selected.report.get("dropped", 0) + selected.report.get("eval", 0)
-    if selection.everything and not left_out:
+    swap = None
+    if isinstance(replay, Replayed):
+        swap = replays.recorded(handle, chosen, selected, replay)
+    elif replay is not None:
+        swap = replays.choose(handle, chosen, selected, replay, credit)
+    if swap is not None:
+        trace_ids = swap.trace_ids
+    elif selection.everything and not left_out:
         trace_ids = None  # every trace: the whole-database read (faster), at the watermark it sees
         mark = None
     data = load_nodes(handle, trace_ids, list(COMPACT_STREAMS), credit)
@@ -70,7 +88,7 @@ def micro_batches(
         drop_zero_advantages=drop_zero_advantages,
         share_prefixes=share_prefixes,
     )
-    stale_tokens = mask_stale(samples, chosen)
+    stale_tokens = mask_stale(samples, chosen, set() if swap is None else swap.replayed)
     arguments = {
         "seq_len": seq_len,
         "ranks": ranks,
@@ -85,6 +103,7 @@ def micro_batches(
         "pad_token_id": pad_token_id,
         "share_prefixes": share_prefixes,
         "drop_zero_advantages": drop_zero_advantages,
+        "replay": None if replay is None else replay.settings if isinstance(replay, Replayed) else replay.manifest(),
     }
     plan = build_plan(
         samples,
@@ -107,16 +126,28 @@ def micro_batches(
         report.stale_tokens = stale_tokens
         report.unknown_dropped = selected.report.get("unknown", 0)
         packed = {samples.trace_id[i] for i in range(len(samples.trace_id))}
-        ages = [chosen.policy - low for t, low in selected.policy_min.items() if t in packed and low is not None]
+        lows = {**selected.policy_min, **({} if swap is None else swap.policy_min)}
+        ages = [chosen.policy - low for t, low in lows.items() if t in packed and low is not None]
         report.off_policy_level = sum(ages) / len(ages) if ages else None
         report.off_policy_max = max(ages) if ages else None
     report.groups_over = selected.report.get("groups_over", 0)
+    if swap is not None:
+        report.replay_replaced, report.replay_unfilled = len(swap.choices), swap.unfilled
+        report.replay_candidates, report.replayed = swap.candidates, swap.choices
+    plan.record = provenance.record(
+        data,
+        None if trace_ids is None else selected.trace_ids,
+        data.watermark if trace_ids is None else read_at,
+        plan.report.watermark,
+        credit,
+    )
     return plan
 
 
-def mask_stale(samples: Samples, selection: Selection) -> int:
+def mask_stale(samples: Samples, selection: Selection, replayed: set[str]) -> int:
     """With ``stale="mask"``: the loss tokens older than the staleness bound leave the loss
-    (``samples.loss_mask`` false there); returns how many did."""
+    (``samples.loss_mask`` false there); returns how many did. A replayed group's tokens
+    stay: replay held the group to its own bound (``Replay.max_staleness``)."""
     if selection.bound is None or (selection.stale or "drop") != "mask":
         return 0
     column = samples.view.column("policy_version").combine_chunks()
@@ -128,5 +159,8 @@ def mask_stale(samples: Samples, selection: Selection) -> int:
     flat = column.values.slice(start, int(samples.view_offsets[-1]))
     values = pc.fill_null(flat, np.iinfo(np.int32).max).to_numpy(zero_copy_only=False)
     old = samples.loss_mask & (values < selection.bound)
+    if replayed:
+        rows = np.array([t in replayed for t in samples.view.column("trace_id").to_pylist()], bool)
+        old &= ~np.repeat(rows, np.diff(samples.view_offsets))
     samples.loss_mask[old] = False
     return int(old.sum())
