@@ -100,7 +100,7 @@ class PackReport:
     """Zero-variance groups kept: no candidate was left for them."""
     replay_candidates: int = 0
     """Earlier groups that could be replayed (complete, with signal, within the bound and
-    the use limit)."""
+    the use limit); looked for only when the selection has a zero-variance group."""
     replayed: list[dict[str, Any]] = field(default_factory=list)
     """What replaced what: per replaced group, ``replaced`` (its id), ``group`` (the
     replayed group's id), ``traces`` (the replayed traces), ``priority`` and ``uses``

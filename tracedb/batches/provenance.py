@@ -24,19 +24,24 @@ def ids_digest(trace_ids: Sequence[str]) -> str:
 
 
 def credit_digest(data: NodeColumns) -> str:
-    """SHA-256 of the advantages ``data`` holds (the credit rows read for its traces): per
-    trace in id order, per node, whether it is assigned, how many values it spreads and the
-    values (float32), after the trace ids."""
+    """SHA-256 of the advantages ``data`` holds (the credit rows read for its traces): the
+    trace ids, then per trace in id order and per node in index order whether it is
+    assigned, how many values it spreads, and the values (float32). Independent of the
+    order the nodes were read in (a whole-database read and a read by ids differ)."""
     stream = data.streams["advantages"]
-    order = sorted(data.base, key=data.base.__getitem__)  # trace ids in node-row order
-    digest = hashlib.sha256("".join(f"{t}\n" for t in order).encode())
-    has = np.asarray(stream.has, bool)
-    take = np.where(has, np.asarray(stream.take, np.int64), 0)
+    ids = sorted(data.base)
+    starts = np.array(sorted(data.base.values()) + [len(data.n_tok)], np.int64)
+    first = np.array([data.base[t] for t in ids], np.int64)
+    count = starts[np.searchsorted(starts, first, side="right")] - first  # each trace's node rows
+    rows = np.repeat(first - np.concatenate([[0], np.cumsum(count)[:-1]]), count) + np.arange(int(count.sum()))
+    digest = hashlib.sha256("".join(f"{t}\n" for t in ids).encode())
+    has = np.asarray(stream.has, bool)[rows]
+    take = np.where(has, np.asarray(stream.take, np.int64)[rows], 0)
     digest.update(has.tobytes())
     digest.update(take.tobytes())
     total = int(take.sum())
     if total:
-        src = np.asarray(stream.src, np.int64)
+        src = np.asarray(stream.src, np.int64)[rows]
         at = np.repeat(src - np.concatenate([[0], np.cumsum(take)[:-1]]), take) + np.arange(total)
         digest.update(np.asarray(stream.values, np.float32)[at].tobytes())
     return digest.hexdigest()

@@ -115,6 +115,8 @@ class Replayed:
     choices: tuple[dict[str, Any], ...]
     settings: dict[str, Any] = field(default_factory=dict)
     """The step's :meth:`Replay.manifest`, for the plan's arguments."""
+    candidates: int = 0
+    """The step's ``report.replay_candidates`` (not counted again)."""
 
 
 @dataclass
@@ -380,5 +382,5 @@ def recorded(handle: Handle, selection: Selection, selected: Selected, replay: R
                 f"replayed group {choice['group']} changed since the step: {what} ({len(new)} new, {len(gone)} gone)"
             )
     swap = Swap(trace_ids=selected.trace_ids, choices=[dict(c) for c in replay.choices])
-    swap.unfilled = len(flat) - len(swap.choices)
+    swap.unfilled, swap.candidates = len(flat) - len(swap.choices), replay.candidates
     return _apply(con, swap, selected)

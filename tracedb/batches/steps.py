@@ -91,8 +91,10 @@ def rebuild(db: HandleOf, manifest: dict[str, Any]) -> Plan:
     _same_traces(selected.trace_ids, chosen["trace_ids"], read_at)
     options = {name: args[name] for name in PACKING if name in args}
     options["cost"] = tuple(options.get("cost", (1.0, 0.0)))
-    replayed = (manifest.get("report") or {}).get("replayed") or []
-    replay = None if args.get("replay") is None else Replayed(tuple(replayed), args["replay"])
+    report = manifest.get("report") or {}
+    replay = None
+    if args.get("replay") is not None:
+        replay = Replayed(tuple(report.get("replayed") or []), args["replay"], report.get("replay_candidates", 0))
     plan = micro_batches(handle, args["seq_len"], selection, **options, replay=replay)
     digest, then = plan.record["credit"]["rows_sha256"], credit["rows_sha256"]
     if digest != then:
