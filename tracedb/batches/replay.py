@@ -168,41 +168,70 @@ def _registered(con: duckdb.DuckDBPyConnection, trace_ids: Sequence[str]) -> Ite
         con.unregister(name)
 
 
-def zero_variance_groups(con: duckdb.DuckDBPyConnection, trace_ids: Sequence[str]) -> list[str]:
-    """The zero-variance groups among ``trace_ids``' (their scored members hold one reward:
-    ``tdb_zero_variance``), the oldest first (by their newest member's sequence number)."""
+@dataclass
+class _Traces:
+    """Some traces' rows of ``traces``, their groups' reward spread, and their credit."""
+
+    group: dict[str, str]
+    """trace id -> group id (the traces with one)."""
+    reward: dict[str, float | None]
+    policy_min: dict[str, int | None]
+    unknown: set[str]
+    """The traces with a sampled token of unknown policy version."""
+    flat: list[str]
+    """Their zero-variance groups (``tdb_zero_variance`` over these members), oldest first
+    (by the newest member's sequence number)."""
+    scored: dict[str, int]
+    """group id -> its scored members among these."""
+    mass: dict[str, tuple[float, int]] = field(default_factory=dict)
+    """trace id -> (sum of |A| over its sampled tokens, the tokens assigned), in the credit
+    set read (summed in node order, so equal data give equal figures)."""
+
+    def members(self) -> dict[str, list[str]]:
+        """group id -> its traces among these (sorted)."""
+        out: dict[str, list[str]] = {}
+        for tid in sorted(self.group):
+            out.setdefault(self.group[tid], []).append(tid)
+        return out
+
+
+def _read(con: duckdb.DuckDBPyConnection, trace_ids: Sequence[str], credit: str | None | bool = False) -> _Traces:
+    """What replay needs of ``trace_ids`` (their credit in set ``credit`` unless False)."""
     with _registered(con, trace_ids) as sel:
+        within = f"trace_id IN (SELECT trace_id FROM {sel})"
         rows = con.execute(
-            "SELECT group_id FROM traces WHERE group_id IS NOT NULL AND "
-            f"trace_id IN (SELECT trace_id FROM {sel}) GROUP BY group_id "
-            "HAVING tdb_zero_variance(count(reward), min(reward), max(reward)) ORDER BY max(seq), group_id"
+            f"SELECT trace_id, group_id, reward, policy_min, coalesce(policy_unknown, 0) FROM traces WHERE {within}"
         ).fetchall()
-    return [r[0] for r in rows]
-
-
-def _per_trace(con: duckdb.DuckDBPyConnection, trace_ids: Sequence[str], column: str) -> dict[str, Any]:
-    """trace id -> ``column`` of ``traces``, for those of ``trace_ids`` where it is not null."""
-    with _registered(con, trace_ids) as sel:
-        rows = con.execute(
-            f"SELECT trace_id, {column} FROM traces WHERE {column} IS NOT NULL "
-            f"AND trace_id IN (SELECT trace_id FROM {sel})"
+        groups = con.execute(
+            "SELECT group_id, count(reward), tdb_zero_variance(count(reward), min(reward), max(reward)) "
+            f"FROM traces WHERE group_id IS NOT NULL AND {within} GROUP BY group_id ORDER BY max(seq), group_id"
         ).fetchall()
-    return dict(rows)
-
-
-def _groups_of(con: duckdb.DuckDBPyConnection, trace_ids: Sequence[str]) -> dict[str, str]:
-    """trace id -> group id, for those of ``trace_ids`` with a group."""
-    return _per_trace(con, trace_ids, "group_id")
+        mass = []
+        if credit is not False:
+            mass = con.execute(
+                "SELECT trace_id, sum(list_sum(list_transform(a, lambda x: abs(x))) ORDER BY node_index), "
+                f"sum(len(a)) FROM credit_tokens(credit := ?) WHERE a IS NOT NULL AND {within} GROUP BY trace_id",
+                ["default" if credit is None else credit],
+            ).fetchall()
+    return _Traces(
+        group={r[0]: r[1] for r in rows if r[1] is not None},
+        reward={r[0]: r[2] for r in rows},
+        policy_min={r[0]: r[3] for r in rows},
+        unknown={r[0] for r in rows if r[4]},
+        flat=[g for g, _, zero in groups if zero],
+        scored={g: n for g, n, _ in groups},
+        mass={r[0]: (r[1] or 0.0, r[2] or 0) for r in mass},
+    )
 
 
 def members(
     con: duckdb.DuckDBPyConnection, groups: Sequence[str], selection: Selection, mark: int, k: int | None = None
-) -> dict[str, list[str]]:
+) -> list[str]:
     """The training members of ``groups`` at ``mark`` (the selection's dropped/eval and tag
-    rules; with ``k``, groups older than ``policy - k`` left out whole, prime-rl's rule):
-    group id -> its trace ids (sorted)."""
+    rules; with ``k``, groups older than ``policy - k`` left out whole, prime-rl's rule),
+    in trace id order."""
     if not groups:
-        return {}
+        return []
     bounded = k is not None and selection.policy is not None
     found = resolve_at(
         con,
@@ -217,11 +246,7 @@ def members(
         ),
         mark,
     )
-    of = _groups_of(con, found.trace_ids)
-    out: dict[str, list[str]] = {}
-    for tid in found.trace_ids:
-        out.setdefault(of[tid], []).append(tid)
-    return out
+    return found.trace_ids
 
 
 def use_counts(root: str | Path | None) -> Counter[str]:
@@ -246,40 +271,21 @@ def use_counts(root: str | Path | None) -> Counter[str]:
     return counts
 
 
-def _signal(
-    con: duckdb.DuckDBPyConnection, groups: dict[str, list[str]], credit: str | None
-) -> dict[str, tuple[float, float]]:
-    """Per group with signal (scored members of different rewards) and credit on some
-    sampled token: (mean |A| over its sampled tokens in ``credit``, reward std). Sums are
-    taken in one order (node, then trace id order), so equal data give equal figures."""
-    everyone = sorted(t for ids in groups.values() for t in ids)
-    with _registered(con, everyone) as sel:
-        flat = {
-            r[0]
-            for r in con.execute(
-                f"SELECT group_id FROM traces WHERE trace_id IN (SELECT trace_id FROM {sel}) GROUP BY group_id "
-                "HAVING count(reward) = 0 OR tdb_zero_variance(count(reward), min(reward), max(reward))"
-            ).fetchall()
-        }
-        mass = {
-            r[0]: (r[1] or 0.0, r[2] or 0)
-            for r in con.execute(
-                "SELECT trace_id, sum(list_sum(list_transform(a, lambda x: abs(x))) ORDER BY node_index), "
-                f"sum(len(a)) FROM credit_tokens(credit := ?) WHERE a IS NOT NULL AND trace_id IN "
-                f"(SELECT trace_id FROM {sel}) GROUP BY trace_id",
-                ["default" if credit is None else credit],
-            ).fetchall()
-        }
-    rewards = _per_trace(con, everyone, "reward")
+def _signal(found: _Traces) -> dict[str, tuple[float, float]]:
+    """Per group of ``found`` with signal (scored members of different rewards) and credit
+    on some sampled token: (mean |A| over its sampled tokens, the population std of its
+    scored rewards). Sums run in trace id order over per-trace sums in node order, so equal
+    data give equal figures."""
+    flat = set(found.flat)
     out = {}
-    for group, ids in groups.items():
-        if group in flat:
+    for group, ids in found.members().items():
+        if group in flat or not found.scored.get(group):
             continue
-        tokens = sum(mass[t][1] for t in ids if t in mass)
+        tokens = sum(found.mass[t][1] for t in ids if t in found.mass)
         if not tokens:
             continue
-        scored = np.array([rewards[t] for t in ids if rewards.get(t) is not None], np.float64)
-        out[group] = (sum(mass[t][0] for t in ids if t in mass) / tokens, float(scored.std()))
+        scored = np.array([found.reward[t] for t in ids if found.reward[t] is not None], np.float64)
+        out[group] = (sum(found.mass[t][0] for t in ids if t in found.mass) / tokens, float(scored.std()))
     return out
 
 
@@ -287,12 +293,11 @@ def choose(handle: Handle, selection: Selection, selected: Selected, replay: Rep
     """Replace the zero-variance groups of ``selected`` (see the module docstring)."""
     k = check(replay, selection)
     con, mark = handle.con, selected.watermark
-    chosen_ids = selected.trace_ids
-    flat = zero_variance_groups(con, chosen_ids)
-    swap = Swap(trace_ids=chosen_ids, choices=[])
-    if not flat:
+    mine = _read(con, selected.trace_ids)
+    swap = Swap(trace_ids=selected.trace_ids, choices=[])
+    if not mine.flat:
         return swap
-    taken = set(_groups_of(con, chosen_ids).values())
+    taken = set(mine.group.values())
     stored = [
         r[0]
         for r in con.execute(
@@ -302,14 +307,14 @@ def choose(handle: Handle, selection: Selection, selected: Selected, replay: Rep
     ]
     assert selection.complete_groups is not None  # check() refused it otherwise
     complete = sorted(completions_at(con, stored, selection.complete_groups, mark))
-    groups = members(con, complete, selection, mark, k)
-    if k is not None and selection.unknown != "keep":  # a group of unknown staleness is no candidate
-        unknown = _unknown_traces(con, [t for ids in groups.values() for t in ids])
-        groups = {g: ids for g, ids in groups.items() if not unknown & set(ids)}
     uses = use_counts(replay.steps_root)
     if replay.max_uses is not None:
-        groups = {g: ids for g, ids in groups.items() if uses[g] < replay.max_uses}
-    signal = _signal(con, groups, credit)
+        complete = [g for g in complete if uses[g] < replay.max_uses]
+    found = _read(con, members(con, complete, selection, mark, k), credit)
+    groups = found.members()
+    signal = _signal(found)
+    if k is not None and selection.unknown != "keep":  # a group of unknown staleness is no candidate
+        signal = {g: v for g, v in signal.items() if not found.unknown.intersection(groups[g])}
     candidates = sorted(signal)
     swap.candidates = len(candidates)
     rng = np.random.default_rng([replay.seed, mark])
@@ -318,8 +323,8 @@ def choose(handle: Handle, selection: Selection, selected: Selected, replay: Rep
         order = sorted(range(len(candidates)), key=lambda i: (-_priority(signal[candidates[i]]), keys[i]))
     else:
         order = sorted(range(len(candidates)), key=lambda i: keys[i])
-    picks = [candidates[i] for i in order[: len(flat)]]
-    for replaced, group in zip(flat, picks, strict=False):
+    picks = [candidates[i] for i in order[: len(mine.flat)]]
+    for replaced, group in zip(mine.flat, picks, strict=False):
         swap.choices.append(
             {
                 "replaced": replaced,
@@ -329,33 +334,23 @@ def choose(handle: Handle, selection: Selection, selected: Selected, replay: Rep
                 "uses": uses[group],
             }
         )
-    swap.unfilled = len(flat) - len(swap.choices)
-    return _apply(con, swap, selected)
+    swap.unfilled = len(mine.flat) - len(swap.choices)
+    return _apply(swap, mine, found)
 
 
 def _priority(figures: tuple[float, float]) -> float:
     return figures[0] * figures[1]
 
 
-def _unknown_traces(con: duckdb.DuckDBPyConnection, trace_ids: Sequence[str]) -> set[str]:
-    """Those of ``trace_ids`` with a sampled token of unknown policy version."""
-    return {t for t, n in _per_trace(con, trace_ids, "policy_unknown").items() if n > 0}
-
-
-def _apply(con: duckdb.DuckDBPyConnection, swap: Swap, selected: Selected) -> Swap:
-    """The traces to pack once the chosen groups replace theirs, and the replayed traces'
-    lowest policy versions (for the report's staleness figures)."""
+def _apply(swap: Swap, mine: _Traces, found: _Traces) -> Swap:
+    """The traces to pack once the chosen groups replace theirs (``mine``: the selection's
+    traces, ``found``: the replayed ones among others), and the replayed traces' lowest
+    policy versions (for the report's staleness figures)."""
     out = {c["replaced"] for c in swap.choices}
-    of = _groups_of(con, selected.trace_ids)
-    kept = [t for t in selected.trace_ids if of.get(t) not in out]
+    kept = [t for t in swap.trace_ids if mine.group.get(t) not in out]
     swap.replayed = {t for c in swap.choices for t in c["traces"]}
     swap.trace_ids = sorted([*kept, *swap.replayed])
-    with _registered(con, sorted(swap.replayed)) as sel:
-        swap.policy_min = dict(
-            con.execute(
-                f"SELECT trace_id, policy_min FROM traces WHERE trace_id IN (SELECT trace_id FROM {sel})"
-            ).fetchall()
-        )
+    swap.policy_min = {t: found.policy_min.get(t) for t in swap.replayed}
     return swap
 
 
@@ -365,14 +360,15 @@ def recorded(handle: Handle, selection: Selection, selected: Selected, replay: R
     (:class:`~tracedb.errors.StepChanged` naming the difference otherwise)."""
     check(replay, selection)
     con, mark = handle.con, selected.watermark
-    flat = set(zero_variance_groups(con, selected.trace_ids))
+    mine = _read(con, selected.trace_ids)
     for choice in replay.choices:
-        if choice["replaced"] not in flat:
+        if choice["replaced"] not in mine.flat:
             raise StepChanged(
                 f"group {choice['replaced']} was replaced as zero-variance in the step, and is not a "
                 "zero-variance group of its selection now"
             )
-    groups = members(con, [c["group"] for c in replay.choices], selection, mark)
+    found = _read(con, members(con, [c["group"] for c in replay.choices], selection, mark))
+    groups = found.members()
     for choice in replay.choices:
         now, then = set(groups.get(choice["group"], [])), set(choice["traces"])
         if now != then:
@@ -382,5 +378,5 @@ def recorded(handle: Handle, selection: Selection, selected: Selected, replay: R
                 f"replayed group {choice['group']} changed since the step: {what} ({len(new)} new, {len(gone)} gone)"
             )
     swap = Swap(trace_ids=selected.trace_ids, choices=[dict(c) for c in replay.choices])
-    swap.unfilled, swap.candidates = len(flat) - len(swap.choices), replay.candidates
-    return _apply(con, swap, selected)
+    swap.unfilled, swap.candidates = len(mine.flat) - len(swap.choices), replay.candidates
+    return _apply(swap, mine, found)
