@@ -3,11 +3,13 @@ plain and with ``replay=tracedb.Replay(...)``, on versioned rollouts
 (:func:`tracedb.synthetic.versioned`: a quarter of the groups zero-variance, a fifth stale).
 
 The store holds ``steps`` steps of ``groups_per_step`` groups each, ingested step by step
-(the watermark after each is a step's ``through``) and credited with GRPO. The timed step
-is the last one: its zero-variance groups are replaced by earlier groups of the whole
-store, so the replay call reads every earlier group's rewards and credit besides the
-step's nodes. The plain and the replay calls alternate, ``repeat`` times each, in one
-process; the figures are medians. Run ``python -m benchmarks.replay_cost [--steps N]``.
+(the watermark after each is a step's ``through``) and credited with GRPO. A trainer's
+loop is timed: every step's complete groups, plain and with replay (each step's
+zero-variance groups replaced by earlier groups of the store, so a replay call reads the
+earlier groups' rewards and credit besides the step's nodes), with and without a policy
+bound (``policy`` the step, ``max_staleness`` 1). The calls alternate step by step,
+``repeat`` loops in one process; the figures are medians of the loops' totals.
+Run ``python -m benchmarks.replay_cost [--steps N]``.
 """
 
 from __future__ import annotations
@@ -62,44 +64,55 @@ def build(root: Path, steps: int, groups_per_step: int, group_size: int, tokens:
 
 
 def measure(
-    steps: int = 12, groups_per_step: int = 4, group_size: int = 8, tokens: int = 6_000, repeat: int = 7, seed: int = 0
+    steps: int = 8, groups_per_step: int = 8, group_size: int = 8, tokens: int = 4_000, repeat: int = 5, seed: int = 0
 ) -> dict[str, Any]:
-    """Build the store in a temporary directory and time the last step both ways."""
+    """Build the store in a temporary directory and time a trainer's loop over its steps
+    (each step's complete groups, ``after`` the previous step's watermark) both ways: per
+    repeat, each step packed by each call in turn, the step times summed per call."""
     with tempfile.TemporaryDirectory(prefix="tracedb-replay-") as tmp:
         root = Path(tmp)
         marks = build(root, steps, groups_per_step, group_size, tokens, seed)
-        step = {"after": marks[-2], "through": marks[-1], "complete_groups": group_size, "credit": "grpo"}
-        calls = {
-            "plain": {},
-            "replay": {"replay": tracedb.Replay(seed=seed)},
-            "plain, policy bound": {"policy": steps, "max_staleness": 2, "unknown": "keep"},
-            "replay, policy bound": {
-                "policy": steps,
-                "max_staleness": 2,
-                "unknown": "keep",
-                "replay": tracedb.Replay(seed=seed),
-            },
-        }
-        times: dict[str, list[float]] = {name: [] for name in calls}
-        reports: dict[str, Any] = {}
+
+        def calls(step: int) -> dict[str, dict[str, Any]]:
+            bound = {"policy": step, "max_staleness": 1, "unknown": "keep"}
+            return {
+                "plain": {},
+                "replay": {"replay": tracedb.Replay(seed=seed)},
+                "plain, policy bound": bound,
+                "replay, policy bound": {**bound, "replay": tracedb.Replay(seed=seed)},
+            }
+
+        def window(step: int) -> dict[str, Any]:
+            return {"after": marks[step - 1], "through": marks[step], "complete_groups": group_size, "credit": "grpo"}
+
+        names = list(calls(1))
+        totals: dict[str, list[float]] = {name: [] for name in names}
+        figures = {name: {"samples": 0, "replaced": 0, "unfilled": 0, "candidates": 0} for name in names}
         with tracedb.connect(root / "run.duckdb", read_only=True) as db:
-            for name, extra in calls.items():  # warm: macros bound, pages cached
-                reports[name] = db.micro_batches(8192, ranks=2, **step, **extra).report
+            for step in range(1, steps + 1):  # warm (macros bound, pages cached), and the figures
+                for name, extra in calls(step).items():
+                    r = db.micro_batches(8192, ranks=2, **window(step), **extra).report
+                    f = figures[name]
+                    f["samples"] += r.samples
+                    f["replaced"] += r.replay_replaced
+                    f["unfilled"] += r.replay_unfilled
+                    f["candidates"] += r.replay_candidates
             for _ in range(repeat):
-                for name, extra in calls.items():
-                    start = time.perf_counter()
-                    db.micro_batches(8192, ranks=2, **step, **extra)
-                    times[name].append(time.perf_counter() - start)
+                spent = dict.fromkeys(names, 0.0)
+                for step in range(1, steps + 1):
+                    for name, extra in calls(step).items():
+                        start = time.perf_counter()
+                        db.micro_batches(8192, ranks=2, **window(step), **extra)
+                        spent[name] += time.perf_counter() - start
+                for name in names:
+                    totals[name].append(spent[name])
             traces = db.sql("SELECT count(*) AS n FROM traces").to_pylist()[0]["n"]
-    medians = {name: statistics.median(values) for name, values in times.items()}
+    medians = {name: statistics.median(values) for name, values in totals.items()}
     return {
         "store": {"steps": steps, "groups": steps * groups_per_step, "group_size": group_size, "traces": traces},
-        "step_samples": reports["plain"].samples,
-        "replaced": reports["replay"].replay_replaced,
-        "unfilled": reports["replay"].replay_unfilled,
-        "candidates": reports["replay"].replay_candidates,
+        "figures": figures,
         "seconds": medians,
-        "all_seconds": times,
+        "all_seconds": totals,
         "ratio": medians["replay"] / medians["plain"],
         "ratio_bounded": medians["replay, policy bound"] / medians["plain, policy bound"],
         "load": os.getloadavg(),
@@ -108,21 +121,20 @@ def measure(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--groups-per-step", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--groups-per-step", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=6_000)
-    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--tokens", type=int, default=4_000)
+    parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
     result = measure(args.steps, args.groups_per_step, args.group_size, args.tokens, args.repeat)
-    s = result["seconds"]
-    print(
-        f"store: {result['store']}; the last step: {result['step_samples']} samples, "
-        f"{result['replaced']} zero-variance groups replaced ({result['unfilled']} unfilled, "
-        f"{result['candidates']} candidates)"
-    )
-    for name, value in s.items():
-        print(f"  {name:>22}: {value * 1000:8.1f} ms (median of {args.repeat})")
+    print(f"store: {result['store']}; over its steps:")
+    for name, value in result["seconds"].items():
+        f = result["figures"][name]
+        print(
+            f"  {name:>22}: {value * 1000:8.1f} ms (median of {args.repeat} loops; {f['samples']} samples, "
+            f"{f['replaced']} zero-variance groups replaced, {f['unfilled']} unfilled, {f['candidates']} candidates)"
+        )
     print(
         f"replay / plain = {result['ratio']:.3f}, with a policy bound {result['ratio_bounded']:.3f} "
         f"(target <= {TARGET}); load average {', '.join(f'{x:.1f}' for x in result['load'])}"

@@ -172,7 +172,11 @@ def test_changed_tokens_with_the_same_inputs_name_the_file(episodes, tmp_path):
         )
         with pytest.raises(tracedb.StepChanged, match=r"rank_0.arrow differs from the step's .*selection and credit"):
             _rebuild_into(db, tmp_path / "step", tmp_path / "again")
-        assert not (tmp_path / "again" / "manifest.json").exists()
+        assert not (tmp_path / "again").exists()  # made by the rebuild, so removed
+        (tmp_path / "kept").mkdir()
+        with pytest.raises(tracedb.StepChanged, match=r"rank_0.arrow differs"):
+            _rebuild_into(db, tmp_path / "step", tmp_path / "kept")
+        assert (tmp_path / "kept").is_dir() and not (tmp_path / "kept" / "manifest.json").exists()
 
 
 def test_a_tampered_replay_record_is_named(run, tmp_path):

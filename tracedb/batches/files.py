@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import time
 from importlib import metadata
 from pathlib import Path
@@ -61,7 +62,7 @@ def write_step(
     ``rebuilt_from``: the manifest the plan was rebuilt from (recorded; such a step's
     replays are not uses). ``expect``: that manifest; a rank file whose SHA-256 differs from
     the one it lists raises :class:`~tracedb.errors.StepChanged` naming it, and no manifest
-    is written (the directory is no step)."""
+    is written (the directory is no step; one this call made is removed)."""
     out = Path(out)
     made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
@@ -104,7 +105,12 @@ def write_step(
             }
         )
     if expect is not None:
-        _compare_files(files, expect)
+        try:
+            _compare_files(files, expect)
+        except StepChanged:
+            if made:  # a directory this call made holds nothing else: leave none behind
+                shutil.rmtree(out, ignore_errors=True)
+            raise
     manifest: dict[str, Any] = {"format": FORMAT, "tracedb": version(), "arguments": plan.arguments}
     manifest.update(plan.record)
     manifest.update({"report": plan.report.to_dict(), "files": files})
