@@ -15,8 +15,10 @@ from typing import Any
 import pytest
 
 import tracedb
+import tracedb.credit
 from tracedb.batches import write_step
 
+from support.hostile import duckdb_run
 from support.steps import async_run, groups_at, ingest_step, loss_versions_by_trace, packed_traces
 
 K, KR = 1, 3  # the fresh staleness bound, and the replay's
@@ -304,3 +306,49 @@ def test_a_foreign_manifest_under_steps_root_is_refused_named(episodes, tmp_path
         (root / "other" / "manifest.json").write_text("{not json")
         with pytest.raises(tracedb.TraceDBError, match="cannot read this step manifest"):
             db.micro_batches(4096, complete_groups=4, after=after, replay=tracedb.Replay(max_uses=1, steps_root=root))
+
+
+@pytest.mark.parametrize("credit", ["default", "grpo", "returns"])
+def test_the_credit_mass_replay_ranks_by_is_the_dose_of_the_set(episodes, tmp_path, credit):
+    """``credit_abs_mass()`` (per node, no per-token lists for values) sums per trace to
+    ``credit_dose()``'s absolute mass and assigned tokens, for per-token lists (default),
+    per-trace values (grpo) and per-node lists (returns)."""
+    with tracedb.connect(tmp_path / "run.duckdb") as db:
+        for step in (1, 2):
+            ingest_step(db, tmp_path, episodes, step)
+        if credit != "default":
+            tracedb.credit.run(db, credit, credit)
+        rows = db.sql(
+            "WITH m AS (SELECT trace_id, sum(abs_sum) AS abs_mass, sum(n_sampled) AS tokens "
+            "           FROM credit_abs_mass(credit := $c) GROUP BY trace_id) "
+            "SELECT d.trace_id, d.abs_mass AS dose, d.assigned_tokens, m.abs_mass, m.tokens "
+            "FROM credit_dose(credit := $c) d FULL JOIN m USING (trace_id)",
+            params={"c": credit},
+        ).to_pylist()
+    assert rows and any(r["dose"] for r in rows)
+    for r in rows:
+        assert (r["dose"] is None) == (r["abs_mass"] is None), r
+        if r["dose"] is not None:
+            assert r["abs_mass"] == pytest.approx(r["dose"], rel=1e-9, abs=1e-9) and r["tokens"] == r["assigned_tokens"]
+
+
+def test_a_file_whose_macros_predate_replay_is_one_line_read_only(episodes, tmp_path):
+    """A file an older tracedb wrote (no credit_abs_mass()), opened read-only: replay says
+    how to install the macros; a read-write open installs them and replay runs."""
+    path = tmp_path / "run.duckdb"
+    with tracedb.connect(path) as db:
+        for step in (1, 2, 3, 4):
+            ingest_step(db, tmp_path, episodes, step)
+            if step == 2:
+                after = db.watermark()  # steps 3-4 packed: steps 1-2 hold the candidates
+    duckdb_run(
+        path,
+        "DROP MACRO TABLE credit_abs_mass",
+        "UPDATE tracedb_meta SET value = 'older' WHERE key = 'macros_sha256'",
+    )
+    replay = tracedb.Replay(seed=1)
+    with tracedb.connect(path, read_only=True) as db:
+        with pytest.raises(tracedb.TraceDBError, match=r"^replay reads the macro credit_abs_mass\(\).*read-write once"):
+            db.micro_batches(4096, complete_groups=4, after=after, replay=replay)
+    with tracedb.connect(path) as db:
+        assert db.micro_batches(4096, complete_groups=4, after=after, replay=replay).report.replay_replaced > 0

@@ -196,7 +196,8 @@ class _Traces:
 
 
 def _read(con: duckdb.DuckDBPyConnection, trace_ids: Sequence[str], credit: str | None | bool = False) -> _Traces:
-    """What replay needs of ``trace_ids`` (their credit in set ``credit`` unless False)."""
+    """What replay needs of ``trace_ids``; with ``credit`` (a set name, None: the default
+    set) the credit mass of those in groups with signal (only they can be candidates)."""
     with _registered(con, trace_ids) as sel:
         within = f"trace_id IN (SELECT trace_id FROM {sel})"
         rows = con.execute(
@@ -206,22 +207,34 @@ def _read(con: duckdb.DuckDBPyConnection, trace_ids: Sequence[str], credit: str 
             "SELECT group_id, count(reward), tdb_zero_variance(count(reward), min(reward), max(reward)) "
             f"FROM traces WHERE group_id IS NOT NULL AND {within} GROUP BY group_id ORDER BY max(seq), group_id"
         ).fetchall()
-        mass = []
-        if credit is not False:
-            mass = con.execute(
-                "SELECT trace_id, sum(list_sum(list_transform(a, lambda x: abs(x))) ORDER BY node_index), "
-                f"sum(len(a)) FROM credit_tokens(credit := ?) WHERE a IS NOT NULL AND {within} GROUP BY trace_id",
-                ["default" if credit is None else credit],
-            ).fetchall()
-    return _Traces(
+    found = _Traces(
         group={r[0]: r[1] for r in rows if r[1] is not None},
         reward={r[0]: r[2] for r in rows},
         policy_min={r[0]: r[3] for r in rows},
         unknown={r[0] for r in rows if r[4]},
         flat=[g for g, _, zero in groups if zero],
         scored={g: n for g, n, _ in groups},
-        mass={r[0]: (r[1] or 0.0, r[2] or 0) for r in mass},
     )
+    if credit is False:
+        return found
+    signal = {g for g, n, zero in groups if n and not zero}
+    wanted = sorted(t for t, g in found.group.items() if g in signal)
+    if not wanted:
+        return found
+    with _registered(con, wanted) as sel:
+        try:
+            mass = con.execute(
+                "SELECT trace_id, sum(abs_sum ORDER BY node_index), sum(n_sampled) FROM credit_abs_mass(credit := ?) "
+                f"WHERE trace_id IN (SELECT trace_id FROM {sel}) GROUP BY trace_id",
+                ["default" if credit is None else credit],
+            ).fetchall()
+        except duckdb.CatalogException:  # a file whose macros an older tracedb wrote, opened read-only
+            raise TraceDBError(
+                "replay reads the macro credit_abs_mass(), which this file's macros predate: "
+                "open the file read-write once (tracedb migrate --db FILE) to install this tracedb's macros"
+            ) from None
+    found.mass = {r[0]: (r[1] or 0.0, r[2] or 0) for r in mass}
+    return found
 
 
 def members(
