@@ -196,28 +196,27 @@ class _Traces:
 
 
 def _read(con: duckdb.DuckDBPyConnection, trace_ids: Sequence[str], credit: str | None | bool = False) -> _Traces:
-    """What replay needs of ``trace_ids``; with ``credit`` (a set name, None: the default
-    set) the credit mass of those in groups with signal (only they can be candidates)."""
+    """What replay needs of ``trace_ids`` (one query; the group figures over these members
+    by window); with ``credit`` (a set name, None: the default set) the credit mass of those
+    in groups with signal (only they can be candidates)."""
     with _registered(con, trace_ids) as sel:
-        within = f"trace_id IN (SELECT trace_id FROM {sel})"
         rows = con.execute(
-            f"SELECT trace_id, group_id, reward, policy_min, coalesce(policy_unknown, 0) FROM traces WHERE {within}"
+            "SELECT trace_id, group_id, reward, policy_min, coalesce(policy_unknown, 0), count(reward) OVER g, "
+            "tdb_zero_variance(count(reward) OVER g, min(reward) OVER g, max(reward) OVER g), max(seq) OVER g "
+            f"FROM traces WHERE trace_id IN (SELECT trace_id FROM {sel}) WINDOW g AS (PARTITION BY group_id)"
         ).fetchall()
-        groups = con.execute(
-            "SELECT group_id, count(reward), tdb_zero_variance(count(reward), min(reward), max(reward)) "
-            f"FROM traces WHERE group_id IS NOT NULL AND {within} GROUP BY group_id ORDER BY max(seq), group_id"
-        ).fetchall()
+    groups = sorted({(r[7], r[1], r[5], r[6]) for r in rows if r[1] is not None})  # (newest seq, id, ...)
     found = _Traces(
         group={r[0]: r[1] for r in rows if r[1] is not None},
         reward={r[0]: r[2] for r in rows},
         policy_min={r[0]: r[3] for r in rows},
         unknown={r[0] for r in rows if r[4]},
-        flat=[g for g, _, zero in groups if zero],
-        scored={g: n for g, n, _ in groups},
+        flat=[g for _, g, _, zero in groups if zero],
+        scored={g: n for _, g, n, _ in groups},
     )
     if credit is False:
         return found
-    signal = {g for g, n, zero in groups if n and not zero}
+    signal = {g for _, g, n, zero in groups if n and not zero}
     wanted = sorted(t for t, g in found.group.items() if g in signal)
     if not wanted:
         return found
