@@ -132,7 +132,9 @@ def main() -> None:
     for name, value in result["seconds"].items():
         f = result["figures"][name]
         print(
-            f"  {name:>22}: {value * 1000:8.1f} ms (median of {args.repeat} loops; {f['samples']} samples, "
+            f"  {name:>22}: {value * 1000:8.1f} ms (median of {args.repeat} loops, "
+            f"{min(result['all_seconds'][name]) * 1000:.0f}-{max(result['all_seconds'][name]) * 1000:.0f}; "
+            f"{f['samples']} samples, "
             f"{f['replaced']} zero-variance groups replaced, {f['unfilled']} unfilled, {f['candidates']} candidates)"
         )
     print(
