@@ -198,6 +198,30 @@ CREATE OR REPLACE MACRO credit_tokens(credit := NULL) AS TABLE
                 THEN list_transform(list_resize(advantages, n_sampled, 0.0::FLOAT), lambda x: x::DOUBLE) END AS a
     FROM credit_advantages(credit);
 
+-- Each node's absolute credit mass in one set, as credit_tokens spreads it (a compact
+-- list cut or zero-padded to the node's sampled tokens, a per-node or per-trace value on
+-- each of them), without building per-token lists for values: abs_sum (sum of |A| over
+-- its sampled tokens, DOUBLE) and n_sampled (the tokens assigned). Assigned nodes only.
+-- Replay ranks earlier groups by it (tracedb/batches/replay.py).
+CREATE OR REPLACE MACRO credit_abs_mass(credit := NULL) AS TABLE
+    WITH per AS (
+        SELECT n.trace_id, n.node_index, n.n_sampled,
+               CASE WHEN credit IS NULL OR credit = 'default' THEN n.advantages ELSE c.advantages END AS listed,
+               CASE WHEN credit IS NULL OR credit = 'default' THEN NULL
+                    ELSE coalesce(c.value, t.value)::FLOAT END AS scalar
+        FROM nodes n
+        LEFT JOIN credit c
+               ON c.credit_set = credit AND c.trace_id = n.trace_id AND c.node_index = n.node_index
+        LEFT JOIN trace_credit t
+               ON t.credit_set = credit AND t.trace_id = n.trace_id AND n.n_sampled > 0
+    )
+    SELECT trace_id, node_index, n_sampled,
+           CASE WHEN listed IS NOT NULL
+                THEN coalesce(list_sum(list_transform(listed[1:n_sampled], lambda x: abs(x::DOUBLE))), 0.0)
+                ELSE abs(scalar::DOUBLE) * n_sampled END AS abs_sum
+    FROM per
+    WHERE listed IS NOT NULL OR scalar IS NOT NULL;
+
 -- The dose of one credit set, per trace, over the trace's sampled tokens (each node once):
 -- tokens assigned and credited (nonzero), coverage (assigned / sampled), signed, absolute
 -- and squared mass, and concentration n * sum(A^2) / sum(|A|)^2 over the trace's n sampled

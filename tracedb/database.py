@@ -478,6 +478,7 @@ class Database:
         drop_zero_advantages: bool = False,
         importance: str | None = None,
         clip: float | None = None,
+        replay: batches.Replay | None = None,
     ) -> batches.Plan:
         """Packed, rank-balanced micro-batches of the selected branches, for a trainer.
 
@@ -505,6 +506,10 @@ class Database:
         inference), clip)`` (``clip`` default 2.0), 1.0 on every other token; the report
         counts the loss tokens weighted, defaulted to 1.0 and clipped
         (:mod:`tracedb.batches.importance`).
+
+        ``replay=tracedb.Replay(...)`` replaces each zero-variance group of the selection by
+        an earlier complete group with signal, within a staleness bound and a use limit
+        (:mod:`tracedb.batches.replay`; ``plan.report.replayed`` says what replaced what).
         """
         return batches.micro_batches(
             self.handle,
@@ -538,6 +543,7 @@ class Database:
             drop_zero_advantages=drop_zero_advantages,
             importance=importance,
             clip=clip,
+            replay=replay,
         )
 
     # ----------------------------------------------------------------- write-back

@@ -104,3 +104,8 @@ class InputError(TraceDBError):
         """The bytes of the line the damage cut, as far as they were read."""
         where = file if line is None else f"{file}:{line}"
         super().__init__(f"{where}: {reason}")
+
+
+class StepChanged(TraceDBError):
+    """A step rebuilt from its manifest would not be the step: the selection, the credit or
+    a replayed group differs in the database now (the message names what)."""

@@ -108,6 +108,17 @@ class PackReport:
     """Loss tokens without both (no recomputed logprob, or no sampling one): weight 1.0."""
     importance_clipped: int = 0
     """Of the weighted loss tokens, those whose ratio was above ``clip``."""
+    replay_replaced: int = 0
+    """Zero-variance groups replaced by a replayed group (``replay``)."""
+    replay_unfilled: int = 0
+    """Zero-variance groups kept: no candidate was left for them."""
+    replay_candidates: int = 0
+    """Earlier groups that could be replayed (complete, with signal, within the bound and
+    the use limit); looked for only when the selection has a zero-variance group."""
+    replayed: list[dict[str, Any]] = field(default_factory=list)
+    """What replaced what: per replaced group, ``replaced`` (its id), ``group`` (the
+    replayed group's id), ``traces`` (the replayed traces), ``priority`` and ``uses``
+    (times the group was replayed before)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -190,12 +201,14 @@ class MicroBatch:
 
 class Plan(Sequence[list[MicroBatch]]):
     """One list of micro-batches per rank (``plan[r]``), all of the same length, and the
-    report. ``arguments`` records the call."""
+    report. ``arguments`` records the call, ``record`` what it read (the selected traces
+    and the credit's digest: :mod:`tracedb.batches.provenance`)."""
 
     def __init__(self, ranks: list[list[MicroBatch]], report: PackReport, arguments: dict[str, Any]) -> None:
         self._ranks = ranks
         self.report = report
         self.arguments = arguments
+        self.record: dict[str, Any] = {}
 
     def __len__(self) -> int:
         return len(self._ranks)

@@ -210,14 +210,14 @@ def key_value(text: str) -> tuple[str, Any]:
         return key.strip(), value
 
 
-def write_pack(plan: Any, out_dir: Path) -> dict[str, Any]:
-    """Write a pack's step directory (:func:`tracedb.batches.write_step`); returns its
-    manifest. A directory that cannot be made or written (a file in its place, no
-    permission) exits 1 naming ``--out``."""
+def write_pack(plan: Any, out_dir: Path, **options: Any) -> dict[str, Any]:
+    """Write a pack's step directory (:func:`tracedb.batches.write_step`, with its
+    ``options``); returns its manifest. A directory that cannot be made or written (a file
+    in its place, no permission) exits 1 naming ``--out``."""
     from tracedb.batches import write_step
 
     try:
-        return write_step(plan, out_dir)
+        return write_step(plan, out_dir, **options)
     except OSError as e:
         raise fail(f"--out {out_dir}: {e.strerror or e} ({e.filename or out_dir})") from None
 
@@ -232,7 +232,16 @@ def report_pack(plan: Any, manifest: dict[str, Any], out_dir: Path, as_json: boo
         f"packed {r.samples} samples into {r.micro_batches} micro-batches over {r.ranks} ranks "
         f"({r.physical_tokens} tokens stored for {r.logical_tokens}, {r.padding_tokens} padding) in {out_dir}"
     )
-    emit({k: v for k, v in r.to_dict().items() if k != "rank_costs"}, False, title=line)
+    emit({k: v for k, v in r.to_dict().items() if k not in ("rank_costs", "replayed")}, False, title=line)
+    for choice in r.replayed:
+        priority = "" if choice["priority"] is None else f", priority {choice['priority']:.4g}"
+        out.print(
+            f"replayed group {choice['group']} ({len(choice['traces'])} traces{priority}, replayed "
+            f"{choice['uses']} times before) for zero-variance group {choice['replaced']}",
+            soft_wrap=True,
+            highlight=False,
+            markup=False,
+        )
 
 
 def fail(e: Exception | str, code: int = 1) -> typer.Exit:

@@ -13,6 +13,7 @@ import typer
 from tracedb import credit as credit_lib
 from tracedb.cec.cli import app as cec_app
 from tracedb.cli import remote
+from tracedb.cli import steps as step_cli
 from tracedb.cli.common import (
     AfterOption,
     CompleteGroupsOption,
@@ -296,8 +297,9 @@ def export(
 
 @app.command()
 def pack(
+    ctx: typer.Context,
     out: Annotated[Path, typer.Option("--out", help="Step directory to write (rank_R.arrow, manifest.json last).")],
-    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per micro-batch, at most.")],
+    seq_len: Annotated[int | None, typer.Option("--seq-len", help="Tokens per micro-batch, at most.")] = None,
     db: DbOption = Path("tracedb.duckdb"),
     ranks: Annotated[int, typer.Option(help="Data-parallel ranks: one file each, as many micro-batches each.")] = 1,
     trace_id: Annotated[list[str] | None, typer.Option(help="Only these traces (repeatable).")] = None,
@@ -334,11 +336,32 @@ def pack(
     include_dropped: IncludeDroppedOption = False,
     include_eval: IncludeEvalOption = False,
     max_groups: MaxGroupsOption = None,
+    replay_zero_variance: step_cli.ReplayOption = False,
+    replay_max_staleness: step_cli.ReplayMaxStalenessOption = None,
+    replay_priority: step_cli.ReplayPriorityOption = None,
+    replay_max_uses: step_cli.ReplayMaxUsesOption = None,
+    replay_seed: step_cli.ReplaySeedOption = None,
+    steps_root: step_cli.StepsRootOption = None,
+    from_manifest: step_cli.FromManifestOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Pack micro-batches for a trainer into a step directory: per rank an Arrow IPC file of
     micro-batches and their samples, then manifest.json (a trainer waits for it). On a live
-    run, --after with the last step's watermark (in the report) packs what arrived since."""
+    run, --after with the last step's watermark (in the report) packs what arrived since.
+    --replay-zero-variance replaces each zero-variance group by an earlier complete group
+    with signal (within --replay-max-staleness of --policy, replayed at most
+    --replay-max-uses times over the steps under --steps-root). --from-manifest rebuilds a
+    step byte-identical from its manifest (or names what changed in the database, exit 1)."""
+    if from_manifest is not None:
+        step_cli.check_alone(ctx)
+        with open_db(db, read_only=True) as database:
+            step_cli.rebuild_step(database, from_manifest, out, as_json)
+        return
+    if seq_len is None:
+        raise fail("--seq-len is required (or --from-manifest to rebuild a step)", 2)
+    replay = step_cli.replay_of(
+        replay_zero_variance, replay_max_staleness, replay_priority, replay_max_uses, replay_seed, steps_root
+    )
     live = live_selection(after, complete_groups, through, tag)
     live.update(training_selection(policy, max_staleness, stale, unknown, include_dropped, include_eval, max_groups))
     with open_db(db, read_only=True) as database:
@@ -361,6 +384,7 @@ def pack(
                 drop_zero_advantages=drop_zero_advantages,
                 importance=importance,
                 clip=clip,
+                replay=replay,
             )
         except ValueError as e:
             raise fail(e, 2) from None
