@@ -15,6 +15,7 @@ from tracedb.cec.cli import app as cec_app
 from tracedb.cli import remote
 from tracedb.cli.common import (
     AfterOption,
+    Commands,
     CompleteGroupsOption,
     DbOption,
     JsonOption,
@@ -31,6 +32,7 @@ from tracedb.cli.common import (
     memory_limit,
     open_db,
     out,
+    output_format,
     report_ingest,
     report_pack,
     report_storage,
@@ -42,10 +44,32 @@ from tracedb.credit import dose as dose_lib
 from tracedb.errors import SqlRefused, TraceDBError
 
 app = typer.Typer(
+    cls=Commands,
     help="Trace storage for RL of LLM agents: verifiers v1 message graphs in DuckDB, branch-spread token views.",
     no_args_is_help=True,
     add_completion=False,
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            number = version("tracedb")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            number = "unknown (not installed)"
+        sys.stdout.write(f"tracedb {number}\n")
+        raise typer.Exit()
+
+
+@app.callback()
+def _tracedb(
+    show_version: Annotated[
+        bool, typer.Option("--version", is_eager=True, callback=_print_version, help="Print tracedb's version and exit.")
+    ] = False,
+) -> None:
+    """Trace storage for RL of LLM agents: verifiers v1 message graphs in DuckDB, branch-spread token views."""
 
 CreditOption = Annotated[
     str | None, typer.Option("--credit", help="Credit set whose advantages to use (default: the ingested set).")
@@ -100,6 +124,8 @@ def ingest(
     memory_limit(memory_limit_)
     tags = tag or []
     if follow:
+        if output_format() == "csv":
+            raise fail("--follow prints a JSON object a line as it commits: --format jsonl (or json), not csv", 2)
         if strict:
             raise fail("--strict and --follow do not go together: a follower keeps going past bad lines", 2)
         missing = [str(p) for p in paths if not p.exists()]
@@ -423,8 +449,9 @@ def credit_compare(
         except (TraceDBError, ValueError) as e:
             raise fail(e) from None
     tables = {name: table.to_pylist() for name, table in result.items()}
-    if as_json:
-        emit(tables, True)
+    if as_json:  # JSON: the tables by name; CSV and JSON lines: their rows, each naming its table
+        flat = [{"table": name, **row} for name, rows in tables.items() for row in rows]
+        emit(tables if output_format() == "json" else flat, True)
         return
     shown = {
         k: [{c: f"{v:.4g}" if isinstance(v, float) else v for c, v in r.items()} for r in rows]
