@@ -102,6 +102,8 @@ class Commands(typer.core.TyperGroup):
 def output_format() -> str:
     """The running command's output format: table, csv, json or jsonl (json outside a command)."""
     return _FORMAT.get()
+
+
 MemoryLimitOption = Annotated[
     str | None,
     typer.Option(

@@ -66,10 +66,11 @@ def _print_version(value: bool) -> None:
 @app.callback()
 def _tracedb(
     show_version: Annotated[
-        bool, typer.Option("--version", is_eager=True, callback=_print_version, help="Print tracedb's version and exit.")
+        bool, typer.Option("--version", is_eager=True, callback=_print_version, help="Print the version and exit.")
     ] = False,
 ) -> None:
     """Trace storage for RL of LLM agents: verifiers v1 message graphs in DuckDB, branch-spread token views."""
+
 
 CreditOption = Annotated[
     str | None, typer.Option("--credit", help="Credit set whose advantages to use (default: the ingested set).")
@@ -270,7 +271,13 @@ def export(
     trace_id: Annotated[list[str] | None, typer.Option(help="Only these traces (repeatable).")] = None,
     group: Annotated[list[str] | None, typer.Option(help="Only traces of these groups (repeatable).")] = None,
     trainable_only: Annotated[bool, typer.Option(help="Only trainable branches.")] = False,
-    columns: Annotated[str | None, typer.Option(help="Comma-separated token columns to keep.")] = None,
+    columns: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated columns to keep: the view's token columns, trace fields (group_id, reward, "
+            "episode_id, env_id, any column of traces) and tags (tag:NAME or a stored tag's name)."
+        ),
+    ] = None,
     train_once: Annotated[bool, typer.Option(help="Keep a shared node trainable only in its first branch.")] = False,
     format: Annotated[str | None, typer.Option(help="parquet, arrow or arrows (default: from the suffix).")] = None,
     credit: CreditOption = None,
