@@ -243,19 +243,48 @@ def create_whole(path: str) -> None:
 
 
 def _refusal(path: str, error: duckdb.IOException, read_only: bool) -> DatabaseError:
-    """DuckDB's lock conflict as one line: the file, the holder, what to do."""
+    """DuckDB's lock conflict as one line: the file, the holder (what it runs, when it can
+    be told), what to do."""
     found = _LOCK.search(str(error))
     if found is None:
         return DatabaseError(f"{path}: {error}")
     pid = int(found["pid"])
+    command = holder_command(pid)
+    holder = f"PID {pid}, {command or found['program']}"
     if read_only:
-        what = (
-            f"{path} is open for writing in another process (PID {pid}, {found['program']}): stop it, "
-            "or query it through the server that holds it (its REST API)"
-        )
+        what = f"{path} is open for writing in another process ({holder}): {_what_to_do(command)}"
     else:
         what = (
-            f"{path} is open in another process (PID {pid}, {found['program']}), so it cannot be opened for "
+            f"{path} is open in another process ({holder}), so it cannot be opened for "
             "writing here: stop that process, or open the file read-only"
         )
     return DatabaseLocked(what, pid)
+
+
+def holder_command(pid: int) -> str | None:
+    """The command line of process ``pid`` (``tracedb ingest --follow ...``), from
+    ``/proc``; None where it cannot be read (another OS, another user's process)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+    except OSError:
+        return None
+    words = [os.fsdecode(a) for a in argv if a]
+    for i, word in enumerate(words):  # python -m tracedb ... / .venv/bin/tracedb ...
+        if os.path.basename(word) == "tracedb" or (word == "-m" and words[i + 1 : i + 2] == ["tracedb"]):
+            start = i + 1 if word != "-m" else i + 2
+            return " ".join(["tracedb", *words[start:]])[:200]
+    return " ".join(words)[:200] or None
+
+
+def _what_to_do(command: str | None) -> str:
+    """What a reader can do about a file another process writes, by what that process is."""
+    words = (command or "").split()
+    if words[:2] == ["tracedb", "serve"]:
+        return "read it through that server (--url, or its REST API)"
+    if words[:2] == ["tracedb", "ingest"] and "--follow" in words:
+        return (
+            "a follower holds the file while it runs; to read a run while it is followed, follow it with "
+            "`tracedb serve --follow RUN --db FILE` instead and read through the server (--url), "
+            "or stop the follower (Ctrl-C) and read the file"
+        )
+    return "stop it (or let it finish), then read the file"

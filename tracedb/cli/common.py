@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextvars
 import csv
 import functools
+import glob
 import io
 import json
 import sys
@@ -31,9 +32,11 @@ from tracedb.errors import TraceDBError
 out = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
 
-DbOption = Annotated[
+DbOption = Annotated[Path, typer.Option("--db", envvar="TRACEDB_DB", help="Database file; env TRACEDB_DB.")]
+NewDbOption = Annotated[
     Path, typer.Option("--db", envvar="TRACEDB_DB", help="Database file (created if missing); env TRACEDB_DB.")
 ]
+"""--db of a command that makes the file when there is none (ingest, demo)."""
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table (--format json).")]
 FORMATS = ("table", "csv", "json", "jsonl")
 FormatOption = Annotated[
@@ -114,6 +117,28 @@ MemoryLimitOption = Annotated[
 ]
 
 
+def input_paths(paths: list[Path], follow: bool = False) -> list[Path]:
+    """The input files and directories of an ingest: a path with ``*``, ``?`` or ``[``
+    that names nothing as written is a glob tracedb expands (quoted, a shell left it
+    alone; ``**`` crosses directories), in sorted order. Exits 2, before anything is
+    written, on a glob that matches nothing and (unless ``follow``: taken once it
+    appears) on a path that is not there."""
+    found: list[Path] = []
+    for path in paths:
+        text = str(path)
+        if path.exists() or not any(c in text for c in "*?["):
+            if not path.exists() and not follow:
+                raise fail(f"{path}: no such file or directory (nothing was written)", 2)
+            found.append(path)
+            continue
+        matches = sorted(glob.glob(text, recursive=True))
+        if not matches:
+            hint = " (--follow takes files as they appear in a directory: follow the directory)" if follow else ""
+            raise fail(f"{text}: no file matches (nothing was written){hint}", 2)
+        found.extend(Path(m) for m in matches)
+    return found
+
+
 def memory_limit(value: str | None) -> None:
     """Apply ``--memory-limit`` (exit 2 on a size DuckDB cannot read)."""
     if value is None:
@@ -152,10 +177,11 @@ def live_selection(
     return {"after": after, "complete_groups": complete_groups, "through": through, "tags": tags}
 
 
-def open_db(db: Path, read_only: bool = False) -> tracedb.Database:
-    """Open the database or exit 2 with the reason."""
-    if read_only and not db.exists():
-        raise fail(f"no database at {db}", 2)
+def open_db(db: Path, read_only: bool = False, create: bool = False) -> tracedb.Database:
+    """Open the database or exit 2 with the reason; a file that is not there is made only
+    with ``create`` (ingest), else refused before anything is written."""
+    if not create and not db.exists():
+        raise fail(f"no database at {db}: make one with `tracedb ingest RUN_DIR --db {db}` (or pass --db)", 2)
     try:
         return tracedb.connect(db, read_only=read_only)
     except (TraceDBError, ValueError) as e:  # ValueError: a setting from the environment

@@ -20,6 +20,7 @@ from tracedb.cli.common import (
     DbOption,
     JsonOption,
     MemoryLimitOption,
+    NewDbOption,
     TagFilterOption,
     ThroughOption,
     checked_name,
@@ -27,6 +28,7 @@ from tracedb.cli.common import (
     emit_sql_rows,
     err,
     fail,
+    input_paths,
     key_value,
     live_selection,
     memory_limit,
@@ -91,8 +93,11 @@ RotatedOption = Annotated[
 
 @app.command()
 def ingest(
-    paths: Annotated[list[Path], typer.Argument(help="traces.jsonl / .jsonl.zst / .json files or directories.")],
-    db: DbOption = Path("tracedb.duckdb"),
+    paths: Annotated[
+        list[Path],
+        typer.Argument(help="traces.jsonl / .jsonl.zst / .json files or directories; a quoted glob is expanded."),
+    ],
+    db: NewDbOption = Path("tracedb.duckdb"),
     strict: Annotated[bool, typer.Option(help="Abort on the first bad record; the database stays unchanged.")] = False,
     allow_ragged: Annotated[
         bool, typer.Option(help="Accept compact streams longer/shorter than the sampled count.")
@@ -124,6 +129,7 @@ def ingest(
     (and in --json), naming the file (docs/live.md)."""
     memory_limit(memory_limit_)
     tags = tag or []
+    paths = input_paths(paths, follow=follow)
     if follow:
         if output_format() == "csv":
             raise fail("--follow prints a JSON object a line as it commits: --format jsonl (or json), not csv", 2)
@@ -132,7 +138,7 @@ def ingest(
         missing = [str(p) for p in paths if not p.exists()]
         if missing:
             err.print(f"not there yet (followed once they appear): {', '.join(missing)}", style="yellow")
-        with open_db(db) as database:
+        with open_db(db, create=True) as database:
             try:
                 report = run_follower(
                     database,
@@ -151,7 +157,7 @@ def ingest(
         else:
             out.print(str(report))
         return
-    with open_db(db) as database:
+    with open_db(db, create=True) as database:
         try:
             report = database.ingest(
                 paths, strict=strict, allow_ragged=allow_ragged, progress=progress and not as_json, tags=tags
@@ -497,7 +503,14 @@ def migrate(db: DbOption = Path("tracedb.duckdb"), as_json: JsonOption = False) 
 
 @app.command()
 def serve(
-    db: DbOption = Path("tracedb.duckdb"),
+    db: Annotated[
+        Path,
+        typer.Option(
+            "--db",
+            envvar="TRACEDB_DB",
+            help="Database file (created if missing with --token or --follow); env TRACEDB_DB.",
+        ),
+    ] = Path("tracedb.duckdb"),
     host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
     token: Annotated[
@@ -566,6 +579,7 @@ def serve(
     from tracedb.api.security import LOOPBACK_HOSTS
 
     memory_limit(memory_limit_)
+    follow = input_paths(follow, follow=True) if follow else follow
     if rotated and not follow:
         raise fail("--rotated names where a followed file's rotated copies are: it needs --follow", 2)
     if token is None and not follow and not db.exists():
@@ -612,7 +626,7 @@ def serve(
 
 @app.command()
 def demo(
-    db: DbOption = Path("tracedb-demo.duckdb"),
+    db: NewDbOption = Path("tracedb-demo.duckdb"),
     data: Annotated[Path, typer.Option(help="Where the generated sample traces.jsonl goes.")] = Path(
         "data/sample/traces.jsonl"
     ),
@@ -626,7 +640,7 @@ def demo(
     if not data.exists():
         write_sample(data, groups=groups, group_size=group_size, tokens_per_trace=tokens, advantages=True)
         out.print(f"wrote sample rollouts to {data}")
-    with open_db(db) as database:
+    with open_db(db, create=True) as database:
         report = database.ingest(data, progress=True)
         out.print(str(report))
         emit(database.stats(), False, title="stats")
