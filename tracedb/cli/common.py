@@ -315,7 +315,9 @@ def write_pack(plan: Any, out_dir: Path) -> dict[str, Any]:
 
 
 def report_pack(plan: Any, manifest: dict[str, Any], out_dir: Path, as_json: bool) -> None:
-    """Print what a pack wrote: its manifest as JSON, or the report as a table."""
+    """Print what a pack wrote: its manifest as JSON, or the report as a table; its warnings
+    (:meth:`tracedb.batches.PackReport.warnings`, in the manifest's report too) on stderr."""
+    warn(plan.report.warnings())
     if as_json:
         emit(manifest, True)
         return
@@ -324,7 +326,13 @@ def report_pack(plan: Any, manifest: dict[str, Any], out_dir: Path, as_json: boo
         f"packed {r.samples} samples into {r.micro_batches} micro-batches over {r.ranks} ranks "
         f"({r.physical_tokens} tokens stored for {r.logical_tokens}, {r.padding_tokens} padding) in {out_dir}"
     )
-    emit({k: v for k, v in r.to_dict().items() if k != "rank_costs"}, False, title=line)
+    emit({k: v for k, v in r.to_dict().items() if k not in ("rank_costs", "warnings")}, False, title=line)
+
+
+def warn(lines: list[str]) -> None:
+    """Warnings on stderr, a line each (whatever the output format: stdout stays data)."""
+    for line in lines:
+        err.print(f"[yellow]warning: {escape(line)}[/yellow]")
 
 
 def fail(e: Exception | str, code: int = 1) -> typer.Exit:

@@ -38,6 +38,7 @@ from tracedb.cli.common import (
     report_ingest,
     report_pack,
     report_storage,
+    warn,
     write_pack,
 )
 from tracedb.cli.follow import follow as run_follower
@@ -441,6 +442,7 @@ def credit(
             result = credit_lib.run(database, algorithm, name, replace=replace, **params)
         except (TraceDBError, ValueError, TypeError) as e:
             raise fail(e) from None
+    warn(result.get("warnings", []))
     emit(result, as_json)
 
 

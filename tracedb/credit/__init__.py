@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ import pyarrow as pa
 
 from tracedb import credit_sets, writeback
 from tracedb.credit import dose
+from tracedb.errors import CreditWarning
 from tracedb.handle import Handle, HandleOf, handle_of
 
 
@@ -116,18 +118,32 @@ def run(
     ``matched_to=SET`` (any algorithm; ``-p matched_to=SET`` on the command line) rescales
     the output per trace to the ``sum |A|`` over tokens that set gives the trace, leaving a
     trace where either is 0 as it is; the result's ``matched`` counts both kinds
-    (:func:`tracedb.credit.dose.match`)."""
+    (:func:`tracedb.credit.dose.match`).
+
+    A run whose output is another algorithm's by construction (anchor with no state
+    shared by two turns, redistribute with no weights, channels selecting every token)
+    is done all the same, and says so under ``warnings`` (a :class:`CreditWarning`'s text each)."""
     handle = handle_of(db)
     algo = _lookup(algorithm)
     name = credit_sets.check_name(algorithm if name is None else name)  # before the work, not after it
     matched_to = params.pop("matched_to", None)
-    table, matched = _credit(handle, algo, matched_to, params, stamping=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CreditWarning)
+        table, matched = _credit(handle, algo, matched_to, params, stamping=True)
+    notes = []
+    for w in caught:
+        if issubclass(w.category, CreditWarning):
+            notes.append(str(w.message))
+        else:  # not ours to keep: passed on as it came
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
     resolved = {**algo.params(), **params, **({} if matched_to is None else {"matched_to": matched_to})}
     nodes = writeback.stamp(
         handle, name, table, algorithm=algorithm, params=resolved, description=description, replace=replace
     )
     out = {"name": name, "algorithm": algorithm, "params": resolved, "rows": table.num_rows, "nodes": nodes}
-    return out if matched is None else {**out, "matched": matched}
+    if matched is not None:
+        out["matched"] = matched
+    return {**out, "warnings": notes} if notes else out
 
 
 def _function(target: str) -> Callable[..., pa.Table]:
