@@ -22,7 +22,7 @@ from tracedb import migrations, publish, runtime
 from tracedb.errors import DatabaseError, DatabaseLocked, SchemaVersionError
 from tracedb.handle import Handle
 from tracedb.migrations import SCHEMA_VERSION
-from tracedb.sqltext import load_sql, quote_identifier
+from tracedb.sqltext import load_sql, quote_identifier, quote_literal
 
 TRACE_FILE_SUFFIXES = (".jsonl", ".json", ".zst", ".ndjson")
 """A database path ending so names a trace file: almost always swapped arguments."""
@@ -237,6 +237,58 @@ def create_whole(path: str) -> None:
                 os.rename(tmp, path)
         publish.sync_dir(Path(folder))  # the new name survives a crash of the machine
     finally:
+        for leftover in (tmp, tmp + ".wal"):
+            if os.path.lexists(leftover):
+                os.unlink(leftover)
+
+
+def storage_version(con: duckdb.DuckDBPyConnection, catalog: str) -> str | None:
+    """The storage format of attached database ``catalog`` (DuckDB's ``v1.5.0+``, ``v2.0.0+``)."""
+    row = con.execute("SELECT tags FROM duckdb_databases() WHERE database_name = ?", [catalog]).fetchone()
+    return None if row is None else dict(row[0] or {}).get("storage_version")
+
+
+def rewrite_storage(path: str | Path) -> dict[str, str | bool | None]:
+    """Rewrite the database file ``path`` into :data:`tracedb.runtime.STORAGE_VERSION`
+    (a file DuckDB 1.5 reads) unless it is in it: every table, constraint and macro copied
+    (``COPY FROM DATABASE``) into a new file beside it, which is fsynced and renamed over
+    ``path`` (mode kept), the directory fsynced. The file is held read-only meanwhile, so
+    no writer changes it under the copy; a failure or a crash leaves ``path`` as it was
+    (at most a hidden ``.NAME.*.rewriting`` beside it). Refused (:class:`DatabaseError`)
+    with a WAL beside it: a read-write open checkpoints that first (``tracedb migrate``
+    does). Returns the format before and after, and whether it was rewritten."""
+    text = str(path)
+    check_path(text)
+    if not os.path.exists(text):
+        raise DatabaseError(f"no database at {text}")
+    if os.path.exists(text + ".wal"):
+        raise DatabaseError(f"{text} has a write-ahead log beside it: open it read-write once to checkpoint it first")
+    target = runtime.STORAGE_VERSION + "+"
+    con = duckdb.connect()  # an instance of its own: the copy's settings touch nothing else
+    folder, name = os.path.split(os.path.abspath(text))
+    tmp = os.path.join(folder, f".{name}.{os.getpid()}.{os.urandom(4).hex()}.rewriting")
+    try:
+        try:
+            con.execute(f"ATTACH {quote_literal(text)} AS src (READ_ONLY)")
+        except duckdb.IOException as e:
+            raise _refusal(text, e, True) from None
+        before = storage_version(con, "src")
+        if before == target:
+            return {"path": text, "from_storage": before, "to_storage": before, "rewritten": False}
+        con.execute(
+            f"ATTACH {quote_literal(tmp)} AS dst (ROW_GROUP_SIZE {runtime.ROW_GROUP_ROWS}"
+            f"{runtime.creation_options(tmp)})"
+        )
+        con.execute("COPY FROM DATABASE src TO dst")
+        after = storage_version(con, "dst")
+        con.execute("DETACH dst")  # checkpointed: the file is whole, no WAL
+        os.chmod(tmp, os.stat(text).st_mode & 0o7777)
+        publish.sync_file(Path(tmp))
+        os.replace(tmp, text)  # while src is still held: no writer got in between
+        publish.sync_dir(Path(folder))
+        return {"path": text, "from_storage": before, "to_storage": after, "rewritten": True}
+    finally:
+        con.close()
         for leftover in (tmp, tmp + ".wal"):
             if os.path.lexists(leftover):
                 os.unlink(leftover)
