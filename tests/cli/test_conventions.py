@@ -96,3 +96,12 @@ def test_a_reader_of_a_followed_file_is_told_who_holds_it(tmp_path: Path) -> Non
         line = " ".join(refused.stderr.split())
         assert f"PID {follower.pid}, tracedb ingest {run} --db {db} --follow" in line, line
         assert "tracedb serve --follow" in line and "server that holds it" not in line
+
+
+def test_errors_name_what_to_do_next(tmp_path: Path) -> None:
+    db = tmp_path / "runs.duckdb"
+    assert invoke("ingest", FIXTURES / "linear.traces.jsonl", "--db", db, "--no-progress").exit_code == 0
+    no_set = invoke("pack", "--out", tmp_path / "step", "--seq-len", "512", "--credit", "grpo", "--db", db)
+    assert no_set.exit_code == 1 and "make it with `tracedb credit ALGORITHM --name grpo`" in no_set.stderr
+    no_trace = invoke("branches", "nope", "--db", db)
+    assert no_trace.exit_code == 1 and "SELECT trace_id FROM traces" in " ".join(no_trace.stderr.split())

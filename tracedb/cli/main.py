@@ -236,7 +236,10 @@ def branches(
             except TraceDBError as e:
                 raise fail(e) from None
     if not known:
-        raise fail(f"trace {trace_id!r} is not in {url or db}")
+        raise fail(
+            f"trace {trace_id!r} is not in {url or db} "
+            f'(`tracedb sql "SELECT trace_id FROM traces LIMIT 10" --db {db}` shows some that are)'
+        )
     if table.num_rows == 0:
         raise fail(f"trace {trace_id!r} has no branch {', '.join(map(str, branch or []))}")
     rows = []
