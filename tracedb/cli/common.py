@@ -9,6 +9,7 @@ meant for a program (csv, json, jsonl), and :func:`emit` prints the one chosen."
 from __future__ import annotations
 
 import contextvars
+import copy
 import csv
 import functools
 import glob
@@ -50,6 +51,12 @@ _FORMAT: contextvars.ContextVar[str] = contextvars.ContextVar("tracedb_output_fo
 
 
 def _format_option() -> Any:
+    """A ``--format`` parameter for one more command (a copy of :func:`_built_format_option`'s)."""
+    return copy.copy(_built_format_option())
+
+
+@functools.cache
+def _built_format_option() -> Any:
     """The ``--format`` parameter as typer builds it (so that its help renders like the others)."""
     probe = typer.Typer()
 
