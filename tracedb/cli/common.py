@@ -39,7 +39,6 @@ NewDbOption = Annotated[
 ]
 """--db of a command that makes the file when there is none (ingest, demo)."""
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table (--format json).")]
-FORMATS = ("table", "csv", "json", "jsonl")
 FormatOption = Annotated[
     Literal["table", "csv", "json", "jsonl"] | None,
     typer.Option(
