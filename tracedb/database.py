@@ -29,7 +29,7 @@ from tracedb import (
     views,
     writeback,
 )
-from tracedb.dbfile import open_handle
+from tracedb.dbfile import open_handle, rewrite_storage
 from tracedb.export import export
 from tracedb.handle import Handle
 from tracedb.ingest import IngestReport, ingest_files
@@ -679,11 +679,20 @@ class Database:
 def migrate(path: str | Path) -> dict[str, Any]:
     """Upgrade a database file written by an older tracedb to this one's schema, in place
     (one transaction: a failure leaves the file as it was). Returns the path, the version
-    the file held before (None: none) and after, and this tracedb's."""
+    the file held before (None: none) and after, and this tracedb's; then rewrites a file
+    in another DuckDB storage format into tracedb's, one DuckDB 1.5 reads (atomically:
+    :func:`tracedb.dbfile.rewrite_storage`), saying the format before and after."""
     before = migrations.stored_version(Path(path))
     with Database(path) as db:  # a read-write open upgrades
         after = db.schema_version
-    return {"path": str(path), "from_version": before, "to_version": after, "current": migrations.SCHEMA_VERSION}
+    rewritten = rewrite_storage(path)
+    return {
+        "path": str(path),
+        "from_version": before,
+        "to_version": after,
+        "current": migrations.SCHEMA_VERSION,
+        **{k: rewritten[k] for k in ("from_storage", "to_storage")},
+    }
 
 
 def connect(path: str | Path = ":memory:", *, read_only: bool = False, isolated: bool = False) -> Database:

@@ -109,3 +109,9 @@ class InputError(TraceDBError):
 class StepChanged(TraceDBError):
     """A step rebuilt from its manifest would not be the step: the selection, the credit or
     a replayed group differs in the database now (the message names what)."""
+
+
+class CreditWarning(UserWarning):
+    """A credit run whose output is another algorithm's by construction (anchor with no
+    state shared by two turns equals grpo, ...): legal, and almost never what was meant.
+    :func:`tracedb.credit.run` collects them into its result's ``warnings``."""

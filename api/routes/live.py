@@ -108,8 +108,11 @@ def get_micro_batches(
     backend: BackendDep,
     live: LiveSelection,
     seq_len: Annotated[int, Query(ge=1, le=1 << 24, description="Tokens per micro-batch, at most.")],
+    rank: Annotated[
+        int,
+        Query(ge=0, le=1023, description="The rank whose micro-batches to answer (required: 0 for one rank)."),
+    ],
     ranks: Annotated[int, Query(ge=1, le=1024, description="Data-parallel ranks the plan is balanced over.")] = 1,
-    rank: Annotated[int, Query(ge=0, le=1023, description="The rank whose micro-batches to answer.")] = 0,
     part: Annotated[Literal["tokens", "samples"], Query(description="Which file of the rank.")] = "tokens",
     trace_id: Ids = None,
     group: Ids = None,

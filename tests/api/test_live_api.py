@@ -22,6 +22,7 @@ import pyarrow.ipc as ipc
 import pytest
 
 import tracedb
+from tracedb import client
 from tracedb.api import create_app
 from tracedb.batches import write_step
 from tracedb.synthetic import generate_episodes
@@ -415,16 +416,17 @@ def test_concurrent_long_polls_and_reads_get_no_error(static) -> None:
         ("/branches?fields=bogus", ["fields"]),
         ("/branches?branch_index=-1", ["branch_index"]),
         ("/micro-batches", ["seq_len"]),
-        ("/micro-batches?seq_len=0", ["seq_len"]),
+        ("/micro-batches?seq_len=64", ["rank"]),  # required: leaving it off never silently answers rank 0
+        ("/micro-batches?seq_len=0&rank=0", ["seq_len"]),
         ("/micro-batches?seq_len=64&ranks=2&rank=2", ["rank", "0-1"]),
-        ("/micro-batches?seq_len=64&part=both", ["part"]),
-        ("/micro-batches?seq_len=64&overflow=error", ["seq_len 64", "overflow"]),
-        ("/micro-batches?seq_len=64&share_prefixes=true&train_once=false", ["share_prefixes", "train_once"]),
-        ("/micro-batches?seq_len=64&cost_linear=-1", ["cost_linear"]),
-        ("/micro-batches?seq_len=64&importance=is", ["importance", "tis"]),
-        ("/micro-batches?seq_len=64&importance=tis&clip=0", ["clip"]),
-        ("/micro-batches?seq_len=64&importance=tis&clip=nan", ["clip"]),
-        ("/micro-batches?seq_len=64&clip=2", ["clip", "needs importance"]),
+        ("/micro-batches?seq_len=64&rank=0&part=both", ["part"]),
+        ("/micro-batches?seq_len=64&rank=0&overflow=error", ["seq_len 64", "overflow"]),
+        ("/micro-batches?seq_len=64&rank=0&share_prefixes=true&train_once=false", ["share_prefixes", "train_once"]),
+        ("/micro-batches?seq_len=64&rank=0&cost_linear=-1", ["cost_linear"]),
+        ("/micro-batches?seq_len=64&rank=0&importance=is", ["importance", "tis"]),
+        ("/micro-batches?seq_len=64&rank=0&importance=tis&clip=0", ["clip"]),
+        ("/micro-batches?seq_len=64&rank=0&importance=tis&clip=nan", ["clip"]),
+        ("/micro-batches?seq_len=64&rank=0&clip=2", ["clip", "needs importance"]),
     ],
 )
 def test_bad_parameters_are_named(static, url: str, words: list[str]) -> None:
@@ -434,5 +436,15 @@ def test_bad_parameters_are_named(static, url: str, words: list[str]) -> None:
 
 def test_unknown_credit_set_is_404(static) -> None:
     base, _ = static
-    error(httpx.get(f"{base}/micro-batches", params={"seq_len": 64, "credit": "nope"}, timeout=30), 404, "nope")
+    error(
+        httpx.get(f"{base}/micro-batches", params={"seq_len": 64, "rank": 0, "credit": "nope"}, timeout=30), 404, "nope"
+    )
     error(httpx.get(f"{base}/branches", params={"credit": "nope"}, timeout=30), 404, "nope")
+
+
+def test_the_client_asks_for_a_rank(static) -> None:
+    base, _ = static
+    with pytest.raises(TypeError, match="rank"):
+        client.micro_batches(base, 64)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="rank"):
+        client.fetch_micro_batches(base, 64)  # type: ignore[call-arg]

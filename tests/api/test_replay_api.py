@@ -60,7 +60,7 @@ def test_rest_replay_answers_the_library_plan(served) -> None:
             assert [(c["replaced"], c["group"]) for c in report["replayed"]] == [
                 (c["replaced"], c["group"]) for c in plan.report.replayed
             ]
-        plain = http.get("/micro-batches", params={"seq_len": 4096, "ranks": 2, **step_arguments(marks)})
+        plain = http.get("/micro-batches", params={"seq_len": 4096, "ranks": 2, "rank": 0, **step_arguments(marks)})
         assert plain.status_code == 200, plain.text
         assert json.loads(plain.headers["x-tracedb-report"]).get("replayed") in (None, [])
     for rank in range(2):
@@ -78,7 +78,7 @@ def test_rest_replay_takes_uniform_sampling_and_a_staleness_bound(served) -> Non
     with app.state.backend.reader() as db:
         plan = db.micro_batches(4096, **step_arguments(marks, policy=3, max_staleness=2), replay=replay)
     tokens, report = client.fetch_micro_batches(
-        base, 4096, **step_arguments(marks, policy=3, max_staleness=2), replay=replay
+        base, 4096, rank=0, **step_arguments(marks, policy=3, max_staleness=2), replay=replay
     )
     assert report == plan.report.to_dict()
     assert all(c["priority"] is None for c in report["replayed"])
@@ -98,7 +98,7 @@ def test_rest_replay_takes_uniform_sampling_and_a_staleness_bound(served) -> Non
 )
 def test_bad_replay_parameters_are_one_named_422(served, extra: dict[str, Any], words: list[str]) -> None:
     base, _, marks = served
-    params = {k: v for k, v in {"seq_len": 4096, **step_arguments(marks), **extra}.items() if v is not None}
+    params = {k: v for k, v in {"seq_len": 4096, "rank": 0, **step_arguments(marks), **extra}.items() if v is not None}
     answer = httpx.get(f"{base}/micro-batches", params=params, timeout=30)
     assert answer.status_code == 422, answer.text
     detail = answer.json()["detail"]
@@ -111,7 +111,7 @@ def test_the_client_refuses_a_use_limit_in_one_line(served, tmp_path: Path) -> N
     base, _, marks = served
     for replay in (tracedb.Replay(max_uses=1, steps_root=tmp_path), tracedb.Replay(steps_root=tmp_path)):
         with pytest.raises(ValueError, match="^replay over a server takes no max_uses or steps_root: ") as e:
-            client.micro_batches(base, 4096, **step_arguments(marks), replay=replay)
+            client.micro_batches(base, 4096, rank=0, **step_arguments(marks), replay=replay)
         assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="replay is a tracedb.Replay"):
-        client.micro_batches(base, 4096, **step_arguments(marks), replay={"seed": 1})
+        client.micro_batches(base, 4096, rank=0, **step_arguments(marks), replay={"seed": 1})

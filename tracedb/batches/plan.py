@@ -65,6 +65,10 @@ class PackReport:
     dropped_overflow: int = 0
     truncated: int = 0
     """Samples cut to ``seq_len``."""
+    sampled_tokens: int = 0
+    """Sampled tokens of the packed samples before any cut (their loss tokens, train_once aside)."""
+    truncated_sampled_tokens: int = 0
+    """Of those, the ones the cut to ``seq_len`` left out."""
     micro_batches: int = 0
     padding_micro_batches: int = 0
     """Zero-loss bins added so that every rank has as many micro-batches."""
@@ -121,7 +125,26 @@ class PackReport:
     (times the group was replayed before)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The counts, and the :meth:`warnings` under ``warnings``."""
+        return {**asdict(self), "warnings": self.warnings()}
+
+    def warnings(self) -> list[str]:
+        """What a trainer should not miss: samples cut to ``seq_len`` (how many, the share of
+        their loss tokens lost) and branches skipped as never scored."""
+        found = []
+        if self.truncated:
+            share = self.truncated_sampled_tokens / self.sampled_tokens if self.sampled_tokens else 0.0
+            found.append(
+                f"{self.truncated} of {self.samples} samples truncated to seq_len {self.seq_len}: "
+                f"{self.truncated_sampled_tokens:,} of {self.sampled_tokens:,} loss tokens ({share:.1%}) left out "
+                "(a larger seq_len keeps them; overflow='drop' leaves such samples out whole)"
+            )
+        if self.skipped_never_scored:
+            found.append(
+                f"{self.skipped_never_scored} of {self.branches} branches skipped: never scored (advantages None, "
+                "not 0); stamp a credit set (tracedb credit grpo) and pack with it (--credit grpo)"
+            )
+        return found
 
 
 class MicroBatch:

@@ -21,6 +21,7 @@ from tracedb.cli.common import (
     CompleteGroupsOption,
     DbOption,
     JsonOption,
+    NewDbOption,
     TagFilterOption,
     ThroughOption,
     checked_name,
@@ -28,6 +29,7 @@ from tracedb.cli.common import (
     emit_sql_rows,
     err,
     fail,
+    input_paths,
     key_value,
     live_selection,
     out,
@@ -37,7 +39,7 @@ from tracedb.cli.common import (
 from tracedb.errors import SqlRefused, TraceDBError
 
 app = typer.Typer(
-    help="The same store as Apache Iceberg tables (needs the lake extra: pip install 'tracedb[lake]').",
+    help="The same store as Apache Iceberg tables (needs the lake extra: pip install 'tracedb\\[lake]').",
     no_args_is_help=True,
 )
 
@@ -65,7 +67,7 @@ LakeOption = Annotated[
 
 @app.callback()
 def _lake_commands(ctx: typer.Context) -> None:
-    """The same store as Apache Iceberg tables (needs the lake extra: pip install 'tracedb[lake]')."""
+    """The same store as Apache Iceberg tables (needs the lake extra: pip install 'tracedb\\[lake]')."""
     ctx.with_resource(_quiet_libraries())
 
 
@@ -154,7 +156,7 @@ def push(
 @app.command()
 def pull(
     lake: LakeOption = Path("lake"),
-    db: DbOption = Path("tracedb.duckdb"),
+    db: NewDbOption = Path("tracedb.duckdb"),
     trace_ids: Annotated[str | None, typer.Option("--trace-ids", help="Comma-separated trace ids.")] = None,
     group: Annotated[list[str] | None, typer.Option("--group", help="A group id (repeatable).")] = None,
     episode: Annotated[list[str] | None, typer.Option("--episode", help="An episode id (repeatable).")] = None,
@@ -214,6 +216,7 @@ def ingest(
     Large plain .jsonl files are cut into byte ranges (--range-bytes), their rejects named
     by the file and its true line numbers. Idempotent by trace id, also against other
     ingests running at the same time. Exits 1 when anything was rejected."""
+    paths = input_paths(paths)
     opened = _open(lake)
     started = _started_ray(ray_address, workers)
     try:

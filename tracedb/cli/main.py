@@ -16,6 +16,7 @@ from tracedb.cli import remote
 from tracedb.cli import steps as step_cli
 from tracedb.cli.common import (
     AfterOption,
+    Commands,
     CompleteGroupsOption,
     DbOption,
     IncludeDroppedOption,
@@ -24,6 +25,7 @@ from tracedb.cli.common import (
     MaxGroupsOption,
     MaxStalenessOption,
     MemoryLimitOption,
+    NewDbOption,
     PolicyOption,
     StaleOption,
     TagFilterOption,
@@ -34,15 +36,18 @@ from tracedb.cli.common import (
     emit_sql_rows,
     err,
     fail,
+    input_paths,
     key_value,
     live_selection,
     memory_limit,
     open_db,
     out,
+    output_format,
     report_ingest,
     report_pack,
     report_storage,
     training_selection,
+    warn,
     write_pack,
 )
 from tracedb.cli.follow import follow as run_follower
@@ -52,10 +57,33 @@ from tracedb.errors import SqlRefused, TraceDBError
 from tracedb.selection import Selection
 
 app = typer.Typer(
+    cls=Commands,
     help="Trace storage for RL of LLM agents: verifiers v1 message graphs in DuckDB, branch-spread token views.",
     no_args_is_help=True,
     add_completion=False,
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            number = version("tracedb")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            number = "unknown (not installed)"
+        sys.stdout.write(f"tracedb {number}\n")
+        raise typer.Exit()
+
+
+@app.callback()
+def _tracedb(
+    show_version: Annotated[
+        bool, typer.Option("--version", is_eager=True, callback=_print_version, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Trace storage for RL of LLM agents: verifiers v1 message graphs in DuckDB, branch-spread token views."""
+
 
 CreditOption = Annotated[
     str | None, typer.Option("--credit", help="Credit set whose advantages to use (default: the ingested set).")
@@ -76,8 +104,11 @@ RotatedOption = Annotated[
 
 @app.command()
 def ingest(
-    paths: Annotated[list[Path], typer.Argument(help="traces.jsonl / .jsonl.zst / .json files or directories.")],
-    db: DbOption = Path("tracedb.duckdb"),
+    paths: Annotated[
+        list[Path],
+        typer.Argument(help="traces.jsonl / .jsonl.zst / .json files or directories; a quoted glob is expanded."),
+    ],
+    db: NewDbOption = Path("tracedb.duckdb"),
     strict: Annotated[bool, typer.Option(help="Abort on the first bad record; the database stays unchanged.")] = False,
     allow_ragged: Annotated[
         bool, typer.Option(help="Accept compact streams longer/shorter than the sampled count.")
@@ -109,13 +140,16 @@ def ingest(
     (and in --json), naming the file (docs/live.md)."""
     memory_limit(memory_limit_)
     tags = tag or []
+    paths = input_paths(paths, follow=follow)
     if follow:
+        if output_format() == "csv":
+            raise fail("--follow prints a JSON object a line as it commits: --format jsonl (or json), not csv", 2)
         if strict:
             raise fail("--strict and --follow do not go together: a follower keeps going past bad lines", 2)
         missing = [str(p) for p in paths if not p.exists()]
         if missing:
             err.print(f"not there yet (followed once they appear): {', '.join(missing)}", style="yellow")
-        with open_db(db) as database:
+        with open_db(db, create=True) as database:
             try:
                 report = run_follower(
                     database,
@@ -134,7 +168,7 @@ def ingest(
         else:
             out.print(str(report))
         return
-    with open_db(db) as database:
+    with open_db(db, create=True) as database:
         try:
             report = database.ingest(
                 paths, strict=strict, allow_ragged=allow_ragged, progress=progress and not as_json, tags=tags
@@ -212,7 +246,10 @@ def branches(
             except TraceDBError as e:
                 raise fail(e) from None
     if not known:
-        raise fail(f"trace {trace_id!r} is not in {url or db}")
+        raise fail(
+            f"trace {trace_id!r} is not in {url or db} "
+            f'(`tracedb sql "SELECT trace_id FROM traces LIMIT 10" --db {db}` shows some that are)'
+        )
     if table.num_rows == 0:
         raise fail(f"trace {trace_id!r} has no branch {', '.join(map(str, branch or []))}")
     rows = []
@@ -254,7 +291,13 @@ def export(
     trace_id: Annotated[list[str] | None, typer.Option(help="Only these traces (repeatable).")] = None,
     group: Annotated[list[str] | None, typer.Option(help="Only traces of these groups (repeatable).")] = None,
     trainable_only: Annotated[bool, typer.Option(help="Only trainable branches.")] = False,
-    columns: Annotated[str | None, typer.Option(help="Comma-separated token columns to keep.")] = None,
+    columns: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated columns to keep: the view's token columns, trace fields (group_id, reward, "
+            "episode_id, env_id, any column of traces) and tags (tag:NAME or a stored tag's name)."
+        ),
+    ] = None,
     train_once: Annotated[bool, typer.Option(help="Keep a shared node trainable only in its first branch.")] = False,
     format: Annotated[str | None, typer.Option(help="parquet, arrow or arrows (default: from the suffix).")] = None,
     credit: CreditOption = None,
@@ -494,6 +537,7 @@ def credit(
             result = credit_lib.run(database, algorithm, name, replace=replace, selection=selection, **params)
         except (TraceDBError, ValueError, TypeError) as e:
             raise fail(e) from None
+    warn(result.get("warnings", []))
     emit(result, as_json)
 
 
@@ -515,8 +559,9 @@ def credit_compare(
         except (TraceDBError, ValueError) as e:
             raise fail(e) from None
     tables = {name: table.to_pylist() for name, table in result.items()}
-    if as_json:
-        emit(tables, True)
+    if as_json:  # JSON: the tables by name; CSV and JSON lines: their rows, each naming its table
+        flat = [{"table": name, **row} for name, rows in tables.items() for row in rows]
+        emit(tables if output_format() == "json" else flat, True)
         return
     shown = {
         k: [{c: f"{v:.4g}" if isinstance(v, float) else v for c, v in r.items()} for r in rows]
@@ -587,7 +632,14 @@ def migrate(db: DbOption = Path("tracedb.duckdb"), as_json: JsonOption = False) 
 
 @app.command()
 def serve(
-    db: DbOption = Path("tracedb.duckdb"),
+    db: Annotated[
+        Path,
+        typer.Option(
+            "--db",
+            envvar="TRACEDB_DB",
+            help="Database file (created if missing with --token or --follow); env TRACEDB_DB.",
+        ),
+    ] = Path("tracedb.duckdb"),
     host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
     token: Annotated[
@@ -656,6 +708,7 @@ def serve(
     from tracedb.api.security import LOOPBACK_HOSTS
 
     memory_limit(memory_limit_)
+    follow = input_paths(follow, follow=True) if follow else follow
     if rotated and not follow:
         raise fail("--rotated names where a followed file's rotated copies are: it needs --follow", 2)
     if token is None and not follow and not db.exists():
@@ -702,7 +755,7 @@ def serve(
 
 @app.command()
 def demo(
-    db: DbOption = Path("tracedb-demo.duckdb"),
+    db: NewDbOption = Path("tracedb-demo.duckdb"),
     data: Annotated[Path, typer.Option(help="Where the generated sample traces.jsonl goes.")] = Path(
         "data/sample/traces.jsonl"
     ),
@@ -716,7 +769,7 @@ def demo(
     if not data.exists():
         write_sample(data, groups=groups, group_size=group_size, tokens_per_trace=tokens, advantages=True)
         out.print(f"wrote sample rollouts to {data}")
-    with open_db(db) as database:
+    with open_db(db, create=True) as database:
         report = database.ingest(data, progress=True)
         out.print(str(report))
         emit(database.stats(), False, title="stats")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ import pyarrow as pa
 
 from tracedb import credit_sets, writeback
 from tracedb.credit import dose, selected
+from tracedb.errors import CreditWarning
 from tracedb.handle import Handle, HandleOf, handle_of
 from tracedb.selection import Selection
 
@@ -134,13 +136,43 @@ def run(
     each selected trace's whole group as stored; a selected trace already in the set is
     refused unless ``replace=True``, which computes it again (the set's other traces stay).
     The result adds ``traces`` (selected), ``watermark`` (the ``after`` of the next step)
-    and ``selection`` (what the selection left out: :attr:`Selected.report`)."""
+    and ``selection`` (what the selection left out: :attr:`Selected.report`).
+
+    A run whose output is another algorithm's by construction (anchor with no state
+    shared by two turns, redistribute with no weights, channels selecting every token)
+    is done all the same, and says so under ``warnings`` (a :class:`CreditWarning`'s text each)."""
     handle = handle_of(db)
     algo = _lookup(algorithm)
     name = credit_sets.check_name(algorithm if name is None else name)  # before the work, not after it
     selection = _selection(algo, selection, params)
     matched_to = params.pop("matched_to", None)
     resolved = {**algo.params(), **params, **({} if matched_to is None else {"matched_to": matched_to})}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CreditWarning)
+        out = _stamped(handle, algo, name, selection, matched_to, params, resolved, description, replace)
+    notes = []
+    for w in caught:
+        if issubclass(w.category, CreditWarning):
+            notes.append(str(w.message))
+        else:  # not ours to keep: passed on as it came
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+    return {**out, "warnings": notes} if notes else out
+
+
+def _stamped(
+    handle: Handle,
+    algo: Algorithm,
+    name: str,
+    selection: Selection | None,
+    matched_to: Any,
+    params: dict[str, Any],
+    resolved: dict[str, Any],
+    description: str | None,
+    replace: bool,
+) -> dict[str, Any]:
+    """Compute the credit and stamp it as set ``name`` (only the selected traces with a
+    selection); the result :func:`run` returns, less its warnings."""
+    algorithm = algo.name
     if selection is not None:
         step = selected.training_selection(selection, resolved)
         table, matched, picked, nodes = selected.stamp_selected(
