@@ -361,7 +361,7 @@ def test_group_page_strips(page: Page, run_server: dict[str, Any]) -> None:
     page.wait_for_selector('body[data-painted="advantage:zeros"]')
     assert "credit=zeros" in page.url
     zeroed = run_server["zeroed"]
-    assert page.locator(f'#members tr[data-trace="{zeroed}"] td[data-set="zeros"]').inner_text() == "zero"
+    assert page.locator(f'#members tr[data-trace="{zeroed}"] [data-set="zeros"]').inner_text() == "zero"
     data = page.evaluate("JSON.parse(document.getElementById('group-data').textContent)")
     owner = page.locator("article.member").evaluate_all(
         "arts => arts.flatMap(a => Array.from(a.querySelectorAll('.strip')).map(() => a.dataset.trace))"
