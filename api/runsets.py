@@ -23,12 +23,18 @@ MAX_COMPARED = 8
 """Runs one comparison shows at most."""
 
 
+def default_name(path: str | Path) -> str:
+    """A run's name when none is given: its file's stem, other characters as '_'."""
+    stem = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(path).stem).lstrip("._-")[:64]
+    return stem or "run"
+
+
 def parse_run(text: str) -> tuple[str, Path]:
     """``name=path`` or ``path`` (named by its file's stem): the name and the path; a
     ValueError naming what is wrong."""
     name, sep, path = text.partition("=")
     if not sep or Path(text).exists():  # a file whose name holds '=' is a path
-        name, path = Path(text).stem, text
+        name, path = default_name(text), text
     if not path:
         raise ValueError(f"--db {text!r}: no path after {name}=")
     if not NAME.match(name):
@@ -37,12 +43,6 @@ def parse_run(text: str) -> tuple[str, Path]:
             f"not starting with a sign); got {name!r} (write NAME=PATH to choose one)"
         )
     return name, Path(path)
-
-
-def default_name(path: str | Path) -> str:
-    """A run's name when none is given: its file's stem, other characters as '_'."""
-    stem = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(path).stem).lstrip("._-")[:64]
-    return stem or "run"
 
 
 class Runs:
