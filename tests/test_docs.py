@@ -44,6 +44,16 @@ def test_readme_is_short_and_its_links_resolve() -> None:
         assert (ROOT / link).is_file(), f"README.md links {link}, which does not exist"
 
 
+def test_links_and_images_under_docs_resolve() -> None:
+    for page in DOCS:
+        for target in re.findall(r"\]\(([\w./-]+\.(?:md|png))(?:#[\w-]*)?\)", page.read_text()):
+            assert (page.parent / target).is_file(), f"{page.name} links {target}, which does not exist"
+    viewer = (ROOT / "docs" / "viewer.md").read_text()
+    for route in ("/view/{id}", "/view/group/{id}", "/run", "/runs/compare"):  # each page shown
+        section = viewer.split(f"`{route}`", 1)[1].split("\n## ", 1)[0]
+        assert "![" in section, f"docs/viewer.md shows no screenshot of {route}"
+
+
 def test_every_cli_command_is_documented() -> None:
     commands = typer.main.get_command(app).commands
     assert set(commands) >= {"ingest", "sql", "branches", "export", "stats"}

@@ -160,6 +160,8 @@ def test_index_page_loads_clean(page: Page, base: str) -> None:
     page.wait_for_url("**sort=reward**")
     rewards = [r for r in page.locator("td.reward").all_inner_texts() if r != "—"]
     assert [float(r) for r in rewards] == sorted(float(r) for r in rewards)
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "index.png"), full_page=False)
     assert page.problems == []
 
 
