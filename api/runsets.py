@@ -13,10 +13,13 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
+import duckdb
+
 import tracedb
 from tracedb.database import Database
+from tracedb.errors import TraceDBError
 
-from .errors import invalid, not_found
+from .errors import ApiError, invalid, not_found
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 MAX_COMPARED = 8
@@ -60,6 +63,8 @@ class Runs:
                 raise ValueError(f"two runs are named {name!r}: name one of them (--db NAME=PATH)")
             if not Path(other).is_file():
                 raise ValueError(f"run {name!r}: no database at {other}")
+            if Path(other).resolve() == Path(path).resolve():
+                raise ValueError(f"run {name!r} is the server's own file ({path}, run {primary!r})")
             self.paths[name] = Path(other)
 
     @property
@@ -88,5 +93,11 @@ class Runs:
         if name == self.primary:
             yield primary
             return
-        with tracedb.connect(self.paths[name], read_only=True) as db:
+        try:
+            db = tracedb.connect(self.paths[name], read_only=True)
+        except (TraceDBError, duckdb.Error, OSError) as e:
+            raise ApiError(
+                409, "run_unavailable", f"run {name!r} ({self.paths[name]}) cannot be read now: {e}"
+            ) from None
+        with db:
             yield db

@@ -1,7 +1,8 @@
 """Every shell block of the README and docs/ runs as written (docs/contributing.md).
 
 One sample run is generated for the module; each Markdown file runs in a directory of its
-own, the README from the sample files alone, a docs page with the sample already ingested.
+own, the README from the sample files alone, a docs page with what the README's quick start
+leaves (runs.duckdb: the sample ingested, credit set grpo).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 @pytest.fixture(scope="module")
 def sample(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = write_sample_dir(tmp_path_factory.mktemp("docs-sample") / "files")
-    with tracedb.connect(root.parent / "runs.duckdb") as db:
+    with tracedb.connect(root.parent / "runs.duckdb") as db:  # what the README's quick start leaves
         report = db.ingest(root / "runs")
+        tracedb.credit.run(db, "grpo", "grpo")
     assert report.traces == SAMPLE["groups"] * SAMPLE["group_size"]
     return root
 

@@ -49,7 +49,7 @@ def _compared(request: Request, db: Any, runs: str | None, run: list[str] | None
         return runcompare.compare(named)
 
 
-@router.get("/api/runs/compare", response_class=JSONBody, responses=responses(404, 422))
+@router.get("/api/runs/compare", response_class=JSONBody, responses=responses(404, 409, 422))
 def compare_json(request: Request, db: Reader, runs: RunsQuery = None, run: RunQuery = None) -> Any:
     """Per run: traces, groups, reward mean, zero-variance share, dropped share, staleness,
     tokens per trace; per step (or part of the ingest sequence): each run's reward mean,
@@ -60,7 +60,10 @@ def compare_json(request: Request, db: Reader, runs: RunsQuery = None, run: RunQ
 @router.get(
     "/runs/compare",
     response_class=HTMLResponse,
-    responses={200: {"content": {"text/html": {}}, "description": "An HTML page."}, **responses(404, 422, html=True)},
+    responses={
+        200: {"content": {"text/html": {}}, "description": "An HTML page."},
+        **responses(404, 409, 422, html=True),
+    },
 )
 def compare_page(request: Request, db: Reader, runs: RunsQuery = None, run: RunQuery = None) -> Any:
     """The runs side by side: their headline figures, then per step each run's reward,

@@ -183,6 +183,8 @@ def test_run_names_and_the_command_line(tmp_path: Path, runs: dict[str, Any]) ->
     assert parse_run(str(odd)) == ("k_v", odd)  # an existing file is a path, whatever its name holds
     with pytest.raises(ValueError, match="two runs are named 'a'"):
         create_app(runs["a_path"], name="a", runs={"a": runs["b_path"]})
+    with pytest.raises(ValueError, match="run 'same' is the server's own file"):
+        create_app(runs["a_path"], name="a", runs={"same": runs["a_path"]})
     with pytest.raises(ValueError, match="run 'c': no database at"):
         create_app(runs["a_path"], name="a", runs={"c": tmp_path / "missing.duckdb"})
     runner = CliRunner()
@@ -191,3 +193,16 @@ def test_run_names_and_the_command_line(tmp_path: Path, runs: dict[str, Any]) ->
     missing = runner.invoke(cli, ["serve", "--db", str(runs["a_path"]), "--db", f"c={tmp_path / 'missing.duckdb'}"])
     assert missing.exit_code == 2 and "no database at" in missing.output
     assert not (tmp_path / "missing.duckdb").exists()
+
+
+def test_a_run_that_cannot_be_read_is_a_409(runs: dict[str, Any], tmp_path: Path) -> None:
+    gone = tmp_path / "gone.duckdb"
+    shutil.copy(runs["b_path"], gone)
+    application = create_app(runs["a_path"], name="a", runs={"gone": gone})
+    gone.unlink()  # after the server started: the request says so, naming the run
+    gone.write_bytes(b"not a database file")
+    with TestClient(application, base_url="http://127.0.0.1") as client:
+        response = client.get("/api/runs/compare", params={"runs": "a,gone"})
+    application.state.backend.close()
+    assert response.status_code == 409, response.text
+    assert response.json()["error"] == "run_unavailable" and "run 'gone'" in response.json()["detail"]
