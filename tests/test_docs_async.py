@@ -47,7 +47,7 @@ def _rollouts(directory: Path) -> None:
 def test_every_command_and_program_of_the_async_page_runs(tmp_path: Path, monkeypatch, capsys) -> None:
     monkeypatch.chdir(tmp_path)
     _rollouts(tmp_path / "rollouts")
-    assert "[async.md](docs/async.md)" in (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert "(docs/async.md)" in (Path(__file__).resolve().parent.parent / "README.md").read_text()
     found = blocks()
     assert [lang for lang, _, _ in found].count("python") == 2
     cli = typer.main.get_command(app)

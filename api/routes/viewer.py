@@ -14,7 +14,7 @@ from fastapi.templating import Jinja2Templates
 
 from tracedb.database import Database
 
-from .. import pages, queries, tracepage
+from .. import pages, queries, tracepage, turns
 from ..deps import CreditQuery, Reader, credit_of
 from ..errors import ApiError, JSONBody, dumps, invalid, not_found, responses
 from .traces import TraceId
@@ -126,24 +126,33 @@ def view(
     branch: Annotated[
         int | None, Query(ge=0, le=2**31 - 1, description="Show only this branch's nodes (its page opens).")
     ] = None,
+    sampled: Annotated[
+        bool, Query(description="Only the sampled nodes (the model's turns): no prompts, no tool results.")
+    ] = False,
 ) -> Any:
-    """One trace: its message graph as branches, a page of branches at a time, each node's
-    tokens as a heat strip; with ``compare``, its credit in two sets and their difference
-    (a page of sampled nodes at a time)."""
+    """One trace: a summary of its turns' advantages, then its message graph as branches, a
+    page of branches at a time, each node's tokens as a heat strip (``sampled``: the sampled
+    nodes only); with ``compare``, its credit in two sets and their difference (a page of
+    sampled nodes at a time)."""
     meta = queries.trace_meta(db, trace_id)
     name, label = credit_of(db, credit)
     if compare is not None:
         return _compare_page(request, db, meta, (name, label), credit_of(db, compare), color, nodes_from)
     start = tracepage.page_from(branch, branches_from, branch_limit)
+    keep = turns.sampled_nodes(db, trace_id) if sampled else None
     page = tracepage.trace_page(
-        db, trace_id, name, branches_from=start, branch_limit=branch_limit, nodes_from=nodes_from
+        db, trace_id, name, branches_from=start, branch_limit=branch_limit, nodes_from=nodes_from, only=keep
     )
+    summary = turns.turn_summary(db, trace_id, name)
+    shown = {n["node_index"] for n in page["nodes"]}
+    for turn in summary["turns"]:
+        turn["on_page"] = turn["node_index"] in shown
     tokenizer = request.app.state.backend.tokenizer
     if tokenizer is not None:
         for strip in page["strips"]:
             strip["pieces"] = _pieces(tokenizer, strip["token_ids"])
     window = page["window"]
-    kept = {"credit": label, "color": color, "branch_limit": branch_limit}
+    kept = {"credit": label, "color": color, "branch_limit": branch_limit, "sampled": "true" if sampled else None}
 
     def link(**changes: Any) -> str:
         params = {**kept, "branches_from": start, **changes}
@@ -159,11 +168,18 @@ def view(
         "nodes": page["strips"],
         "branches_from": start,
         "branch_limit": branch_limit,
+        "turns": summary,
     }
     return templates.TemplateResponse(
         request,
         "view.html",
         {
+            "turns": summary,
+            "sampled": sampled,
+            "show_links": {
+                "all": link(sampled=None, nodes_from=None),
+                "sampled": link(sampled="true", nodes_from=None),
+            },
             "meta": page["meta"],
             "credit": label,
             "color": color,
@@ -181,6 +197,21 @@ def view(
             "payload": _embed(payload),
         },
     )
+
+
+@router.get("/traces/{trace_id}/turns", response_class=JSONBody, responses=responses(404, 422), tags=["traces"])
+def trace_turns(
+    db: Reader,
+    trace_id: TraceId,
+    credit: CreditQuery = None,
+    turns_from: Annotated[int, Query(ge=0, le=2**31 - 1, description="The first turn listed (0-based).")] = 0,
+    limit: Annotated[int, Query(ge=1, le=turns.TURNS, description="Turns listed at most.")] = turns.TURNS,
+) -> Any:
+    """The trace's turns (its sampled nodes, in node order), each with its advantages' mean,
+    min, max and sum in the credit set (null when the set leaves it unassigned), and the
+    trace's totals: what ``/view/{id}``'s turn summary shows."""
+    name, _ = credit_of(db, credit)
+    return JSONBody(turns.turn_summary(db, trace_id, name, turns_from=turns_from, limit=limit))
 
 
 def _compare_page(

@@ -462,7 +462,8 @@ def test_group_page_in_another_credit_set(client: TestClient, run: Run) -> None:
     html = client.get("/view/group/group-0?credit=some&color=logprob").text
     data = group_payload(html)
     assert data["credit"] == "some" and data["color"] == "logprob"
-    assert re.findall(r'<th class="credit-col"[^>]*>(\w+)</th>', html) == ["some", "default", "zeros"]
+    row = re.search(r"<tr data-trace=.*?</tr>", html, re.S).group(0)  # each member: a status per set, in order
+    assert re.findall(r'<span class="set-name">(\w+)</span>', row) == ["some", "default", "zeros"]
     assert sum(s["advantages"] is not None for s in data["nodes"]) >= 1
     assert sum(s["advantages"] is None for s in data["nodes"]) >= 3
 

@@ -632,14 +632,16 @@ def migrate(db: DbOption = Path("tracedb.duckdb"), as_json: JsonOption = False) 
 
 @app.command()
 def serve(
-    db: Annotated[
-        Path,
+    dbs: Annotated[
+        list[str] | None,
         typer.Option(
             "--db",
             envvar="TRACEDB_DB",
-            help="Database file (created if missing with --token or --follow); env TRACEDB_DB.",
+            help="Database file the server serves (a read-only server needs it; with --token or --follow it is "
+            "created); env TRACEDB_DB. Repeat it for runs to compare at /runs/compare: PATH or NAME=PATH "
+            "(a run is named by its file's stem unless named); the first is the one every other page serves.",
         ),
-    ] = Path("tracedb.duckdb"),
+    ] = None,
     host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
     token: Annotated[
@@ -705,10 +707,18 @@ def serve(
     import uvicorn
 
     from tracedb.api import create_app
+    from tracedb.api.runsets import parse_run
     from tracedb.api.security import LOOPBACK_HOSTS
 
     memory_limit(memory_limit_)
     follow = input_paths(follow, follow=True) if follow else follow
+    try:
+        named = [parse_run(spec) for spec in dbs or ["tracedb.duckdb"]]
+    except ValueError as e:
+        raise fail(e, 2) from None
+    (name, db), others = named[0], dict(named[1:])
+    if len(others) != len(named) - 1 or name in others:
+        raise fail(f"two runs are named alike among {', '.join(n for n, _ in named)}: name them (--db NAME=PATH)", 2)
     if rotated and not follow:
         raise fail("--rotated names where a followed file's rotated copies are: it needs --follow", 2)
     if token is None and not follow and not db.exists():
@@ -738,6 +748,8 @@ def serve(
             follow_tags=tag or [],
             follow_allow_ragged=allow_ragged,
             follow_rotated=rotated or (),
+            name=name,
+            runs=others,
         )
     except (TraceDBError, FileNotFoundError, ValueError) as e:
         raise fail(e, 2) from None
@@ -747,6 +759,10 @@ def serve(
         note = f"; not there yet (followed once they appear): {', '.join(missing)}" if missing else ""
         err.print(f"following {', '.join(map(str, follow))}{note}", style="dim")
     err.print(f"tracedb serving {db} on http://{host}:{port} ({mode})")
+    if others:
+        err.print(
+            f"runs to compare: {', '.join(n for n, _ in named)} at http://{host}:{port}/runs/compare", style="dim"
+        )
     try:
         uvicorn.run(application, host=host, port=port, log_level="info")
     finally:
