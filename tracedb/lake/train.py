@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tracedb.batches import Plan
+from tracedb.batches import Plan, provenance
 from tracedb.batches.run import check, plan_of
 from tracedb.lake import catalog
 from tracedb.lake.columns import resolve_credit, visible_columns
@@ -41,6 +41,8 @@ def micro_batches(lake: catalog.Opened, seq_len: int, selection: Selection, **op
     data = visible_columns(lake, rows, list(COMPACT_STREAMS), options["credit"], watermark=mark)
     plan = plan_of(data, seq_len, selection.manifest(), **options)
     plan.report.watermark = mark
+    # what the step's manifest records of its inputs, as the file store's (the lake's watermarks)
+    plan.record = provenance.record(data, rows.column("trace_id").to_pylist(), mark, mark, options["credit"])
     return plan
 
 
