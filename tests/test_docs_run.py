@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import tracedb
+import tracedb.credit
 
 from support import REPO
 from support.docrun import SAMPLE, Block, DocError, Runner, commands_of, shell_blocks, write_sample_dir
