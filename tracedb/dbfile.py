@@ -324,8 +324,15 @@ def holder_command(pid: int) -> str | None:
     for i, word in enumerate(words):  # python -m tracedb ... / .venv/bin/tracedb ...
         if os.path.basename(word) == "tracedb" or (word == "-m" and words[i + 1 : i + 2] == ["tracedb"]):
             start = i + 1 if word != "-m" else i + 2
-            return " ".join(["tracedb", *words[start:]])[:200]
-    return " ".join(words)[:200] or None
+            return _one_line(["tracedb", *words[start:]])
+    return _one_line(words) or None
+
+
+def _one_line(words: list[str]) -> str:
+    """A command line on one line (an argument holding line breaks, a ``python -c``
+    program, is folded), at most 200 characters."""
+    line = " ".join(" ".join(word.split()) for word in words)
+    return line if len(line) <= 200 else line[:199] + "…"
 
 
 def _what_to_do(command: str | None) -> str:
