@@ -29,12 +29,16 @@ from pyiceberg.transforms import BucketTransform
 from tracedb import tables
 from tracedb.errors import DatabaseError
 
-LAKE_SCHEMA_VERSION = 2
+LAKE_SCHEMA_VERSION = 3
 """The version of the lake's layout (its tables, :data:`BATCH`, the partitioning, what
 a ``traces`` row's ``seq`` holds); stored in the lake's ``tracedb_meta`` as
 ``lake_schema_version``. 1: writers stored the file store's seq in the row, readers
 took the file's sequence number; 2: a stored seq is the lake's (written by a
-compaction or by the upgrade from 1, :mod:`tracedb.lake.upgrade`), else the file's."""
+compaction or by the upgrade from 1, :mod:`tracedb.lake.upgrade`), else the file's;
+3: the file store's schema 6 (policy versions: ``nodes.weight_versions``,
+``traces.dropped`` / ``policy_min`` / ``policy_max`` / ``policy_unknown`` /
+``work_type``, the episodes' work columns, ``policy_labels``), filled in on an upgrade
+from 2 as the file store's migration fills them (:mod:`tracedb.lake.policy_columns`)."""
 VERSION_KEY = "lake_schema_version"
 BATCH = "lake_batch"
 """The lake's own column: the id of the write that put a row in. A trace's rows are the
@@ -286,7 +290,8 @@ def version_problem(version: str | None, where: str) -> str:
     if version is not None and version.isdigit() and int(version) < LAKE_SCHEMA_VERSION:
         return (
             f"{found}; upgrade it with `tracedb lake init --warehouse {where}` (or tracedb.lake.init): "
-            "it rewrites traces with each trace's lake seq (stop the lake's writers first)"
+            "it rewrites traces (each trace keeps its lake seq) and adds the policy-version columns "
+            "(stop the lake's writers first)"
         )
     if version is not None and version.isdigit():
         return f"{found}; a newer tracedb made it: upgrade tracedb"

@@ -33,7 +33,7 @@ pyiceberg's ``expire_snapshots`` only edits the metadata; deleting files is done
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,13 +143,15 @@ def rewrite_traces(
     stored_from: Collection[int] | None = None,
     properties: dict[str, str] | None = None,
     force: bool = False,
+    change: Callable[[pa.Table], pa.Table] | None = None,
 ) -> dict[str, int]:
     """Rewrite ``traces`` (tables from ``load(name)``): the visible row per trace id, each
     with its ``seq`` (as :func:`~tracedb.lake.scan.scan_traces` reads it, with
     ``stored_from``) stored in the row, in one overwrite commit carrying ``properties``
     in its snapshot summary; retried when another traces commit lands meanwhile. Left
     alone (unless ``force``) when it holds one row per trace and one file per partition.
-    Returns rows and files before and after."""
+    ``change`` (an upgrade's) changes the visible rows before they are written (their
+    columns, never which rows or their seq). Returns rows and files before and after."""
     for attempt in range(1, ATTEMPTS + 1):
         table = load("traces")
         tasks = list(table.scan().plan_files())
@@ -158,6 +160,8 @@ def rewrite_traces(
         entry = {"rows_before": rows, "rows_after": kept.num_rows, "files_before": len(tasks)}
         if not force and kept.num_rows == rows and _compacted(tasks):
             return {**entry, "files_after": len(tasks)}
+        if change is not None:
+            kept = change(kept)
         try:
             table.overwrite(kept.cast(table.schema().as_arrow()), snapshot_properties=properties or {})
         except CommitFailedException:

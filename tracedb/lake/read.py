@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyiceberg.expressions import AlwaysTrue, BooleanExpression, In
 
+from tracedb.lake import nulls
 from tracedb.lake.catalog import BATCH, batched, lake_tables, per_trace
 from tracedb.lake.scan import scan_keys, visible_traces
 from tracedb.selection import check_watermark
@@ -49,7 +50,7 @@ def stored(name: str, table: pa.Table | None) -> pa.Table:
         table.column(f.name).cast(f.type) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
         for f in schema
     ]
-    return pa.Table.from_arrays(columns, schema=schema)
+    return nulls.decode(name, pa.Table.from_arrays(columns, schema=schema))
 
 
 def visible(

@@ -27,6 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyiceberg.exceptions import CommitFailedException
 
+from tracedb.lake import nulls
 from tracedb.lake.catalog import BATCH, Commits, batched, lake_schema, lake_tables, per_trace
 from tracedb.lake.scan import scan_keys
 
@@ -94,7 +95,7 @@ def lake_rows(name: str, rows: pa.Table, batch: str) -> pa.Table:
         else pa.nulls(rows.num_rows, f.type)
         for f in schema
     }
-    table = pa.table(columns).cast(pa.schema([f for f in target if f.name != BATCH]))
+    table = nulls.encode(name, pa.table(columns)).cast(pa.schema([f for f in target if f.name != BATCH]))
     if batched(name, schema):
         table = table.append_column(pa.field(BATCH, pa.string()), pa.array([batch] * rows.num_rows, pa.string()))
     return table
