@@ -216,6 +216,7 @@ _SAME = {
     "episodes": "x.episode_id = r.episode_id",
     "segments": "x.segment_id = r.segment_id",
     "credit_sets": "x.name = r.name",
+    "policy_labels": "x.label = r.label",
     "rejects": " AND ".join(
         f"x.{c} IS NOT DISTINCT FROM r.{c}" for c in ("source", "line", "trace_id", "node", "field", "reason")
     ),

@@ -9,7 +9,8 @@ trace's ``seq`` is the sequence number of the snapshot that committed its traces
 here what they mean in the file store. Segments are shown once each (concurrent writers
 may store one twice) and only those a visible node uses; rejects once each; credit
 sets once per name (the first written); credit values only of a set whose ``credit_sets``
-row is visible (it is committed after them). The rule is :func:`visible_rows`, which
+row is visible (it is committed after them); a weight label's latest mapping
+(``policy_labels``, :mod:`tracedb.lake.labels`). The rule is :func:`visible_rows`, which
 :mod:`tracedb.lake.sqlscan` applies too.
 """
 
@@ -128,6 +129,8 @@ def visible_rows(con: duckdb.DuckDBPyConnection, name: str, raw: pa.Table) -> pa
             query = f"SELECT * FROM raw QUALIFY row_number() OVER (PARTITION BY {key} ORDER BY rejected_at) = 1"
         elif name == "credit_sets":
             query = "SELECT * FROM raw QUALIFY row_number() OVER (PARTITION BY name ORDER BY created_at) = 1"
+        elif name == "policy_labels":  # a label mapped again: the latest mapping
+            query = "SELECT * FROM raw QUALIFY row_number() OVER (PARTITION BY label ORDER BY set_at DESC) = 1"
         else:
             query = "SELECT * FROM raw"
         return con.sql(query).to_arrow_table()
