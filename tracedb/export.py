@@ -82,7 +82,7 @@ def export(
                 batch_tokens=batch_tokens,
             ):
                 if writer is None:  # the file's schema carries the watermark (tracedb.watermark_of)
-                    writer = _writer(fmt, tmp, table.schema, compression)
+                    writer = open_writer(fmt, tmp, table.schema, compression)
                     mark = watermark_of(table)
                 if table.num_rows:
                     writer.write_table(table)
@@ -90,7 +90,7 @@ def export(
                     if "token_ids" in table.column_names:
                         tokens += int(pc.sum(pc.list_value_length(table.column("token_ids"))).as_py() or 0)
             if writer is None:  # nothing selected: still a valid, empty file
-                writer = _writer(fmt, tmp, BRANCH_SCHEMA, compression)
+                writer = open_writer(fmt, tmp, BRANCH_SCHEMA, compression)
         finally:
             if writer is not None:
                 writer.close()
@@ -98,7 +98,9 @@ def export(
     return {"path": str(path), "format": fmt, "rows": rows, "tokens": tokens, "bytes": size, "watermark": mark}
 
 
-def _writer(fmt: str, path: Path, schema: pa.Schema, compression: str | None) -> Any:
+def open_writer(fmt: str, path: Path, schema: pa.Schema, compression: str | None) -> Any:
+    """A writer of ``fmt`` (parquet, arrow, arrows) at ``path`` for tables of ``schema``
+    (``write_table``, ``close``), compressed as an export is."""
     if fmt == "parquet":
         return pq.ParquetWriter(path, schema, compression=compression or "none")
     options = ipc.IpcWriteOptions(compression=compression if compression in ("zstd", "lz4") else None)

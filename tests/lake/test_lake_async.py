@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import pyarrow as pa
 import pytest
 
 import tracedb
@@ -165,3 +166,65 @@ def test_unknown_versions_and_bad_parameters_are_refused_as_the_file_store_refus
         with pytest.raises(ValueError) as got:
             lake.micro_batches(4096, **kwargs)
         assert str(got.value) == str(want.value)
+
+
+ASYNC_ARGS = ["--policy", str(V), "--max-staleness", str(K), "--stale", "mask", "--unknown", "keep"]
+
+
+def test_lake_pack_and_export_take_the_async_options_as_the_file_commands_do(lake, store, tmp_path):
+    from typer.testing import CliRunner
+
+    from tracedb.cli.main import app
+
+    run = CliRunner().invoke
+    args = ["--seq-len", "4096", "--ranks", "2", *ASYNC_ARGS, "--json"]
+    filed = run(app, ["pack", "--db", str(store), "--out", str(tmp_path / "file"), *args])
+    assert filed.exit_code == 0, filed.output
+    laked = run(app, ["lake", "pack", "--lake", lake.where, "--out", str(tmp_path / "lake"), *args])
+    assert laked.exit_code == 0, laked.output
+    names = sorted(p.name for p in (tmp_path / "file").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "lake").iterdir())
+    for name in names:
+        if name != "manifest.json":
+            assert (tmp_path / "file" / name).read_bytes() == (tmp_path / "lake" / name).read_bytes(), name
+    want = json.loads((tmp_path / "file" / "manifest.json").read_text())
+    got = json.loads((tmp_path / "lake" / "manifest.json").read_text())
+    assert got["report"].pop("watermark") == lake.watermark()
+    want["report"].pop("watermark")
+    assert got == want and got["report"]["stale_tokens"] > 0
+
+    exported = {}
+    for where, command in (
+        ("file", ["export", "--db", str(store)]),
+        ("lake", ["lake", "export", "--lake", lake.where]),
+    ):
+        out = tmp_path / f"{where}.arrow"
+        options = ["--trainable-only", "--include-eval", *ASYNC_ARGS[:4], "--unknown", "drop", "--json"]
+        result = run(app, [*command, str(out), *options])
+        assert result.exit_code == 0, result.output
+        exported[where] = (json.loads(result.output), pa.ipc.open_file(out).read_all())
+    (file_result, file_table), (lake_result, lake_table) = exported["file"], exported["lake"]
+    assert lake_result["watermark"] == lake.watermark() == tracedb.watermark_of(lake_table)
+    assert lake_table.num_rows and lake_table.replace_schema_metadata(None).equals(
+        file_table.replace_schema_metadata(None)
+    )
+    assert {k: v for k, v in lake_result.items() if k not in ("path", "watermark", "bytes")} == {
+        k: v for k, v in file_result.items() if k not in ("path", "watermark", "bytes")
+    }
+    bad = run(app, ["lake", "export", str(tmp_path / "x.arrow"), "--lake", lake.where, "--stale", "mask"])
+    assert bad.exit_code == 2 and "give policy and max_staleness" in bad.output and "Traceback" not in bad.output
+
+
+def test_the_async_options_are_one_list_shared_by_the_file_and_lake_commands():
+    import typer.main
+
+    from tracedb.cli.common import TRAINING_OPTIONS
+    from tracedb.cli.main import app
+
+    command = typer.main.get_command(app)
+    shared = {name for name, _, _ in TRAINING_OPTIONS}
+    for path in (["pack"], ["export"], ["lake", "pack"], ["lake", "export"]):
+        found = command
+        for name in path:
+            found = found.commands[name]  # type: ignore[attr-defined]
+        assert shared <= {p.name for p in found.params}, path

@@ -1,5 +1,6 @@
 """Upgrading a version-1 lake (writers stored the file store's seq in traces rows) to
-version 2: open refuses it naming the versions and the upgrade, ``init`` upgrades it
+version 2, then on to 3 (which fills nothing here: this tracedb's writer stored the new
+columns): open refuses it naming the versions and the upgrade, ``init`` upgrades it
 (every trace's seq its commit's, as a fresh push gives), crash-safe and idempotent."""
 
 from __future__ import annotations
@@ -85,14 +86,14 @@ def test_open_refuses_a_version_1_lake_and_init_upgrades_it(tmp_path, store, fre
         file_seqs = {r["trace_id"]: r["seq"] for r in db.sql("SELECT trace_id, seq FROM traces").to_pylist()}
     assert dict(zip(*stored.to_pydict().values(), strict=True)) == file_seqs  # the file store's numbering
     assert file_seqs != _seqs(fresh)  # which is not the lake's: a version-2 reader would take it
-    with pytest.raises(lakes.LakeError, match=r"lake schema version 1, this tracedb reads 2; upgrade it with "):
+    with pytest.raises(lakes.LakeError, match=r"lake schema version 1, this tracedb reads 3; upgrade it with "):
         lakes.open(tmp_path / "L")
     with pytest.raises(lakes.LakeError, match=rf"`tracedb lake init --warehouse {tmp_path / 'L'}`"):
         lakes.open(tmp_path / "L")
     before = _snapshots(old)
 
     lake = lakes.init(tmp_path / "L")
-    assert catalog.meta_rows(lake.table(catalog.META)) == {"lake_schema_version": "2"}
+    assert catalog.meta_rows(lake.table(catalog.META)) == {"lake_schema_version": "3"}
     got = _sorted(lake.tables())
     assert _seqs(got) == _seqs(fresh) and set(_seqs(got).values()) == {1, 2, 3}  # each write's commit
     assert got == fresh
@@ -135,4 +136,4 @@ def test_a_rerun_after_a_crash_between_the_rewrite_and_the_meta_row(tmp_path, st
     seqs = _seqs(lake.tables())
     assert {t: seqs[t] for t in ids[:-4]} == {t: 1 for t in ids[:-4]}  # the first write's commit, not the rewrite's
     assert {seqs[t] for t in ids[-4:]} == {late.sequence_number} and late.sequence_number > 1
-    assert lake.watermark() > 3 and catalog.meta_rows(lake.table(catalog.META))["lake_schema_version"] == "2"
+    assert lake.watermark() > 3 and catalog.meta_rows(lake.table(catalog.META))["lake_schema_version"] == "3"

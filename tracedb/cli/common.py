@@ -3,8 +3,11 @@ and printing results (JSON for scripts, a table for people)."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -113,6 +116,41 @@ def training_selection(
         "include_eval": True if include_eval else None,
         "max_groups": max_groups,
     }
+
+
+TRAINING_OPTIONS: tuple[tuple[str, Any, Any], ...] = (
+    ("policy", PolicyOption, None),
+    ("max_staleness", MaxStalenessOption, None),
+    ("stale", StaleOption, None),
+    ("unknown", UnknownOption, None),
+    ("include_dropped", IncludeDroppedOption, False),
+    ("include_eval", IncludeEvalOption, False),
+    ("max_groups", MaxGroupsOption, None),
+)
+"""The staleness, dropped/eval and group-count options (parameter name, annotation,
+default) of the commands that pack or export: :func:`training_options` adds them."""
+
+
+def training_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """A typer command with :data:`TRAINING_OPTIONS` added to its parameters (before its
+    ``as_json``, if any) and handed to it as one keyword argument, ``training``: the
+    :func:`training_selection` of what was typed."""
+    signature = inspect.signature(command, eval_str=True)
+    params = [p for p in signature.parameters.values() if p.name != "training"]
+    added = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=default)
+        for name, annotation, default in TRAINING_OPTIONS
+    ]
+    at = next((i for i, p in enumerate(params) if p.name == "as_json"), len(params))
+    params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in params]
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        chosen = [kwargs.pop(name) for name, _, _ in TRAINING_OPTIONS]
+        return command(*args, training=training_selection(*chosen), **kwargs)
+
+    run.__signature__ = signature.replace(parameters=[*params[:at], *added, *params[at:]])  # type: ignore[attr-defined]
+    return run
 
 
 def live_selection(
