@@ -352,6 +352,23 @@ class Lake(catalog.Opened):
 
         return credit.run(self, algorithm, name, **params)
 
+    def set_policy_versions(self, mapping: Mapping[str, int]) -> int:
+        """Map weight labels that name no number of their own to policy versions in the
+        lake (``{"ckpt-abc": 12}``, as :meth:`tracedb.Database.set_policy_versions`): the
+        mapping is appended, then every visible trace whose spans use one of the labels
+        gets its bounds again and ``traces`` is rewritten (each trace keeps its ``seq``).
+        Returns how many traces that was. Writers that ingest traces using these labels
+        while it runs keep the bounds they computed (see :mod:`tracedb.lake.labels`)."""
+        from tracedb.lake import labels
+
+        return labels.set_versions(self, mapping)
+
+    def policy_versions(self) -> dict[str, int]:
+        """The lake's mapped weight labels and their policy versions."""
+        from tracedb.lake import labels
+
+        return labels.mapping(self)
+
     def compact(self, *, grace: float = 3600.0, expire_older_than: float | None = None) -> CompactReport:
         """Rewrite every table holding only what readers see (removing rows of writes that
         never committed their traces row, rows of writes that lost the race for a trace

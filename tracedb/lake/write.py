@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyiceberg.exceptions import CommitFailedException
 
-from tracedb.lake import nulls
+from tracedb.lake import labels, nulls
 from tracedb.lake.catalog import BATCH, Commits, batched, lake_schema, lake_tables, per_trace
 from tracedb.lake.scan import scan_keys
 
@@ -152,6 +152,8 @@ def _append(lake: object, rows: Mapping[str, pa.Table], report: AppendReport) ->
             present = _in(table.column("segment_id"), _segments_present(lake, table))
             relied = table.filter(present)  # held by the lake already: checked again before traces
             table = table.filter(pc.invert(present))
+        elif name == "policy_labels":
+            table = labels.new_rows(lake, table)
         elif name == "credit_sets":
             present = set(lake.table(name).scan(selected_fields=("name",)).to_arrow().column("name").to_pylist())  # type: ignore[attr-defined]
             table = table.filter(pc.invert(_in(table.column("name"), sorted(present))))
