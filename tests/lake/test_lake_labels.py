@@ -76,3 +76,23 @@ def test_an_ingest_task_starts_from_the_lakes_mapping(tmp_path):
         want = db.sql(BOUNDS).to_pylist()
     assert _bounds(lake.tables()["traces"]) == want and want[0]["policy_unknown"] == 0
     assert lake.tables()["policy_labels"].num_rows == len(MAPPING)  # the task's equal rows not written again
+
+
+def test_lake_policy_versions_command(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from tracedb.cli.main import app
+
+    run = CliRunner().invoke
+    lakes.init(tmp_path / "L")
+    where = str(tmp_path / "L")
+    done = run(app, ["lake", "policy-versions", "--lake", where, "--set", "ckpt-abc=5", "--json"])
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.output) == {"labels": 1, "traces": 0}
+    listed = run(app, ["lake", "policy-versions", "--lake", where, "--json"])
+    assert json.loads(listed.output) == [{"label": "ckpt-abc", "version": 5}]
+    for bad, message in (("ckpt", "expected LABEL=N"), ("step_3=4", "names its policy version itself")):
+        refused = run(app, ["lake", "policy-versions", "--lake", where, "--set", bad])
+        assert refused.exit_code == 2 and message in refused.output and "Traceback" not in refused.output

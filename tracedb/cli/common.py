@@ -153,6 +153,18 @@ def training_options(command: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+def policy_mapping(values: list[str]) -> dict[str, int]:
+    """``--set LABEL=N`` options as a mapping of weight labels to policy versions (exit 2,
+    naming the option, on one that is not LABEL=N with N a whole number)."""
+    mapping: dict[str, int] = {}
+    for text in values:
+        label, sep, number = text.rpartition("=")
+        if not sep or not label or not number.strip().isdigit():
+            raise fail(f"--set: expected LABEL=N (N a whole number), got {text!r}", 2)
+        mapping[label] = int(number)
+    return mapping
+
+
 def live_selection(
     after: int | None, complete_groups: int | None, through: int | None, tag: list[str] | None
 ) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from tracedb.cli.common import (
     key_value,
     live_selection,
     out,
+    policy_mapping,
     report_pack,
     training_options,
     write_pack,
@@ -319,6 +320,33 @@ def export(
     except TraceDBError as e:
         raise fail(e) from None
     emit(result, as_json)
+
+
+@app.command("policy-versions")
+def policy_versions(
+    lake: LakeOption = Path("lake"),
+    set_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set", help="Map a weight label with no number of its own to a policy version: LABEL=N (repeatable)."
+        ),
+    ] = None,
+    as_json: JsonOption = False,
+) -> None:
+    """The lake's weight labels and policy versions, as ``tracedb policy-versions`` for a
+    file: --set LABEL=N maps a label (the traces using it get their bounds again, traces
+    rewritten keeping every seq); without --set, list the mapped labels."""
+    opened = _open(lake)
+    if not set_:
+        held = opened.policy_versions()  # type: ignore[attr-defined]
+        emit([{"label": k, "version": v} for k, v in sorted(held.items())], as_json, title="mapped weight labels")
+        return
+    mapping = policy_mapping(set_)
+    try:
+        updated = opened.set_policy_versions(mapping)  # type: ignore[attr-defined]
+    except TraceDBError as e:
+        raise fail(e, 2) from None
+    emit({"labels": len(mapping), "traces": updated}, as_json)
 
 
 def _started_ray(ray_address: str | None, workers: int | None) -> bool:
