@@ -93,6 +93,12 @@ def test_lake_policy_versions_command(tmp_path):
     assert json.loads(done.output) == {"labels": 1, "traces": 0}
     listed = run(app, ["lake", "policy-versions", "--lake", where, "--json"])
     assert json.loads(listed.output) == [{"label": "ckpt-abc", "version": 5}]
+    again = run(app, ["lake", "policy-versions", "--lake", where, "--set", "ckpt-abc=7", "--json"])
+    assert again.exit_code == 0, again.output
+    listed = run(app, ["lake", "policy-versions", "--lake", where, "--json"])
+    assert json.loads(listed.output) == [{"label": "ckpt-abc", "version": 7}]  # the latest mapping
+    sql = lakes.open(where).sql("SELECT label, version FROM policy_labels").to_pylist()
+    assert sql == [{"label": "ckpt-abc", "version": 7}]
     for bad, message in (("ckpt", "expected LABEL=N"), ("step_3=4", "names its policy version itself")):
         refused = run(app, ["lake", "policy-versions", "--lake", where, "--set", bad])
         assert refused.exit_code == 2 and message in refused.output and "Traceback" not in refused.output

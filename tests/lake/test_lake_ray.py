@@ -21,7 +21,7 @@ import pytest
 
 import tracedb
 
-from support import FIXTURES
+from support import FIXTURES, FIXTURES_041
 
 pytest.importorskip("pyiceberg_core", reason="the lake extra is not installed (pip install '.[lake]')")
 pytest.importorskip("ray", reason="the lake extra is not installed (pip install '.[lake]')")
@@ -110,6 +110,22 @@ else:
             expected = db.branches(group=group).replace_schema_metadata(None)
         assert _collect(pushed.branches(group=group)).equals(expected)
         assert pushed.branches(trace_ids=[]).count() == 0
+
+    def test_views_of_an_async_selection_equal_the_file_stores(local_ray, tmp_path):
+        """The staleness bound, unknown versions, dropped and eval traces (verifiers 0.4.1
+        fixtures): the workers' views, ``policy_version`` per token, equal the file store's."""
+        store = tmp_path / "run.duckdb"
+        with tracedb.connect(store) as db:
+            db.ingest(sorted(FIXTURES_041.glob("*.traces.jsonl")))
+        lake = lakes.init(tmp_path / "L")
+        lake.push(store)
+        chosen = dict(policy=12, max_staleness=6, unknown="drop", include_dropped=False, include_eval=False)
+        with tracedb.connect(store, read_only=True) as db:
+            expected = db.branches(**chosen).replace_schema_metadata(None)
+            every = db.branches().num_rows
+        got = _collect(lake.branches(traces_per_task=5, **chosen))
+        assert 0 < got.num_rows < every and got.equals(expected)
+        assert got.column("policy_version").null_count < got.num_rows
 
     def test_views_of_complete_groups_and_tags_equal_the_file_stores(local_ray, tmp_path):
         """Groups whose members arrived in three tagged ingests, pushed in several writes:
