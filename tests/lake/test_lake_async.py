@@ -16,6 +16,7 @@ import tracedb
 from tracedb.synthetic import generate_episodes, versioned
 
 from support import FIXTURES_041
+from support.plans import assert_same_plan, assert_same_step
 
 pytest.importorskip("pyiceberg_core", reason="the lake extra is not installed (pip install '.[lake]')")
 
@@ -63,17 +64,6 @@ def lake(store, tmp_path_factory):
     return opened
 
 
-def _same_plan(got, want):
-    assert got.arguments == want.arguments
-    assert {**got.report.to_dict(), "watermark": None} == {**want.report.to_dict(), "watermark": None}
-    assert len(got) == len(want)
-    for rank_got, rank_want in zip(got, want, strict=True):
-        assert len(rank_got) == len(rank_want)
-        for mb_got, mb_want in zip(rank_got, rank_want, strict=True):
-            assert mb_got.tokens.equals(mb_want.tokens)
-            assert mb_got.samples.equals(mb_want.samples)
-
-
 SELECTIONS = {
     "training-default": {},
     "with-dropped-and-eval": {"include_dropped": True, "include_eval": True},
@@ -89,7 +79,7 @@ def test_plans_and_reports_equal_the_file_stores(lake, store, selection):
         want = db.micro_batches(4096, ranks=2, trainable=None, **selection)
     got = lake.micro_batches(4096, ranks=2, trainable=None, **selection)
     assert got.report.samples > 0
-    _same_plan(got, want)
+    assert_same_plan(got, want)
     report = got.report
     if "max_groups" in selection:
         assert report.groups_over > 0
@@ -182,16 +172,8 @@ def test_lake_pack_and_export_take_the_async_options_as_the_file_commands_do(lak
     assert filed.exit_code == 0, filed.output
     laked = run(app, ["lake", "pack", "--lake", lake.where, "--out", str(tmp_path / "lake"), *args])
     assert laked.exit_code == 0, laked.output
-    names = sorted(p.name for p in (tmp_path / "file").iterdir())
-    assert names == sorted(p.name for p in (tmp_path / "lake").iterdir())
-    for name in names:
-        if name != "manifest.json":
-            assert (tmp_path / "file" / name).read_bytes() == (tmp_path / "lake" / name).read_bytes(), name
-    want = json.loads((tmp_path / "file" / "manifest.json").read_text())
-    got = json.loads((tmp_path / "lake" / "manifest.json").read_text())
-    assert got["report"].pop("watermark") == lake.watermark()
-    want["report"].pop("watermark")
-    assert got == want and got["report"]["stale_tokens"] > 0
+    manifest = assert_same_step(tmp_path / "lake", tmp_path / "file", lake.watermark())
+    assert manifest["report"]["stale_tokens"] > 0
 
     exported = {}
     for where, command in (

@@ -406,3 +406,22 @@ else:
             lake.credit("grpo", "g")
         with pytest.raises(ValueError, match="lake credit computes"):
             lake.credit("gae", "x")
+
+    def test_group_credit_leaves_dropped_and_eval_traces_out_as_the_file_store_does(local_ray, tmp_path):
+        from tracedb import credit
+
+        store = tmp_path / "run.duckdb"
+        with tracedb.connect(store) as db:
+            db.ingest([FIXTURES_041 / "dropped_group.traces.jsonl", FIXTURES_041 / "eval_work.traces.jsonl"])
+            left_out = db.sql("SELECT count(*) FROM traces WHERE dropped IS NOT NULL OR work_type = 'eval'")
+            assert left_out.column(0)[0].as_py() > 0
+        lake = lakes.init(tmp_path / "L")
+        lake.push(store)
+        with tracedb.connect(store) as db:
+            credit.run(db, "grpo", "g")
+            want = db.sql("SELECT credit_set, trace_id, value FROM trace_credit ORDER BY ALL")
+            every = db.sql("SELECT count(*) FROM traces WHERE reward IS NOT NULL").column(0)[0].as_py()
+        lake.credit("grpo", "g")
+        got = lake.tables()["trace_credit"].sort_by([(c, "ascending") for c in ("credit_set", "trace_id", "value")])
+        assert got.select(want.column_names).cast(want.schema).equals(want)
+        assert 0 < want.num_rows < every  # dropped and eval traces unassigned

@@ -38,6 +38,7 @@ from tracedb.cli.common import (
     memory_limit,
     open_db,
     out,
+    policy_mapping,
     report_ingest,
     report_pack,
     report_storage,
@@ -488,12 +489,7 @@ def policy_versions(
         with open_db(db, read_only=True) as database:
             emit(database.policy_versions().to_pylist(), as_json, title="mapped weight labels")
         return
-    mapping: dict[str, int] = {}
-    for text in set_:
-        label, sep, number = text.rpartition("=")
-        if not sep or not label or not number.strip().isdigit():
-            raise fail(f"--set: expected LABEL=N (N a whole number), got {text!r}", 2)
-        mapping[label] = int(number)
+    mapping = policy_mapping(set_)
     with open_db(db) as database:
         try:
             updated = database.set_policy_versions(mapping)
