@@ -56,9 +56,12 @@ def decode(name: str, table: pa.Table) -> pa.Table:
     blank = np.zeros(table.num_rows, bool)
     empty = np.flatnonzero((lengths == 0) & ~_present(table))
     if len(empty):
-        extras = table.column("extra").take(pa.array(empty)) if "extra" in table.column_names else None
-        held = [] if extras is None else extras.to_pylist()
-        blank[empty] = [extras is None or spans_in(x) != [] for x in held] if held else True
+        blank[empty] = True
+        if "extra" in table.column_names:  # unless the unknown fields hold an empty list (a schema-5 node's)
+            extras = table.column("extra").take(pa.array(empty))
+            named = pc.fill_null(pc.match_substring(extras, f'"{COLUMN}"'), False).to_numpy(zero_copy_only=False)
+            for row, text in zip(empty[named].tolist(), extras.filter(pa.array(named)).to_pylist(), strict=True):
+                blank[row] = spans_in(text) != []
     single = np.flatnonzero(lengths == 1)
     if len(single):
         blank[single] = [v == [None] for v in column.take(pa.array(single)).to_pylist()]
