@@ -3,7 +3,8 @@ laid out as version 2 holding the rows schema 5 really wrote (``tests/fixtures/s
 v5.duckdb``: verifiers 0.4.1 spans among the nodes' unknown fields, dropped traces and
 ``run.work`` in the records), in two writes. Open refuses it; ``init`` adds the columns
 and fills them with the values ``tracedb migrate`` gives the same file (records and
-seqs unchanged), and a rerun changes nothing."""
+seqs unchanged), also when rerun after a crash before its traces rewrite, and a rerun
+after it is done changes nothing."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import tracedb
 pytest.importorskip("pyiceberg_core", reason="the lake extra is not installed (pip install '.[lake]')")
 
 import tracedb.lake as lakes  # noqa: E402
-from tracedb.lake import catalog, policy_columns, upgrade  # noqa: E402
+from tracedb.lake import catalog, compact, policy_columns, upgrade  # noqa: E402
 
 from support import REPO  # noqa: E402
 
@@ -107,7 +108,18 @@ def test_a_version_2_lake_is_upgraded_to_the_migrated_files_columns(tmp_path, mi
     path = _v2_lake(tmp_path / "L", monkeypatch)
     with pytest.raises(lakes.LakeError, match=r"lake schema version 2, this tracedb reads 3; upgrade it with "):
         lakes.open(path)
-    lake = lakes.init(path)
+    real = compact.rewrite_traces
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("killed before the traces rewrite")
+
+    monkeypatch.setattr(compact, "rewrite_traces", crash)  # nodes and episodes filled, traces not yet
+    with pytest.raises(RuntimeError, match="killed"):
+        lakes.init(path)
+    monkeypatch.setattr(compact, "rewrite_traces", real)
+    with pytest.raises(lakes.LakeError, match="lake schema version 2"):
+        lakes.open(path)  # still version 2 until the meta row
+    lake = lakes.init(path)  # the rerun
     assert catalog.meta_rows(lake.table(catalog.META)) == {"lake_schema_version": "3"}
     tables = lake.tables()
     seqs = dict(zip(*tables["traces"].select(["trace_id", "seq"]).to_pydict().values(), strict=True))
