@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import pyarrow.compute as pc
 import typer
@@ -17,17 +17,10 @@ from tracedb.cli.common import (
     AfterOption,
     CompleteGroupsOption,
     DbOption,
-    IncludeDroppedOption,
-    IncludeEvalOption,
     JsonOption,
-    MaxGroupsOption,
-    MaxStalenessOption,
     MemoryLimitOption,
-    PolicyOption,
-    StaleOption,
     TagFilterOption,
     ThroughOption,
-    UnknownOption,
     checked_name,
     emit,
     emit_sql_rows,
@@ -42,7 +35,7 @@ from tracedb.cli.common import (
     report_ingest,
     report_pack,
     report_storage,
-    training_selection,
+    training_options,
     write_pack,
 )
 from tracedb.cli.follow import follow as run_follower
@@ -247,6 +240,7 @@ def trace(
 
 
 @app.command()
+@training_options
 def export(
     path: Annotated[Path, typer.Argument(help="Output file: .parquet, .arrow (IPC file) or .arrows (IPC stream).")],
     db: DbOption = Path("tracedb.duckdb"),
@@ -261,19 +255,13 @@ def export(
     complete_groups: CompleteGroupsOption = None,
     through: ThroughOption = None,
     tag: TagFilterOption = None,
-    policy: PolicyOption = None,
-    max_staleness: MaxStalenessOption = None,
-    stale: StaleOption = None,
-    unknown: UnknownOption = None,
-    include_dropped: IncludeDroppedOption = False,
-    include_eval: IncludeEvalOption = False,
-    max_groups: MaxGroupsOption = None,
     as_json: JsonOption = False,
+    training: dict[str, Any] | None = None,
 ) -> None:
     """Export branch views, streaming in bounded memory. The result's watermark (printed,
     and in the file's schema) is the --after of the next export of a live run."""
     live = live_selection(after, complete_groups, through, tag)
-    live.update(training_selection(policy, max_staleness, stale, unknown, include_dropped, include_eval, max_groups))
+    live.update(training or {})
     with open_db(db, read_only=True) as database:
         try:
             result = database.export(
@@ -295,6 +283,7 @@ def export(
 
 
 @app.command()
+@training_options
 def pack(
     out: Annotated[Path, typer.Option("--out", help="Step directory to write (rank_R.arrow, manifest.json last).")],
     seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per micro-batch, at most.")],
@@ -317,20 +306,14 @@ def pack(
     complete_groups: CompleteGroupsOption = None,
     through: ThroughOption = None,
     tag: TagFilterOption = None,
-    policy: PolicyOption = None,
-    max_staleness: MaxStalenessOption = None,
-    stale: StaleOption = None,
-    unknown: UnknownOption = None,
-    include_dropped: IncludeDroppedOption = False,
-    include_eval: IncludeEvalOption = False,
-    max_groups: MaxGroupsOption = None,
     as_json: JsonOption = False,
+    training: dict[str, Any] | None = None,
 ) -> None:
     """Pack micro-batches for a trainer into a step directory: per rank an Arrow IPC file of
     micro-batches and their samples, then manifest.json (a trainer waits for it). On a live
     run, --after with the last step's watermark (in the report) packs what arrived since."""
     live = live_selection(after, complete_groups, through, tag)
-    live.update(training_selection(policy, max_staleness, stale, unknown, include_dropped, include_eval, max_groups))
+    live.update(training or {})
     with open_db(db, read_only=True) as database:
         try:
             plan = database.micro_batches(
