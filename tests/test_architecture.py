@@ -47,6 +47,7 @@ LAYERS: list[list[str]] = [
         "tracedb.storage",
         "tracedb.export",
         "tracedb.batches",
+        "tracedb.offpolicy",
     ],
     ["tracedb.credit"],
     ["tracedb.cec"],

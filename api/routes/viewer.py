@@ -238,11 +238,22 @@ By = Annotated[
     str,
     Query(
         max_length=200,
-        description="The x axis: seq (ingest sequence), tag:NAME (a numeric ingest tag, e.g. tag:step) "
-        "or auto (tag:step when traces have it, else seq).",
+        description="The x axis: seq (ingest sequence), work_step (the episodes' training step, run.work.step), "
+        "tag:NAME (a numeric ingest tag, e.g. tag:step) or auto (tag:step when traces have it, else work_step "
+        "when episodes have it, else seq).",
     ),
 ]
 Bins = Annotated[int, Query(ge=1, le=pages.MAX_BINS, description="Bins over the x axis, at most.")]
+MismatchC = Annotated[
+    float,
+    Query(
+        ge=1,
+        le=1e6,
+        allow_inf_nan=False,
+        description="The policy-mismatch band [1/c, c]: the share of ratios exp(trainer_logprobs - logprobs) "
+        "outside it is plotted per bin.",
+    ),
+]
 
 
 @router.get("/run", responses={**_HTML, **responses(422, html=True)})
@@ -252,11 +263,13 @@ def run_page(
     by: By = "auto",
     bins: Bins = 100,
     refresh: Annotated[float, Query(ge=0.25, le=600, description="Seconds between polls.")] = 2.0,
+    mismatch_c: MismatchC = 2.0,
 ) -> Any:
-    """The run as it is ingested: reward, its distribution, zero-variance groups, tokens and
-    the sampled share over the ingest sequence or a tag, the rejects; redrawn as traces arrive."""
+    """The run as it is ingested: reward, its distribution, zero-variance groups, tokens, the
+    sampled share and the policy mismatch (where trainer_logprobs were written back) over the
+    ingest sequence or a tag, the rejects; redrawn as traces arrive."""
     pages.resolve_axis(by, pages.axes(db, db.watermark()))  # a bad axis is a 422 here, not a blank page
-    config = {"by": by, "bins": bins, "max_bins": pages.MAX_BINS, "refresh_s": refresh}
+    config = {"by": by, "bins": bins, "max_bins": pages.MAX_BINS, "refresh_s": refresh, "mismatch_c": mismatch_c}
     return templates.TemplateResponse(request, "run.html", {"config": _embed(config), **config})
 
 
@@ -277,11 +290,14 @@ def run_json(
         int, Query(ge=0, le=10_000_000, description="The reward histogram's window: the latest traces (0: all).")
     ] = 1000,
     hist_bins: Annotated[int, Query(ge=1, le=pages.MAX_HIST_BINS, description="Bins of the reward histogram.")] = 20,
+    mismatch_c: MismatchC = 2.0,
 ) -> Any:
     """The run page's data, aggregated in the database as of one watermark: headline numbers,
     per-bin reward (mean, std, p10, p90), zero-variance groups, tokens, sampled share, the
-    reward histogram, the rejects and the latest groups."""
-    return JSONBody(pages.run_data(db, by=by, bins=bins, after=after, recent=recent, hist_bins=hist_bins))
+    policy mismatch (k3, the ratios, the share outside [1/c, c]), the reward histogram, the
+    rejects and the latest groups."""
+    data = pages.run_data(db, by=by, bins=bins, after=after, recent=recent, hist_bins=hist_bins, mismatch_c=mismatch_c)
+    return JSONBody(data)
 
 
 @router.get("/view/group/{group_id}", responses={**_HTML, **responses(404, 422, html=True)})

@@ -33,7 +33,7 @@ from tracedb.api import create_app
 
 from support import FIXTURES, REPO
 from support.run_db import build as build_run
-from support.run_db import write_late
+from support.run_db import write_late, write_trainer_logprobs
 from support.tokenizers import make_tokenizer
 from support.wide import wide_episode, write_wide
 
@@ -247,6 +247,7 @@ def run_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
         db.create_credit_set("zeros")
         zeros = [{"trace_id": top, "node_index": n["node_index"], "values": [0.0] * n["n_sampled"]} for n in nodes]
         db.write_nodes(zeros, credit="zeros")
+        write_trainer_logprobs(db, expected, whole={0.0, 2.0}, first={1.0})  # a mismatch to plot, not everywhere
     app = create_app(path, token="browser-test")
     for url in serve(app):
         yield {"base": url, "app": app, "expected": expected, "tmp": tmp, "zeroed": top}
@@ -280,10 +281,17 @@ def assert_drawn(page: Page, answer: dict[str, Any]) -> None:
     zero = drawn(page, "plot-zero", "circle.pt", ("data-y",))
     shares = [b["zero_variance_share"] for b in bins if b["zero_variance_share"] is not None]
     assert [float(p["data-y"]) for p in zero] == pytest.approx(shares)
-    for svg, key in (("plot-tokens", "tokens_mean"), ("plot-sampled", "sampled_share"), ("plot-traces", "traces")):
+    for svg, key in (("plot-tokens", "tokens_mean"), ("plot-sampled", "sampled_share"), ("plot-traces", "traces")) + (
+        ("plot-dropped", "dropped_share"),
+    ):
         values = [float(p["data-y"]) for p in drawn(page, svg, "circle.pt", ("data-y",))]
         assert values == pytest.approx([b[key] for b in bins]), svg
+    for svg, key in (("plot-k3", "k3_mean"), ("plot-outside", "outside_share")):
+        values = [float(p["data-y"]) for p in drawn(page, svg, "circle.pt", ("data-y",))]
+        shown = [b[key] for b in bins if b[key] is not None]
+        assert values == pytest.approx(shown) and 0 < len(shown) < len(bins), svg  # bins without: no point
     stat = lambda key: page.locator(f'[data-stat="{key}"]').inner_text()  # noqa: E731
+    assert stat("mismatch").endswith("outside)") and answer["mismatch"]["mismatch_tokens"] > 0
     assert stat("traces") == str(answer["summary"]["traces"]) and stat("watermark") == str(answer["watermark"])
     assert stat("groups") == str(answer["summary"]["groups"])
     rows = page.locator("#groups tbody tr")

@@ -48,8 +48,9 @@ def _same_plan(got, want, *, watermark):
         dict(seq_len=4096),
         dict(seq_len=400, ranks=3, overflow="drop", cost=(1.0, 0.01)),
         dict(seq_len=256, ranks=2, trainable=None, share_prefixes=True, pad_to_multiple_of=8),
+        dict(seq_len=1024, ranks=2, importance="tis", clip=1.5),
     ],
-    ids=["whole", "drop-ranks", "shared-prefixes"],
+    ids=["whole", "drop-ranks", "shared-prefixes", "importance"],
 )
 def test_plans_equal_the_file_stores(lake, store, options):
     with tracedb.connect(store, read_only=True) as db:

@@ -1,19 +1,20 @@
-"""The lake's layout 2 -> 3: the file store's schema-6 columns (policy versions, dropped
+"""The lake's layout 3 -> 4: the file store's schema-6 columns (policy versions, dropped
 traces, the episodes' work) added to the lake's tables and filled in.
 
-A version-2 lake was written by a tracedb of file-store schema 5 or older: its rows have
-none of :data:`ADDED`, but hold what they come from in their records, as a schema-5 file
-does (a node's weight-version spans among its unknown fields, ``Trace.dropped`` in the
+A lake of layout 3 or older may have been written by a tracedb of file-store schema 5
+or older: its rows have none of :data:`ADDED`, but hold what they come from in their
+records, as a schema-5 file does (a node's weight-version spans among its unknown fields, ``Trace.dropped`` in the
 trace's record, ``episode.run.work`` in the episode's). The upgrade adds the columns
-(Iceberg schema evolution: a metadata commit per table, no data rewritten), then fills
-them with the file store's own 5 -> 6 migration (:data:`tracedb.migrations.MIGRATIONS`)
-run over the visible rows in a DuckDB connection of its own, so the values are the ones
+(:func:`tracedb.lake.upgrade.add_columns`: Iceberg schema evolution, a metadata commit
+per table, no data rewritten), then this fills them with the file store's own 5 -> 6
+migration (:data:`tracedb.migrations.MIGRATIONS`) run over the visible rows in a DuckDB
+connection of its own, so the values are the ones
 ``tracedb migrate`` stores in a file of the same records: the spans' column, ``dropped``,
 ``work_type``, the episodes' work step and policy span, and each trace's policy-version
-bounds (:func:`tracedb.policy.recompute_bounds`; a version-2 lake has no label mapping).
+bounds (:func:`tracedb.policy.recompute_bounds`; such a lake has no label mapping).
 
-Only rows a version-2 writer made are filled (a trace whose ``policy_unknown`` is null:
-every trace a version-3 writer stores has a count; an episode or a node whose columns
+Only rows an older writer made are filled (a trace whose ``policy_unknown`` is null:
+every trace a version-4 writer stores has a count; an episode or a node whose columns
 are all null), each value kept where one is stored already. The rows rewritten: the
 nodes of the traces that have spans and the episodes that have work (their rows in every
 write, filled by key), and ``traces`` (the visible row per trace id, each keeping its
@@ -39,7 +40,7 @@ ADDED = {
     "episodes": ("work_type", "work_step", "policy_start", "policy_end"),
     "nodes": ("weight_versions",),
 }
-"""The columns schema 6 added to the tables a lake of layout 2 holds (``policy_labels``
+"""The columns schema 6 added to the tables a lake of layout 3 holds (``policy_labels``
 is a table of its own, made by :func:`tracedb.lake.catalog.create`)."""
 MIGRATION = 5
 """The file store's migration whose rules fill :data:`ADDED` (5 -> 6)."""
@@ -51,24 +52,8 @@ _NEEDS = {
 """What the migration reads of each table (besides the visibility columns)."""
 
 
-def add_columns(load: Any) -> list[str]:
-    """Give every lake table the columns of its stored schema it lacks (optional, as all
-    the lake's columns are); returns the tables changed."""
-    changed = []
-    for name, schema in catalog.lake_tables().items():
-        table = load(name)
-        want = catalog.lake_schema(name, schema)
-        held = set(table.schema().as_arrow().names)
-        if all(f.name in held for f in want):
-            continue
-        with table.update_schema() as update:
-            update.union_by_name(want)
-        changed.append(name)
-    return changed
-
-
 def fill(load: Any, *, properties: dict[str, str] | None = None) -> dict[str, int]:
-    """Fill :data:`ADDED` in the rows a version-2 writer made (see the module's
+    """Fill :data:`ADDED` in the rows an older writer made (see the module's
     docstring); ``properties`` go into the summary of the traces rewrite. Returns the
     rows filled per table (0 everywhere: nothing to do, nothing written)."""
     vis = visible_traces(load("traces"), columns=[*_NEEDS["traces"], "policy_unknown"])
@@ -148,8 +133,9 @@ def _fill_rows(table: Any, column: str, key: list[str], values: pa.Table) -> int
     new = _filled(rows, key, by_key)
     if new.equals(rows):
         return 0
-    table.overwrite(new.cast(table.schema().as_arrow()), overwrite_filter=In(column, wanted))
+    target = table.schema().as_arrow()
+    table.overwrite(new.select(target.names).cast(target), overwrite_filter=In(column, wanted))
     return rows.num_rows
 
 
-__all__ = ["ADDED", "MIGRATION", "add_columns", "fill"]
+__all__ = ["ADDED", "MIGRATION", "fill"]

@@ -24,6 +24,7 @@ import pyarrow.compute as pc
 from pyiceberg.expressions import AlwaysTrue, BooleanExpression, In
 
 from tracedb.lake import catalog, read
+from tracedb.lake import files as lake_files
 from tracedb.lake.scan import scan_traces, visible_traces
 from tracedb.selection import Selected, Selection, completions_at, resolve_at, values_of
 
@@ -48,15 +49,17 @@ def _filter(
 
 
 def _traces(table: Any, selection: Selection) -> pa.Table:
-    """The visible ``traces`` rows ``selection`` may need (see the module's docstring)."""
-    narrow = _filter(selection.trace_ids, selection.group, selection.episode)
+    """The visible ``traces`` rows ``selection`` may need (see the module's docstring);
+    trace ids are read by key (their buckets' files), not through a row filter."""
+    ids = None if selection.trace_ids is None else values_of(selection.trace_ids)
+    narrow = _filter(None, selection.group, selection.episode)
     if selection.complete_groups is None:
-        return visible_traces(table, narrow, TRACE_COLUMNS)
+        return visible_traces(table, narrow, TRACE_COLUMNS, trace_ids=ids)
     if selection.trace_ids is None and selection.episode is None:
-        return visible_traces(table, _filter(None, selection.group, None), TRACE_COLUMNS)
-    chosen = scan_traces(table, narrow, ["group_id"]).column("group_id")  # the groups it may take, all their members
+        return visible_traces(table, narrow, TRACE_COLUMNS)
+    chosen = scan_traces(table, narrow, ["group_id"], trace_ids=ids).column("group_id")  # the groups it may take
     groups = pc.unique(chosen.filter(pc.is_valid(chosen))).to_pylist()
-    return visible_traces(table, In("group_id", groups), TRACE_COLUMNS)
+    return visible_traces(table, In("group_id", groups), TRACE_COLUMNS)  # all their members
 
 
 def _tags(lake: catalog.Opened, selection: Selection) -> pa.Table:
@@ -75,8 +78,15 @@ def resolve_lake(lake: catalog.Opened, selection: Selection) -> tuple[list[str],
     chunks of it keep groups whole), and the watermark they were selected at (the
     lake's, or ``through`` when lower: the ``after`` of the next call). ValueError
     (the file store's) for a bad ``after``, ``through``, ``complete_groups`` or tag filter."""
-    ordered, selected = resolved(lake, selection)
-    return ordered, selected.watermark
+    ordered, selected = resolved_rows(lake, selection)
+    return ordered.column("trace_id").to_pylist(), selected.watermark
+
+
+def resolve_rows(lake: catalog.Opened, selection: Selection) -> tuple[pa.Table, int]:
+    """:func:`resolve_lake`'s traces as their visible rows (``trace_id`` and
+    :data:`~tracedb.lake.catalog.BATCH`, in that order), and the watermark."""
+    rows, selected = resolved_rows(lake, selection)
+    return rows, selected.watermark
 
 
 def resolved(lake: catalog.Opened, selection: Selection) -> tuple[list[str], Selected]:
@@ -84,10 +94,16 @@ def resolved(lake: catalog.Opened, selection: Selection) -> tuple[list[str], Sel
     :class:`~tracedb.selection.Selected` (its watermark, and what the training rules
     left out and why: dropped and eval traces, stale groups, unknown versions, groups
     past ``max_groups``; each trace's ``policy_min``), from the same resolver."""
+    rows, selected = resolved_rows(lake, selection)
+    return rows.column("trace_id").to_pylist(), selected
+
+
+def resolved_rows(lake: catalog.Opened, selection: Selection) -> tuple[pa.Table, Selected]:
+    """:func:`resolved` with the traces as their visible rows (:func:`resolve_rows`'s)."""
     table = lake.table("traces")
     snapshot = table.current_snapshot()
     mark = 0 if snapshot is None else snapshot.sequence_number
-    con = duckdb.connect()
+    con = lake_files.duck()
     try:
         con.register("lake_traces", _traces(table, selection).select([*TRACE_COLUMNS, "seq"]))
         con.execute(
@@ -102,12 +118,13 @@ def resolved(lake: catalog.Opened, selection: Selection) -> tuple[list[str], Sel
             )
         selected = _whole_writes(con, selection, resolve_at(con, selection, mark), mark)
         con.register("chosen", pa.table({"trace_id": pa.array([t for t, _ in selected.traces], pa.string())}))
-        ordered = con.execute(
-            "SELECT trace_id FROM traces SEMI JOIN chosen USING (trace_id) ORDER BY group_id, trace_id"
-        ).fetchall()
+        ordered = con.sql(
+            f"SELECT trace_id, {catalog.BATCH} FROM traces SEMI JOIN chosen USING (trace_id) "
+            "ORDER BY group_id, trace_id"
+        ).to_arrow_table()
     finally:
         con.close()
-    return [row[0] for row in ordered], selected
+    return ordered, selected
 
 
 def _whole_writes(con: duckdb.DuckDBPyConnection, selection: Selection, selected: Selected, mark: int) -> Selected:
@@ -166,4 +183,4 @@ def visible_tables(lake: catalog.Opened, selection: Selection) -> dict[str, pa.T
     return read.visible(lake, trace_ids=resolve_lake(lake, selection)[0])
 
 
-__all__ = ["TRACE_COLUMNS", "resolve_lake", "resolved", "select_ids", "visible_tables"]
+__all__ = ["TRACE_COLUMNS", "resolve_lake", "resolve_rows", "resolved", "resolved_rows", "select_ids", "visible_tables"]

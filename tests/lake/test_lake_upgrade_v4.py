@@ -1,5 +1,6 @@
-"""Upgrading a version-2 lake to version 3 (the file store's schema-6 columns): a lake
-laid out as version 2 holding the rows schema 5 really wrote (``tests/fixtures/schema/
+"""Upgrading a version-2 lake to version 4 (3: segments beside their traces; 4: the file
+store's schema-6 columns): a lake laid out as version 2 (segments bucketed by their own
+ids, 16 buckets, no bucket count recorded) holding the rows schema 5 really wrote (``tests/fixtures/schema/
 v5.duckdb``: verifiers 0.4.1 spans among the nodes' unknown fields, dropped traces and
 ``run.work`` in the records), in two writes. Open refuses it; ``init`` adds the columns
 and fills them with the values ``tracedb migrate`` gives the same file (records and
@@ -13,6 +14,7 @@ import shutil
 import duckdb
 import pyarrow as pa
 import pytest
+from pyiceberg.transforms import BucketTransform
 
 import tracedb
 
@@ -33,7 +35,8 @@ SPANS = "SELECT trace_id, node_index, weight_versions FROM nodes WHERE weight_ve
 
 
 def _v2_schemas():
-    """The lake's tables as layout 2 had them: schema 5's columns, no ``policy_labels``."""
+    """The lake's tables as layout 2 had them: schema 5's columns, no ``policy_labels``
+    (``segments``' lake columns are layout 3's: see :func:`_v2_lake`)."""
     out = {}
     for name, schema in catalog.lake_tables().items():
         if name == "policy_labels":
@@ -50,7 +53,15 @@ def _v2_lake(path, monkeypatch):
         patched.setattr(catalog, "lake_tables", lambda: schemas)
         patched.setattr(catalog, "LAKE_SCHEMA_VERSION", 2)
         path.mkdir()
-        made = catalog.create(catalog.locate(path))
+        made = catalog.create(catalog.locate(path), buckets=catalog.OLD_BUCKETS)
+    where = catalog.locate(path).catalog()
+    where.drop_table("tracedb.segments")  # layout 2: bucketed by its own ids, without the lake's columns
+    segments = where.create_table("tracedb.segments", schema=schemas["segments"])
+    with segments.update_spec() as update:
+        update.add_field("segment_id", BucketTransform(catalog.OLD_BUCKETS), "segment_id_bucket")
+    made["segments"] = where.load_table("tracedb.segments")
+    meta = made[catalog.META]
+    meta.overwrite(pa.table({"key": ["lake_schema_version"], "value": ["2"]}, schema=meta.schema().as_arrow()))
     con = duckdb.connect(str(V5), read_only=True)
     try:
         ids = [r[0] for r in con.execute("SELECT trace_id FROM traces ORDER BY seq, trace_id").fetchall()]
@@ -72,10 +83,10 @@ def _v2_lake(path, monkeypatch):
                 if name == "traces":
                     empty = pa.nulls(rows.num_rows, pa.int64())
                     rows = rows.set_column(rows.schema.get_field_index("seq"), "seq", empty)
-                if catalog.batched(name, schema):
-                    rows = rows.append_column(catalog.BATCH, pa.array([batch] * rows.num_rows, pa.string()))
                 table = made[name]
                 table.refresh()
+                if catalog.batched(name, schema) and catalog.BATCH in table.schema().column_names:
+                    rows = rows.append_column(catalog.BATCH, pa.array([batch] * rows.num_rows, pa.string()))
                 table.append(rows.cast(table.schema().as_arrow()))
     finally:
         con.close()
@@ -106,21 +117,21 @@ def _snapshots(lake):
 
 def test_a_version_2_lake_is_upgraded_to_the_migrated_files_columns(tmp_path, migrated, monkeypatch):
     path = _v2_lake(tmp_path / "L", monkeypatch)
-    with pytest.raises(lakes.LakeError, match=r"lake schema version 2, this tracedb reads 3; upgrade it with "):
+    with pytest.raises(lakes.LakeError, match=r"lake schema version 2, this tracedb reads 4; upgrade it with "):
         lakes.open(path)
     real = compact.rewrite_traces
 
     def crash(*args, **kwargs):
         raise RuntimeError("killed before the traces rewrite")
 
-    monkeypatch.setattr(compact, "rewrite_traces", crash)  # nodes and episodes filled, traces not yet
+    monkeypatch.setattr(compact, "rewrite_traces", crash)  # segments rehomed, nodes and episodes filled, traces not yet
     with pytest.raises(RuntimeError, match="killed"):
         lakes.init(path)
     monkeypatch.setattr(compact, "rewrite_traces", real)
     with pytest.raises(lakes.LakeError, match="lake schema version 2"):
         lakes.open(path)  # still version 2 until the meta row
     lake = lakes.init(path)  # the rerun
-    assert catalog.meta_rows(lake.table(catalog.META)) == {"lake_schema_version": "3"}
+    assert catalog.meta_rows(lake.table(catalog.META)) == {"lake_schema_version": "4", "buckets": "16"}
     tables = lake.tables()
     seqs = dict(zip(*tables["traces"].select(["trace_id", "seq"]).to_pydict().values(), strict=True))
     assert sorted(set(seqs.values())) == [1, 2]  # each write's commit, kept by the rewrite
@@ -133,10 +144,10 @@ def test_a_version_2_lake_is_upgraded_to_the_migrated_files_columns(tmp_path, mi
             assert got.trace(trace_id) == want.trace(trace_id), trace_id
         assert got.branches().equals(want.branches())
     rewrite = lake.table("traces").current_snapshot()
-    assert rewrite.summary[upgrade.UPGRADED] == "3"
+    assert rewrite.summary[upgrade.UPGRADED] == "4"
     after = _snapshots(lake)
     assert upgrade.upgrade(lake.location) is None  # of this version: nothing to do
-    catalog.set_meta(lake.table(catalog.META), catalog.VERSION_KEY, "2")  # a rerun, as after a crash
+    catalog.set_meta(lake.table(catalog.META), {catalog.VERSION_KEY: "2"})  # a rerun, as after a crash
     assert upgrade.upgrade(lake.location) == 2
     again = _snapshots(lake)
     assert {n for n in after if after[n] != again[n]} == {catalog.META}  # filled already: nothing rewritten
