@@ -15,6 +15,7 @@ from support import FIXTURES_041
 pytest.importorskip("pyiceberg_core", reason="the lake extra is not installed (pip install '.[lake]')")
 
 import tracedb.lake as lakes  # noqa: E402
+from tracedb.lake import write  # noqa: E402
 from tracedb.lake.ingest import ingest_files  # noqa: E402
 
 LABELS = FIXTURES_041 / "labels.traces.jsonl"
@@ -69,7 +70,7 @@ def test_an_ingest_task_starts_from_the_lakes_mapping(tmp_path):
     lake = lakes.init(tmp_path / "L")
     assert lake.set_policy_versions(MAPPING) == 0  # no trace yet: the mapping alone
     done = ingest_files(lake.location, [str(LABELS)], allow_ragged=False)
-    assert done["traces"] == 1
+    assert write.commit(lake, [done["staged"]]).rows["traces"] == 1
     with tracedb.connect(":memory:") as db:
         db.set_policy_versions(MAPPING)
         db.ingest(LABELS)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tracedb.batches import Plan
+from tracedb.batches import Plan, provenance
 from tracedb.batches.run import check, plan_of
 from tracedb.lake import catalog, versions
 from tracedb.lake.columns import resolve_credit, visible_columns
@@ -51,6 +51,7 @@ def micro_batches(lake: catalog.Opened, seq_len: int, selection: Selection, **op
     versions.attach(lake, rows, data)
     plan = plan_of(data, seq_len, selection.manifest(), **options, chosen=chosen, selected=selected)
     plan.report.watermark = selected.watermark
+    plan.record = provenance.record(data, selected.trace_ids, selected.watermark, selected.watermark, options["credit"])
     return plan
 
 

@@ -41,7 +41,11 @@ def attach(lake: Any, traces: pa.Table, data: NodeColumns) -> np.ndarray | None:
     nodes = scan_keys(lake.table("nodes"), "trace_id", ids, columns=wanted)
     nodes = written_with(nodes, traces)
     nodes = nodes.filter(pc.fill_null(pc.greater(pc.list_value_length(nodes.column("weight_versions")), 0), False))
-    spans = [(r["trace_id"], r["node_index"], r["weight_versions"]) for r in nodes.to_pylist()]
+    spans = [  # an explicit null is stored as one null span (tracedb.lake.nulls): no spans
+        (r["trace_id"], r["node_index"], held)
+        for r in nodes.to_pylist()
+        if (held := [span for span in r["weight_versions"] if span is not None])
+    ]
     vis = written_with(scan_keys(lake.table("traces"), "trace_id", ids, ["trace_id", "episode_id", BATCH]), traces)
     episodes = pc.unique(vis.column("episode_id").drop_null())
     fallbacks: list[tuple[str, int | None]] = []
