@@ -343,7 +343,7 @@ else:
         second = run(app, ["lake", "ingest", str(b), "--lake", lake, "--files-per-task", "3"])
         assert second.exit_code == 1 and "1 line(s) rejected" in second.output
         missing = run(app, ["lake", "ingest", str(tmp_path / "none"), "--lake", lake])
-        assert missing.exit_code == 1 and "no such file or directory" in missing.output
+        assert missing.exit_code == 2 and "no such file or directory" in missing.output
         got = json.loads(first.output)
         assert got["tasks"] == 8 and got["commits"] == len(got["rows"])  # 8 tasks' writes gathered: a commit per table
 
