@@ -90,7 +90,7 @@ def export(
                 if extra:
                     table = with_trace_columns(handle, table, extra)
                 if writer is None:  # the file's schema carries the watermark (tracedb.watermark_of)
-                    writer = _writer(fmt, tmp, table.schema, compression)
+                    writer = open_writer(fmt, tmp, table.schema, compression)
                     mark = watermark_of(table)
                 if table.num_rows:
                     writer.write_table(table)
@@ -101,7 +101,7 @@ def export(
                 empty = BRANCH_SCHEMA.empty_table()
                 if extra:
                     empty = with_trace_columns(handle, empty, extra)
-                writer = _writer(fmt, tmp, empty.schema, compression)
+                writer = open_writer(fmt, tmp, empty.schema, compression)
         finally:
             if writer is not None:
                 writer.close()
@@ -192,7 +192,9 @@ def with_trace_columns(handle: Handle, table: pa.Table, extra: dict[str, str]) -
     return table
 
 
-def _writer(fmt: str, path: Path, schema: pa.Schema, compression: str | None) -> Any:
+def open_writer(fmt: str, path: Path, schema: pa.Schema, compression: str | None) -> Any:
+    """A writer of ``fmt`` (parquet, arrow, arrows) at ``path`` for tables of ``schema``
+    (``write_table``, ``close``), compressed as an export is."""
     if fmt == "parquet":
         return pq.ParquetWriter(path, schema, compression=compression or "none")
     options = ipc.IpcWriteOptions(compression=compression if compression in ("zstd", "lz4") else None)

@@ -21,7 +21,7 @@ import pytest
 
 import tracedb
 
-from support import FIXTURES
+from support import FIXTURES, FIXTURES_041
 
 pytest.importorskip("pyiceberg_core", reason="the lake extra is not installed (pip install '.[lake]')")
 pytest.importorskip("ray", reason="the lake extra is not installed (pip install '.[lake]')")
@@ -110,6 +110,22 @@ else:
             expected = db.branches(group=group).replace_schema_metadata(None)
         assert _collect(pushed.branches(group=group)).equals(expected)
         assert pushed.branches(trace_ids=[]).count() == 0
+
+    def test_views_of_an_async_selection_equal_the_file_stores(local_ray, tmp_path):
+        """The staleness bound, unknown versions, dropped and eval traces (verifiers 0.4.1
+        fixtures): the workers' views, ``policy_version`` per token, equal the file store's."""
+        store = tmp_path / "run.duckdb"
+        with tracedb.connect(store) as db:
+            db.ingest(sorted(FIXTURES_041.glob("*.traces.jsonl")))
+        lake = lakes.init(tmp_path / "L")
+        lake.push(store)
+        chosen = dict(policy=12, max_staleness=6, unknown="drop", include_dropped=False, include_eval=False)
+        with tracedb.connect(store, read_only=True) as db:
+            expected = db.branches(**chosen).replace_schema_metadata(None)
+            every = db.branches().num_rows
+        got = _collect(lake.branches(traces_per_task=5, **chosen))
+        assert 0 < got.num_rows < every and got.equals(expected)
+        assert got.column("policy_version").null_count < got.num_rows
 
     def test_views_of_complete_groups_and_tags_equal_the_file_stores(local_ray, tmp_path):
         """Groups whose members arrived in three tagged ingests, pushed in several writes:
@@ -327,7 +343,7 @@ else:
         second = run(app, ["lake", "ingest", str(b), "--lake", lake, "--files-per-task", "3"])
         assert second.exit_code == 1 and "1 line(s) rejected" in second.output
         missing = run(app, ["lake", "ingest", str(tmp_path / "none"), "--lake", lake])
-        assert missing.exit_code == 1 and "no such file or directory" in missing.output
+        assert missing.exit_code == 2 and "no such file or directory" in missing.output
         got = json.loads(first.output)
         assert got["tasks"] == 8 and got["commits"] == len(got["rows"])  # 8 tasks' writes gathered: a commit per table
 
@@ -434,3 +450,22 @@ else:
             lake.credit("grpo", "g")
         with pytest.raises(ValueError, match="lake credit computes"):
             lake.credit("gae", "x")
+
+    def test_group_credit_leaves_dropped_and_eval_traces_out_as_the_file_store_does(local_ray, tmp_path):
+        from tracedb import credit
+
+        store = tmp_path / "run.duckdb"
+        with tracedb.connect(store) as db:
+            db.ingest([FIXTURES_041 / "dropped_group.traces.jsonl", FIXTURES_041 / "eval_work.traces.jsonl"])
+            left_out = db.sql("SELECT count(*) FROM traces WHERE dropped IS NOT NULL OR work_type = 'eval'")
+            assert left_out.column(0)[0].as_py() > 0
+        lake = lakes.init(tmp_path / "L")
+        lake.push(store)
+        with tracedb.connect(store) as db:
+            credit.run(db, "grpo", "g")
+            want = db.sql("SELECT credit_set, trace_id, value FROM trace_credit ORDER BY ALL")
+            every = db.sql("SELECT count(*) FROM traces WHERE reward IS NOT NULL").column(0)[0].as_py()
+        lake.credit("grpo", "g")
+        got = lake.tables()["trace_credit"].sort_by([(c, "ascending") for c in ("credit_set", "trace_id", "value")])
+        assert got.select(want.column_names).cast(want.schema).equals(want)
+        assert 0 < want.num_rows < every  # dropped and eval traces unassigned

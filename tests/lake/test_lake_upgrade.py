@@ -1,5 +1,6 @@
 """Upgrading a lake of an older layout: version 1 (writers stored the file store's seq in
-traces rows) and version 2 (segments bucketed by their own ids, 16 buckets) to this one;
+traces rows) and version 2 (segments bucketed by their own ids, 16 buckets) to this one
+(4; the step to 4 fills nothing here: this tracedb's writer stored the policy columns);
 open refuses them naming the versions and the upgrade, ``init`` upgrades them (every
 trace's seq its commit's, segments beside their traces, as a fresh push gives),
 crash-safe and idempotent; columns the file store's schema gains are added (read null)."""
@@ -89,14 +90,14 @@ def test_open_refuses_a_version_1_lake_and_init_upgrades_it(tmp_path, store, fre
         file_seqs = {r["trace_id"]: r["seq"] for r in db.sql("SELECT trace_id, seq FROM traces").to_pylist()}
     assert dict(zip(*stored.to_pydict().values(), strict=True)) == file_seqs  # the file store's numbering
     assert file_seqs != _seqs(fresh)  # which is not the lake's: a version-2 reader would take it
-    with pytest.raises(lakes.LakeError, match=r"lake schema version 1, this tracedb reads 3; upgrade it with "):
+    with pytest.raises(lakes.LakeError, match=r"lake schema version 1, this tracedb reads 4; upgrade it with "):
         lakes.open(tmp_path / "L")
     with pytest.raises(lakes.LakeError, match=rf"`tracedb lake init --warehouse {tmp_path / 'L'}`"):
         lakes.open(tmp_path / "L")
     before = _snapshots(old)
 
     lake = lakes.init(tmp_path / "L")
-    assert catalog.meta_rows(lake.table(catalog.META)) == {"lake_schema_version": "3", "buckets": "64"}
+    assert catalog.meta_rows(lake.table(catalog.META)) == {"lake_schema_version": "4", "buckets": "64"}
     got = _sorted(lake.tables())
     assert _seqs(got) == _seqs(fresh) and set(_seqs(got).values()) == {1, 2, 3}  # each write's commit
     assert got == fresh
@@ -104,7 +105,7 @@ def test_open_refuses_a_version_1_lake_and_init_upgrades_it(tmp_path, store, fre
     changed = {n for n in before if before[n] != after[n]}
     assert changed == {"traces", catalog.META}  # only traces rewritten
     rewrite = after["traces"]
-    assert rewrite.summary[upgrade.UPGRADED] == "3" and rewrite.sequence_number == lake.watermark() > 3
+    assert rewrite.summary[upgrade.UPGRADED] == "4" and rewrite.sequence_number == lake.watermark() > 3
     assert lake.table("traces").scan(selected_fields=("seq",)).to_arrow().column("seq").null_count == 0
 
     again = lakes.init(tmp_path / "L")  # of this version: nothing to do
@@ -129,7 +130,7 @@ def test_a_rerun_after_a_crash_between_the_rewrite_and_the_meta_row(tmp_path, st
     with pytest.raises(lakes.LakeError, match="version 1"):
         lakes.open(tmp_path / "L")  # still version 1: a version-1 writer may still append
     tables = {n: location.catalog().load_table(f"tracedb.{n}") for n in (catalog.META, *catalog.lake_tables())}
-    assert tables["traces"].current_snapshot().summary[upgrade.UPGRADED] == "3"  # the rewrite committed
+    assert tables["traces"].current_snapshot().summary[upgrade.UPGRADED] == "4"  # the rewrite committed
     writer = _v1_writer(monkeypatch)  # a version-1 writer appends meanwhile
     with tracedb.connect(store, read_only=True) as db:
         late = write.append(catalog.Opened(location, tables), file_rows(db, ids[-4:]))
@@ -139,7 +140,7 @@ def test_a_rerun_after_a_crash_between_the_rewrite_and_the_meta_row(tmp_path, st
     seqs = _seqs(lake.tables())
     assert {t: seqs[t] for t in ids[:-4]} == {t: 1 for t in ids[:-4]}  # the first write's commit, not the rewrite's
     assert {seqs[t] for t in ids[-4:]} == {late.sequence_number} and late.sequence_number > 1
-    assert lake.watermark() > 3 and catalog.meta_rows(lake.table(catalog.META))["lake_schema_version"] == "3"
+    assert lake.watermark() > 3 and catalog.meta_rows(lake.table(catalog.META))["lake_schema_version"] == "4"
 
 
 def _v2_lake(path, store):
@@ -175,7 +176,7 @@ def _v2_lake(path, store):
 def test_a_version_2_lake_is_upgraded_segments_beside_their_traces(tmp_path, store, fresh, monkeypatch):
     ids = _v2_lake(tmp_path / "L", store)
     with pytest.raises(
-        lakes.LakeError, match=r"lake schema version 2, this tracedb reads 3; upgrade it with .*segments"
+        lakes.LakeError, match=r"lake schema version 2, this tracedb reads 4; upgrade it with .*segments"
     ):
         lakes.open(tmp_path / "L")
     real = catalog.set_meta
@@ -191,11 +192,11 @@ def test_a_version_2_lake_is_upgraded_segments_beside_their_traces(tmp_path, sto
         lakes.open(tmp_path / "L")
     location = catalog.locate(tmp_path / "L")
     rewritten = location.catalog().load_table("tracedb.segments").current_snapshot()
-    assert rewritten.summary[upgrade.UPGRADED] == "3"
+    assert rewritten.summary[upgrade.UPGRADED] == "4"
 
     lake = lakes.init(tmp_path / "L")  # the rerun: segments are rewritten already, only the meta row is set
     assert lake.table("segments").current_snapshot() == rewritten
-    assert catalog.meta_rows(lake.table(catalog.META)) == {"lake_schema_version": "3", "buckets": "16"}
+    assert catalog.meta_rows(lake.table(catalog.META)) == {"lake_schema_version": "4", "buckets": "16"}
     assert lake.buckets == catalog.OLD_BUCKETS
     segments = lake.table("segments")
     assert [(f.name, str(f.transform)) for f in segments.spec().fields] == [("lake_trace_bucket", "bucket[16]")]
@@ -228,26 +229,27 @@ def test_a_version_2_lake_is_upgraded_segments_beside_their_traces(tmp_path, sto
 def test_columns_the_stored_schema_gains_are_added_and_read_null(tmp_path, store, monkeypatch):
     """The upgrade is generic: a column the file store's schema has and a lake table lacks
     (a new stored schema's) is added, nullable; rows written before read null there,
-    rows written after keep their values; open refuses the lake until then."""
+    rows written after keep their values; open refuses the lake until then. (The columns
+    are ones no stored schema has: schema 6's are in the lake's tables already.)"""
     lake = lakes.init(tmp_path / "L")
     lake.push(store, batch_traces=WRITE)
     before = _sorted(lake.tables())
     grown = dict(stored_tables.STORED)
-    grown["traces"] = grown["traces"].append(pa.field("dropped", pa.string()))
+    grown["traces"] = grown["traces"].append(pa.field("review_note", pa.string()))
     weights = pa.list_(pa.struct([("version", pa.string()), ("start", pa.int32()), ("end", pa.int32())]))
-    grown["nodes"] = grown["nodes"].append(pa.field("weight_versions", weights))
+    grown["nodes"] = grown["nodes"].append(pa.field("tool_spans", weights))
     monkeypatch.setattr(stored_tables, "STORED", grown)
-    with pytest.raises(lakes.LakeError, match=r"lack columns .*traces: dropped; nodes: weight_versions.*lake init"):
+    with pytest.raises(lakes.LakeError, match=r"lack columns .*traces: review_note; nodes: tool_spans.*lake init"):
         lakes.open(tmp_path / "L")
     lake = lakes.init(tmp_path / "L")
-    assert "dropped" in lake.table("traces").schema().column_names
+    assert "review_note" in lake.table("traces").schema().column_names
     assert catalog.meta_rows(lake.table(catalog.META))["lake_schema_version"] == str(lakes.LAKE_SCHEMA_VERSION)
     assert upgrade.add_columns(lambda n: lake.table(n)) == {}  # added once
     read_back = lake.tables()
-    assert read_back["traces"].column("dropped").null_count == read_back["traces"].num_rows
-    assert read_back["nodes"].column("weight_versions").null_count == read_back["nodes"].num_rows
+    assert read_back["traces"].column("review_note").null_count == read_back["traces"].num_rows
+    assert read_back["nodes"].column("tool_spans").null_count == read_back["nodes"].num_rows
     assert {
-        n: t.drop_columns([c for c in ("dropped", "weight_versions") if c in t.column_names])
+        n: t.drop_columns([c for c in ("review_note", "tool_spans") if c in t.column_names])
         for n, t in _sorted(read_back).items()
     } == before
     with tracedb.connect(store, read_only=True) as db:
@@ -255,7 +257,7 @@ def test_columns_the_stored_schema_gains_are_added_and_read_null(tmp_path, store
     other = lakes.init(tmp_path / "M")  # a write after: the new columns carry values
     with tracedb.connect(store, read_only=True) as db:
         rows = file_rows(db, ids[:2])
-    rows["traces"] = rows["traces"].append_column("dropped", pa.array(["stale policy", None]))
+    rows["traces"] = rows["traces"].append_column("review_note", pa.array(["stale policy", None]))
     other.append(rows)
     dropped = other.tables()["traces"].sort_by("trace_id")
-    assert sorted(dropped.column("dropped").to_pylist(), key=str) == [None, "stale policy"]
+    assert sorted(dropped.column("review_note").to_pylist(), key=str) == [None, "stale policy"]

@@ -13,6 +13,7 @@ import copy
 import csv
 import functools
 import glob
+import inspect
 import io
 import json
 import sys
@@ -223,6 +224,53 @@ def training_selection(
         "include_eval": True if include_eval else None,
         "max_groups": max_groups,
     }
+
+
+TRAINING_OPTIONS: tuple[tuple[str, Any, Any], ...] = (
+    ("policy", PolicyOption, None),
+    ("max_staleness", MaxStalenessOption, None),
+    ("stale", StaleOption, None),
+    ("unknown", UnknownOption, None),
+    ("include_dropped", IncludeDroppedOption, False),
+    ("include_eval", IncludeEvalOption, False),
+    ("max_groups", MaxGroupsOption, None),
+)
+"""The staleness, dropped/eval and group-count options (parameter name, annotation,
+default) of the commands that pack or export: :func:`training_options` adds them."""
+
+
+def training_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """A typer command with :data:`TRAINING_OPTIONS` added to its parameters (before its
+    ``as_json``, if any) and handed to it as one keyword argument, ``training``: the
+    :func:`training_selection` of what was typed."""
+    signature = inspect.signature(command, eval_str=True)
+    params = [p for p in signature.parameters.values() if p.name != "training"]
+    added = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=default)
+        for name, annotation, default in TRAINING_OPTIONS
+    ]
+    at = next((i for i, p in enumerate(params) if p.name == "as_json"), len(params))
+    params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in params]
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        chosen = [kwargs.pop(name) for name, _, _ in TRAINING_OPTIONS]
+        return command(*args, training=training_selection(*chosen), **kwargs)
+
+    run.__signature__ = signature.replace(parameters=[*params[:at], *added, *params[at:]])  # type: ignore[attr-defined]
+    return run
+
+
+def policy_mapping(values: list[str]) -> dict[str, int]:
+    """``--set LABEL=N`` options as a mapping of weight labels to policy versions (exit 2,
+    naming the option, on one that is not LABEL=N with N a whole number)."""
+    mapping: dict[str, int] = {}
+    for text in values:
+        label, sep, number = text.rpartition("=")
+        if not sep or not label or not number.strip().isdigit():
+            raise fail(f"--set: expected LABEL=N (N a whole number), got {text!r}", 2)
+        mapping[label] = int(number)
+    return mapping
 
 
 def live_selection(

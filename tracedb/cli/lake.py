@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -33,7 +33,9 @@ from tracedb.cli.common import (
     key_value,
     live_selection,
     out,
+    policy_mapping,
     report_pack,
+    training_options,
     write_pack,
 )
 from tracedb.errors import SqlRefused, TraceDBError
@@ -245,6 +247,7 @@ def ingest(
 
 
 @app.command()
+@training_options
 def pack(
     out_dir: Annotated[Path, typer.Option("--out", help="Step directory to write (rank_R.arrow, manifest.json last).")],
     seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per micro-batch, at most.")],
@@ -272,11 +275,14 @@ def pack(
     through: ThroughOption = None,
     tag: TagFilterOption = None,
     as_json: JsonOption = False,
+    training: dict[str, Any] | None = None,
 ) -> None:
     """Pack micro-batches of the lake's visible traces into a step directory, as
-    ``tracedb pack`` does for a file (the same files and selection options; the report's
-    watermark is the lake's: the --after of the next step)."""
+    ``tracedb pack`` does for a file (the same files and selection options, staleness and
+    dropped/eval ones included; the report's watermark is the lake's: the --after of the
+    next step)."""
     live = live_selection(after, complete_groups, through, tag)
+    live.update(training or {})
     opened = _open(lake)
     try:
         plan = opened.micro_batches(  # type: ignore[attr-defined]
@@ -303,6 +309,80 @@ def pack(
     except TraceDBError as e:
         raise fail(e) from None
     report_pack(plan, write_pack(plan, out_dir), out_dir, as_json)
+
+
+@app.command()
+@training_options
+def export(
+    path: Annotated[Path, typer.Argument(help="Output file: .parquet, .arrow (IPC file) or .arrows (IPC stream).")],
+    lake: LakeOption = Path("lake"),
+    trace_id: Annotated[list[str] | None, typer.Option(help="Only these traces (repeatable).")] = None,
+    group: Annotated[list[str] | None, typer.Option(help="Only traces of these groups (repeatable).")] = None,
+    episode: Annotated[list[str] | None, typer.Option(help="Only traces of these episodes (repeatable).")] = None,
+    trainable_only: Annotated[bool, typer.Option(help="Only trainable branches.")] = False,
+    columns: Annotated[str | None, typer.Option(help="Comma-separated token columns to keep.")] = None,
+    train_once: Annotated[bool, typer.Option(help="Keep a shared node trainable only in its first branch.")] = False,
+    format: Annotated[str | None, typer.Option(help="parquet, arrow or arrows (default: from the suffix).")] = None,
+    credit: Annotated[str | None, typer.Option(help="Credit set of the advantages (default: the ingested).")] = None,
+    after: AfterOption = None,
+    complete_groups: CompleteGroupsOption = None,
+    through: ThroughOption = None,
+    tag: TagFilterOption = None,
+    as_json: JsonOption = False,
+    training: dict[str, Any] | None = None,
+) -> None:
+    """Export the lake's branch views to a file, as ``tracedb export`` does for a file (the
+    same options; --trainable-only leaves dropped and eval traces out unless included).
+    The printed watermark (also in the file's schema) is the lake's: the --after of the
+    next export."""
+    live = live_selection(after, complete_groups, through, tag)
+    live.update(training or {})
+    opened = _open(lake)
+    try:
+        result = opened.export(  # type: ignore[attr-defined]
+            path,
+            format=format,
+            trace_ids=trace_id or None,
+            group=group or None,
+            episode=episode or None,
+            **live,
+            trainable=True if trainable_only else None,
+            columns=[c.strip() for c in columns.split(",")] if columns else None,
+            train_once=train_once,
+            credit=credit,
+        )
+    except ValueError as e:
+        raise fail(e, 2) from None
+    except TraceDBError as e:
+        raise fail(e) from None
+    emit(result, as_json)
+
+
+@app.command("policy-versions")
+def policy_versions(
+    lake: LakeOption = Path("lake"),
+    set_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set", help="Map a weight label with no number of its own to a policy version: LABEL=N (repeatable)."
+        ),
+    ] = None,
+    as_json: JsonOption = False,
+) -> None:
+    """The lake's weight labels and policy versions, as ``tracedb policy-versions`` for a
+    file: --set LABEL=N maps a label (the traces using it get their bounds again, traces
+    rewritten keeping every seq); without --set, list the mapped labels."""
+    opened = _open(lake)
+    if not set_:
+        held = opened.policy_versions()  # type: ignore[attr-defined]
+        emit([{"label": k, "version": v} for k, v in sorted(held.items())], as_json, title="mapped weight labels")
+        return
+    mapping = policy_mapping(set_)
+    try:
+        updated = opened.set_policy_versions(mapping)  # type: ignore[attr-defined]
+    except TraceDBError as e:
+        raise fail(e, 2) from None
+    emit({"labels": len(mapping), "traces": updated}, as_json)
 
 
 def _started_ray(ray_address: str | None, workers: int | None) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import pyarrow.compute as pc
 import typer
@@ -19,8 +19,6 @@ from tracedb.cli.common import (
     Commands,
     CompleteGroupsOption,
     DbOption,
-    IncludeDroppedOption,
-    IncludeEvalOption,
     JsonOption,
     MaxGroupsOption,
     MaxStalenessOption,
@@ -43,9 +41,11 @@ from tracedb.cli.common import (
     open_db,
     out,
     output_format,
+    policy_mapping,
     report_ingest,
     report_pack,
     report_storage,
+    training_options,
     training_selection,
     warn,
     write_pack,
@@ -285,6 +285,7 @@ def trace(
 
 
 @app.command()
+@training_options
 def export(
     path: Annotated[Path, typer.Argument(help="Output file: .parquet, .arrow (IPC file) or .arrows (IPC stream).")],
     db: DbOption = Path("tracedb.duckdb"),
@@ -305,19 +306,13 @@ def export(
     complete_groups: CompleteGroupsOption = None,
     through: ThroughOption = None,
     tag: TagFilterOption = None,
-    policy: PolicyOption = None,
-    max_staleness: MaxStalenessOption = None,
-    stale: StaleOption = None,
-    unknown: UnknownOption = None,
-    include_dropped: IncludeDroppedOption = False,
-    include_eval: IncludeEvalOption = False,
-    max_groups: MaxGroupsOption = None,
     as_json: JsonOption = False,
+    training: dict[str, Any] | None = None,
 ) -> None:
     """Export branch views, streaming in bounded memory. The result's watermark (printed,
     and in the file's schema) is the --after of the next export of a live run."""
     live = live_selection(after, complete_groups, through, tag)
-    live.update(training_selection(policy, max_staleness, stale, unknown, include_dropped, include_eval, max_groups))
+    live.update(training or {})
     with open_db(db, read_only=True) as database:
         try:
             result = database.export(
@@ -339,6 +334,7 @@ def export(
 
 
 @app.command()
+@training_options
 def pack(
     ctx: typer.Context,
     out: Annotated[Path, typer.Option("--out", help="Step directory to write (rank_R.arrow, manifest.json last).")],
@@ -372,13 +368,6 @@ def pack(
     complete_groups: CompleteGroupsOption = None,
     through: ThroughOption = None,
     tag: TagFilterOption = None,
-    policy: PolicyOption = None,
-    max_staleness: MaxStalenessOption = None,
-    stale: StaleOption = None,
-    unknown: UnknownOption = None,
-    include_dropped: IncludeDroppedOption = False,
-    include_eval: IncludeEvalOption = False,
-    max_groups: MaxGroupsOption = None,
     replay_zero_variance: step_cli.ReplayOption = False,
     replay_max_staleness: step_cli.ReplayMaxStalenessOption = None,
     replay_priority: step_cli.ReplayPriorityOption = None,
@@ -387,6 +376,7 @@ def pack(
     steps_root: step_cli.StepsRootOption = None,
     from_manifest: step_cli.FromManifestOption = None,
     as_json: JsonOption = False,
+    training: dict[str, Any] | None = None,
 ) -> None:
     """Pack micro-batches for a trainer into a step directory: per rank an Arrow IPC file of
     micro-batches and their samples, then manifest.json (a trainer waits for it). On a live
@@ -406,7 +396,7 @@ def pack(
         replay_zero_variance, replay_max_staleness, replay_priority, replay_max_uses, replay_seed, steps_root
     )
     live = live_selection(after, complete_groups, through, tag)
-    live.update(training_selection(policy, max_staleness, stale, unknown, include_dropped, include_eval, max_groups))
+    live.update(training or {})
     with open_db(db, read_only=True) as database:
         try:
             plan = database.micro_batches(
@@ -601,12 +591,7 @@ def policy_versions(
         with open_db(db, read_only=True) as database:
             emit(database.policy_versions().to_pylist(), as_json, title="mapped weight labels")
         return
-    mapping: dict[str, int] = {}
-    for text in set_:
-        label, sep, number = text.rpartition("=")
-        if not sep or not label or not number.strip().isdigit():
-            raise fail(f"--set: expected LABEL=N (N a whole number), got {text!r}", 2)
-        mapping[label] = int(number)
+    mapping = policy_mapping(set_)
     with open_db(db) as database:
         try:
             updated = database.set_policy_versions(mapping)

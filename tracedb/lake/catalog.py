@@ -32,14 +32,18 @@ from pyiceberg.transforms import BucketTransform
 from tracedb import tables
 from tracedb.errors import DatabaseError
 
-LAKE_SCHEMA_VERSION = 3
+LAKE_SCHEMA_VERSION = 4
 """The version of the lake's layout (its tables, :data:`BATCH`, the partitioning, what
 a ``traces`` row's ``seq`` holds); stored in the lake's ``tracedb_meta`` as
 ``lake_schema_version``. 1: writers stored the file store's seq in the row, readers
 took the file's sequence number; 2: a stored seq is the lake's (written by a
 compaction or by the upgrade from 1, :mod:`tracedb.lake.upgrade`), else the file's;
 3: segments are stored per write beside the traces that use them (:data:`SEGMENT_HOME`,
-``bucket(N, lake_trace)``), the bucket count N is the lake's own (:data:`BUCKETS_KEY`).
+``bucket(N, lake_trace)``), the bucket count N is the lake's own (:data:`BUCKETS_KEY`);
+4: the file store's schema 6 (policy versions: ``nodes.weight_versions``,
+``traces.dropped`` / ``policy_min`` / ``policy_max`` / ``policy_unknown`` /
+``work_type``, the episodes' work columns, ``policy_labels``), filled in on an upgrade
+from 3 as the file store's migration fills them (:mod:`tracedb.lake.policy_columns`).
 The upgrade from each earlier version is :mod:`tracedb.lake.upgrade`."""
 VERSION_KEY = "lake_schema_version"
 BATCH = "lake_batch"
@@ -386,10 +390,15 @@ def version_problem(version: str | None, where: str) -> str:
     """Why a lake of layout ``version`` (None: not recorded) is not opened, and what to do."""
     found = f"lake schema version {version}, this tracedb reads {LAKE_SCHEMA_VERSION}"
     if version is not None and version.isdigit() and int(version) < LAKE_SCHEMA_VERSION:
-        does = {1: "rewrites traces with each trace's lake seq and segments beside their traces"}
+        does = {
+            1: "rewrites traces with each trace's lake seq and segments beside their traces",
+            2: "rewrites segments beside their traces",
+            3: "rewrites traces",
+        }
         return (
             f"{found}; upgrade it with `tracedb lake init --warehouse {where}` (or tracedb.lake.init): "
-            f"it {does.get(int(version), 'rewrites segments beside their traces')} (stop the lake's writers first)"
+            f"it {does.get(int(version), 'rewrites its tables')} "
+            "and adds the policy-version columns (stop the lake's writers first)"
         )
     if version is not None and version.isdigit():
         return f"{found}; a newer tracedb made it: upgrade tracedb"

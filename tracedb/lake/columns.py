@@ -58,7 +58,7 @@ def resolve_credit(lake: Any, credit: str | None) -> str | None:
     return name
 
 
-def _written_with(rows: pa.Table, traces: pa.Table) -> pa.Table:
+def written_with(rows: pa.Table, traces: pa.Table) -> pa.Table:
     """The rows of ``rows`` (with ``trace_id`` and :data:`BATCH`) written with the visible
     traces rows ``traces`` (the same trace id and batch), in their order."""
     at = pc.index_in(rows.column("trace_id"), value_set=traces.column("trace_id").combine_chunks())
@@ -80,8 +80,8 @@ def visible_columns(
     ids = traces.column("trace_id").combine_chunks()
     own = [s for s in streams if not (s == "advantages" and credit is not None)]
     nodes = scan_keys(lake.table("nodes"), "trace_id", ids, columns=[*NODE_COLUMNS, *own, BATCH])
-    nodes = _written_with(nodes, traces)
-    branches = _written_with(scan_keys(lake.table("branches"), "trace_id", ids, [*BRANCH_COLUMNS, BATCH]), traces)
+    nodes = written_with(nodes, traces)
+    branches = written_with(scan_keys(lake.table("branches"), "trace_id", ids, [*BRANCH_COLUMNS, BATCH]), traces)
     segments = trace_segments(
         lake.table("segments"),
         nodes.column("trace_id"),
@@ -102,8 +102,8 @@ def _credit_rows(lake: Any, traces: pa.Table, ids: pa.Array, credit: str) -> pa.
         lake.table("credit"), "trace_id", ids, ["trace_id", "credit_set", "node_index", "value", "advantages", BATCH]
     )
     per_trace = scan_keys(lake.table("trace_credit"), "trace_id", ids, ["trace_id", "credit_set", "value", BATCH])
-    per_node = _written_with(per_node.filter(pc.equal(per_node.column("credit_set"), credit)), traces)
-    per_trace = _written_with(per_trace.filter(pc.equal(per_trace.column("credit_set"), credit)), traces)
+    per_node = written_with(per_node.filter(pc.equal(per_node.column("credit_set"), credit)), traces)
+    per_trace = written_with(per_trace.filter(pc.equal(per_trace.column("credit_set"), credit)), traces)
     listed = pa.list_(pa.float32())
     return pa.concat_tables(
         [
@@ -127,4 +127,4 @@ def _credit_rows(lake: Any, traces: pa.Table, ids: pa.Array, credit: str) -> pa.
     )
 
 
-__all__ = ["BRANCH_COLUMNS", "NODE_COLUMNS", "resolve_credit", "visible_columns"]
+__all__ = ["BRANCH_COLUMNS", "NODE_COLUMNS", "resolve_credit", "visible_columns", "written_with"]

@@ -44,7 +44,7 @@ pyiceberg's ``expire_snapshots`` only edits the metadata; deleting files is done
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,6 +163,7 @@ def compact_table(
     full: bool = False,
     force: bool = False,
     properties: dict[str, str] | None = None,
+    change: Callable[[pa.Table], pa.Table] | None = None,
 ) -> dict[str, int] | None:
     """Rewrite table ``name`` (from ``load``): its files added since the last compaction
     (``full``: every file) that hold nothing a writer at work may still commit (see
@@ -170,7 +171,8 @@ def compact_table(
     rows with ``seq``; ``sets``: credit set names), one file per partition, in one commit
     replacing them (``properties`` in its summary). Nothing is done when those files are
     one per partition already and lose no row (unless ``force``). Returns the entry of
-    the report; None when the commit conflicted (plan again)."""
+    the report; None when the commit conflicted (plan again). ``change`` changes the kept
+    rows before they are written (see :func:`rewrite_traces`)."""
     schema = catalog.lake_tables()[name]
     table = load(name)
     live = lake_files.live_files(table)
@@ -203,6 +205,8 @@ def compact_table(
     one_each = len({(f.spec_id, f.partition) for f in chosen}) == len(chosen)
     if not chosen or (not force and kept.num_rows == rewritten and one_each and all(compacted(f.path) for f in chosen)):
         return {**entry, "files_rewritten": 0, "files_after": len(live)}
+    if change is not None:
+        kept = change(kept)
     written = lake_files.arrow_schema(table)
     new = data_files(table, kept.cast(written), compaction=True)
     try:
@@ -226,17 +230,21 @@ def rewrite_traces(
     properties: dict[str, str] | None = None,
     force: bool = False,
     full: bool = True,
+    change: Callable[[pa.Table], pa.Table] | None = None,
 ) -> dict[str, int]:
     """Rewrite ``traces`` (tables from ``load(name)``; ``full``: every file, else those
     added since the last compaction): the visible row per trace id, each with its ``seq``
     (as :func:`~tracedb.lake.scan.scan_traces` reads it, with ``stored_from``) stored in
     the row, in one commit carrying ``properties`` in its snapshot summary; planned again
     when another traces commit lands meanwhile. Left alone (unless ``force``) when the
-    files are one per partition, compacted already, and every row visible. Returns the
-    report's entry."""
+    files are one per partition, compacted already, and every row visible. ``change`` (an
+    upgrade's) changes the rows before they are written (their columns, never which rows
+    or their seq). Returns the report's entry."""
     for _ in range(ATTEMPTS):
         vis, sets = _visible(load, stored_from)
-        done = compact_table(load, "traces", vis, sets, cutoff_ms=0, full=full, force=force, properties=properties)
+        done = compact_table(
+            load, "traces", vis, sets, cutoff_ms=0, full=full, force=force, properties=properties, change=change
+        )
         if done is not None:
             return done
     raise CommitFailedException(f"traces: {ATTEMPTS} rewrites conflicted with other writers")

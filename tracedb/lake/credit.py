@@ -68,14 +68,19 @@ def compute(lake: catalog.Opened, algorithm: str, **params: Any) -> pa.Table:
         raise ValueError(f"lake credit {algorithm}: unknown parameters {unknown}; known: {sorted(known)}")
     ray = running_ray()
     reward, group_by = params.get("reward"), params.get("group_by", "group_id")
-    columns = ["trace_id", "reward", "ok", "is_timeout"]
+    columns = ["trace_id", "reward", "ok", "is_timeout", "dropped", "work_type"]  # what trace_rewards decides on
     if reward is not None or str(group_by).startswith("$"):
         columns.append("record")
     if not str(group_by).startswith("$") and group_by not in columns:
         columns.append(group_by)
     traces = _visible_traces(lake, columns).drop_columns([catalog.BATCH])
     keys = trace_rewards(
-        _Traces(traces), reward=reward, group_by=group_by, include_failed=params.get("include_failed", False)
+        _Traces(traces),
+        reward=reward,
+        group_by=group_by,
+        include_failed=params.get("include_failed", False),
+        include_dropped=params.get("include_dropped", False),
+        include_eval=params.get("include_eval", False),
     )
     keyed = lake_files.duck()
     keyed.register("t", traces)

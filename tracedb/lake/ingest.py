@@ -30,7 +30,7 @@ from typing import Any
 from tracedb.database import connect
 from tracedb.ingest.files import ByteRange, find_files
 from tracedb.ingest.run import ingest_files as ingest_into
-from tracedb.lake import catalog, move
+from tracedb.lake import catalog, labels, move
 from tracedb.lake.workers import chunks, running_ray
 from tracedb.lake.write import AppendReport, Staged, commit, stage
 
@@ -138,6 +138,7 @@ def ingest_files(location: catalog.Location, files: Sequence[str | ByteRange], a
     paths = [f for f in files if not isinstance(f, ByteRange)]
     ranges = [f for f in files if isinstance(f, ByteRange)]
     with connect(":memory:") as db:
+        labels.seed(db, lake)  # the traces' policy-version bounds under the lake's mapping
         report = ingest_into(db.handle, paths, ranges=ranges, allow_ragged=allow_ragged)
         ids = db.sql("SELECT trace_id FROM traces ORDER BY seq").column("trace_id").to_pylist()
         staged: Staged = stage(lake, move.file_rows(db, ids))

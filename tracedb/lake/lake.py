@@ -288,6 +288,68 @@ class Lake(catalog.Opened):
             clip=clip,
         )
 
+    def export(
+        self,
+        path: str | Path,
+        *,
+        format: str | None = None,
+        trace_ids: Sequence[str] | None = None,
+        group: str | Sequence[str] | None = None,
+        episode: str | Sequence[str] | None = None,
+        after: int | None = None,
+        complete_groups: int | None = None,
+        tags: Mapping[str, Any] | None = None,
+        through: int | None = None,
+        policy: int | None = None,
+        max_staleness: int | None = None,
+        stale: str | None = None,
+        unknown: str | None = None,
+        include_dropped: bool | None = None,
+        include_eval: bool | None = None,
+        max_groups: int | None = None,
+        trainable: bool | None = None,
+        columns: Sequence[str] | None = None,
+        train_once: bool = False,
+        credit: str | None = None,
+        compression: str | None = "zstd",
+    ) -> dict[str, Any]:
+        """Write the branch views of the selected visible traces to ``path`` (``.parquet``,
+        ``.arrow``, ``.arrows``; ``format`` overrides the suffix), as
+        :meth:`tracedb.Database.export` writes a file's: the same arguments and selection
+        (``after`` / ``through`` / ``complete_groups`` on the lake's ``seq``; with
+        ``trainable=True`` dropped traces and eval episodes out unless kept), the same
+        columns, published whole or not at all. The driver pulls the selection a chunk of
+        traces at a time (no Ray). Returns rows, tokens, bytes and the lake's watermark
+        the selection was read at (also in the file's schema)."""
+        from tracedb.lake import export
+
+        return export.export(
+            self,
+            path,
+            Selection(
+                trace_ids,
+                group,
+                episode,
+                after,
+                complete_groups,
+                tags,
+                through,
+                policy,
+                max_staleness,
+                stale,
+                unknown,
+                include_dropped,
+                include_eval,
+                max_groups,
+            ),
+            format=format,
+            trainable=trainable,
+            columns=None if columns is None else list(columns),
+            train_once=train_once,
+            credit=credit,
+            compression=compression,
+        )
+
     def credit(self, algorithm: str, name: str | None = None, **params: Any) -> dict[str, Any]:
         """Compute group credit (``"grpo"`` or ``"rloo"``, with that algorithm's parameters:
         ``reward``, ``group_by``, ``include_failed``; grpo's ``scale_std``, ``eps``) over
@@ -299,6 +361,23 @@ class Lake(catalog.Opened):
         from tracedb.lake import credit
 
         return credit.run(self, algorithm, name, **params)
+
+    def set_policy_versions(self, mapping: Mapping[str, int]) -> int:
+        """Map weight labels that name no number of their own to policy versions in the
+        lake (``{"ckpt-abc": 12}``, as :meth:`tracedb.Database.set_policy_versions`): the
+        mapping is appended, then every visible trace whose spans use one of the labels
+        gets its bounds again and ``traces`` is rewritten (each trace keeps its ``seq``).
+        Returns how many traces that was. Writers that ingest traces using these labels
+        while it runs keep the bounds they computed (see :mod:`tracedb.lake.labels`)."""
+        from tracedb.lake import labels
+
+        return labels.set_versions(self, mapping)
+
+    def policy_versions(self) -> dict[str, int]:
+        """The lake's mapped weight labels and their policy versions."""
+        from tracedb.lake import labels
+
+        return labels.mapping(self)
 
     def compact(
         self, *, grace: float = 3600.0, expire_older_than: float | None = None, full: bool = False

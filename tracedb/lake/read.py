@@ -9,7 +9,8 @@ trace's ``seq`` is the sequence number of the snapshot that committed its traces
 here what they mean in the file store. Segments are shown once each (concurrent writers
 may store one twice) and only those a visible node uses; rejects once each; credit
 sets once per name (the first written); credit values only of a set whose ``credit_sets``
-row is visible (it is committed after them). The rule is :func:`visible_rows`, which
+row is visible (it is committed after them); a weight label's latest mapping
+(``policy_labels``, :mod:`tracedb.lake.labels`). The rule is :func:`visible_rows`, which
 :mod:`tracedb.lake.sqlscan` applies too.
 """
 
@@ -24,6 +25,7 @@ import pyarrow.compute as pc
 from pyiceberg.expressions import AlwaysTrue, BooleanExpression, In
 
 from tracedb.lake import files as lake_files
+from tracedb.lake import nulls
 from tracedb.lake.catalog import BATCH, SEGMENT_HOME, batched, lake_tables, per_trace
 from tracedb.lake.commit import compacted
 from tracedb.lake.scan import scan_keys, visible_traces
@@ -89,7 +91,7 @@ def stored(name: str, table: pa.Table | None) -> pa.Table:
         table.column(f.name).cast(f.type) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
         for f in schema
     ]
-    return pa.Table.from_arrays(columns, schema=schema)
+    return nulls.decode(name, pa.Table.from_arrays(columns, schema=schema))
 
 
 def visible(
@@ -168,6 +170,8 @@ def visible_rows(con: duckdb.DuckDBPyConnection, name: str, raw: pa.Table) -> pa
             query = f"SELECT * FROM raw QUALIFY row_number() OVER (PARTITION BY {key} ORDER BY rejected_at) = 1"
         elif name == "credit_sets":
             query = "SELECT * FROM raw QUALIFY row_number() OVER (PARTITION BY name ORDER BY created_at) = 1"
+        elif name == "policy_labels":  # a label mapped again: the latest mapping
+            query = "SELECT * FROM raw QUALIFY row_number() OVER (PARTITION BY label ORDER BY set_at DESC) = 1"
         else:
             query = "SELECT * FROM raw"
         return con.sql(query).to_arrow_table()

@@ -240,13 +240,12 @@ def read_for(lake: Any, scans: list[Scan]) -> tuple[dict[str, pa.Table], ScanRep
             if name == "segments":
                 continue
             row_filter, keys_of = reader.restriction(name)
-            if name in ("rejects", "credit_sets"):
-                row_filter = AlwaysTrue()  # deduplicated over all their columns: read whole (small)
+            whole = name in ("rejects", "credit_sets", "policy_labels")
+            if whole:
+                row_filter = AlwaysTrue()  # deduplicated over their columns: read whole (small)
             keys = {"trace_id", BATCH} if per_trace(name, schemas[name]) else {"episode_id", BATCH}
             keys |= {"credit_set"} & set(schemas[name].names)  # credit values show with their set's row
-            need = columns.get(name, set()) | (
-                keys if name not in ("rejects", "credit_sets") else set(schemas[name].names)
-            )
+            need = columns.get(name, set()) | (keys if not whole else set(schemas[name].names))
             held = keys_of.get("trace_id") if per_trace(name, schemas[name]) else None
             if held is None and per_trace(name, schemas[name]) and not everything:
                 # Every scan of it joins (through others) the traces read or pinned ones:

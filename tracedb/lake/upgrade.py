@@ -30,6 +30,11 @@ number everywhere else (rows a version-1 writer appended since); it does not rew
 ``traces`` again when that rewrite is its current snapshot, nor ``segments`` when every
 segments file is of the new partition spec. Stop the lake's writers while it runs: an
 older writer keeps writing its layout until the meta row says this version.
+
+3 → 4: the file store's schema-6 columns (policy versions, dropped traces, the episodes'
+work; added with the others by :func:`add_columns`) are filled in from the rows'
+records, as the file store's migration fills them, ``traces`` rewritten last with every
+seq kept (:mod:`tracedb.lake.policy_columns`). A rerun fills only what is still empty.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ import duckdb
 import pyarrow as pa
 from pyiceberg.transforms import BucketTransform
 
-from tracedb.lake import catalog, compact
+from tracedb.lake import catalog, compact, policy_columns
 from tracedb.lake import files as lake_files
 from tracedb.lake.commit import data_files, replace_files
 from tracedb.lake.scan import visible_traces
@@ -162,7 +167,19 @@ def rehome_segments(load: object, buckets: int, properties: dict[str, str]) -> b
     return True
 
 
-STEPS: dict[int, Callable[[object, int, dict[str, str]], bool]] = {1: seq_into_traces, 2: rehome_segments}
+def fill_policy_columns(load: object, buckets: int, properties: dict[str, str]) -> bool:
+    """3 → 4: the schema-6 columns filled in the rows an older writer made (see the
+    module's docstring and :mod:`tracedb.lake.policy_columns`); False when every row has
+    them already (nothing written)."""
+    filled = policy_columns.fill(load, properties=properties)
+    return any(filled.values())
+
+
+STEPS: dict[int, Callable[[object, int, dict[str, str]], bool]] = {
+    1: seq_into_traces,
+    2: rehome_segments,
+    3: fill_policy_columns,
+}
 """The upgrade from each version to the next, by the version it upgrades from: each takes
 the table loader, the lake's bucket count and the summary properties marking its
 rewrites, does nothing when it finds its work done (a rerun after a crash), and says
@@ -191,4 +208,4 @@ def _homed_files(table: object, con: duckdb.DuckDBPyConnection, homes: pa.Table,
     return data_files(table, stamped, compaction=True)  # rows of many writes: read as a compaction's
 
 
-__all__ = ["STEPS", "UPGRADED", "add_columns", "rehome_segments", "seq_into_traces", "upgrade"]
+__all__ = ["STEPS", "UPGRADED", "add_columns", "fill_policy_columns", "rehome_segments", "seq_into_traces", "upgrade"]

@@ -7,7 +7,9 @@ into tasks in the order of the traces' ``trace_id`` hash bucket, then trace id
 buckets, and in them the row groups of its traces. A view task reads its traces' nodes,
 branches and segments straight from the lake's files as Arrow
 (:func:`tracedb.lake.columns.visible_columns`: a trace's segments are stored in its own
-bucket) and runs the file store's kernels on them (:func:`tracedb.views.spread.branch_table`).
+bucket) and runs the file store's kernels on them (:func:`tracedb.views.spread.branch_table`),
+the tokens' policy versions read of the lake when the views ask for them
+(:func:`tracedb.lake.versions.attach`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from tracedb.lake import catalog
+from tracedb.lake import catalog, versions
 from tracedb.lake.columns import resolve_credit, visible_columns
 from tracedb.lake.scan import bucket_order
 from tracedb.lake.select import resolve_rows
@@ -65,6 +67,8 @@ def view(
     :func:`~tracedb.lake.columns.resolve_credit`'s)."""
     streams = [c for c in COMPACT_STREAMS if c in columns]
     data = visible_columns(lake, traces, streams, credit)
+    if "policy_version" in columns:
+        versions.attach(lake, traces, data)
     return branch_table(data, columns, train_once, trainable, branch_index).replace_schema_metadata(None)
 
 

@@ -43,6 +43,7 @@ from pyiceberg.exceptions import CommitFailedException
 from pyiceberg.manifest import DataFile
 
 from tracedb.lake import files as lake_files
+from tracedb.lake import labels, nulls
 from tracedb.lake.catalog import BATCH, SEGMENT_HOME, Commits, batched, lake_schema, lake_tables, per_trace
 from tracedb.lake.commit import append_files, data_files
 from tracedb.lake.scan import scan_keys
@@ -138,7 +139,7 @@ def lake_rows(name: str, rows: pa.Table, batch: str) -> pa.Table:
         else pa.nulls(rows.num_rows, f.type)
         for f in schema
     }
-    table = pa.table(columns).cast(pa.schema([f for f in target if f.name in columns]))
+    table = nulls.encode(name, pa.table(columns)).cast(pa.schema([f for f in target if f.name in columns]))
     if batched(name, schema):
         table = table.append_column(pa.field(BATCH, pa.string()), pa.array([batch] * rows.num_rows, pa.string()))
     if SEGMENT_HOME in target.names:
@@ -188,6 +189,8 @@ def stage(lake: object, rows: Mapping[str, pa.Table]) -> Staged:
             table = table.filter(_in(table.column("episode_id"), episodes))
         elif name == "segments":
             table = _homed(lake.table("segments"), table, rows.get("nodes"), new)  # type: ignore[attr-defined]
+        elif name == "policy_labels":
+            table = labels.new_rows(lake, table)
         if table.num_rows:
             staged.files[name] = data_files(lake.table(name), lake_rows(name, table, staged.batch))  # type: ignore[attr-defined]
             staged.rows[name] = table.num_rows
