@@ -152,7 +152,9 @@ def test_runs_compare_page(runs: dict[str, Any]) -> None:
     assert re.findall(r'<th class="run-name" data-run="(\w+)">', html) == ["b", "a"]
     assert re.findall(r'<tr data-key="([\d.]+)">', html) == ["0", "1", "2", "3", "4"]
     assert 'id="nav-compare"' in html
-    assert "(not recorded)" in html  # staleness (and dropped, before schema 6) are said missing, not zero
+    figures = client.get("/api/runs/compare", params={"runs": "b,a"}).json()["runs"]
+    missing = sum((not r["dropped_recorded"]) + (not r["staleness_recorded"]) for r in figures)
+    assert html.count("(not recorded)") == missing  # a figure the file lacks is said missing, not zero
 
 
 @pytest.mark.parametrize(
