@@ -302,7 +302,7 @@ def _refusal(path: str, error: duckdb.IOException, read_only: bool) -> DatabaseE
         return DatabaseError(f"{path}: {error}")
     pid = int(found["pid"])
     command = holder_command(pid)
-    holder = f"PID {pid}, {command or found['program']}"
+    holder = f"PID {pid}, {_shortened(command) if command else found['program']}"
     if read_only:
         what = f"{path} is open for writing in another process ({holder}): {_what_to_do(command)}"
     else:
@@ -330,9 +330,14 @@ def holder_command(pid: int) -> str | None:
 
 def _one_line(words: list[str]) -> str:
     """A command line on one line (an argument holding line breaks, a ``python -c``
-    program, is folded), at most 200 characters."""
-    line = " ".join(" ".join(word.split()) for word in words)
-    return line if len(line) <= 200 else line[:199] + "…"
+    program, is folded)."""
+    return " ".join(" ".join(word.split()) for word in words)
+
+
+def _shortened(command: str, limit: int = 600) -> str:
+    """A holder's command line as an error shows it: whole unless it is very long (a
+    ``python -c`` program); what to do is decided from the whole line, not this."""
+    return command if len(command) <= limit else command[: limit - 1] + "…"
 
 
 def _what_to_do(command: str | None) -> str:

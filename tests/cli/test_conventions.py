@@ -74,9 +74,13 @@ def test_help_says_created_if_missing_only_where_it_is() -> None:
 
 
 def test_a_reader_of_a_followed_file_is_told_who_holds_it(tmp_path: Path) -> None:
-    run = tmp_path / "traces.jsonl"
+    # A long directory: the holder's command line runs past any display limit, and the
+    # advice is still decided from the whole of it (CI's paths cut '--follow' once).
+    where = tmp_path / ("a-long-run-directory-" * 6)
+    where.mkdir()
+    run = where / "traces.jsonl"
     shutil.copy(FIXTURES / "linear.traces.jsonl", run)
-    db = tmp_path / "live.duckdb"
+    db = where / "live.duckdb"
     command = [sys.executable, "-m", "tracedb", "ingest", str(run), "--db", str(db), "--follow", "--json"]
     follower = subprocess.Popen(
         [*command, "--interval", "0.1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
