@@ -1,66 +1,6 @@
 -- tracedb SQL macros, installed into every database file so that any DuckDB client
 -- can use them. They follow the spreading rule of verifiers' Branch.spread exactly.
 
--- The stored layout (tracedb/codec): token ids and streams are kept as text, one
--- character per value, value u being U+(u + 32) with the surrogates skipped.
-CREATE OR REPLACE MACRO tdb_value(c) AS
-    unicode(c) - 32 - CASE WHEN unicode(c) >= 57344 THEN 2048 ELSE 0 END;
-
--- A row of token ids kept as text.
-CREATE OR REPLACE MACRO tdb_tokens(t) AS
-    CASE WHEN t IS NOT NULL THEN list_transform(string_split(t, ''), lambda c: tdb_value(c)::INTEGER) END;
-
--- Fixed-point values: m / p, -(m / p), or 2m + sign (form '~'), as float32.
-CREATE OR REPLACE MACRO tdb_scaled(form, p, u) AS
-    CASE form
-        WHEN '+' THEN list_transform(u, lambda x: (x / p)::FLOAT)
-        WHEN '-' THEN list_transform(u, lambda x: (-(x / p))::FLOAT)
-        ELSE list_transform(u, lambda x: (CASE WHEN x % 2 = 1 THEN -((x // 2) / p) ELSE (x // 2) / p END)::FLOAT)
-    END;
-
--- A stream kept as text: '+d', '-d' or '~d' then fixed-point values of d decimals, or '='
--- then the values' shortest decimals, comma-separated.
-CREATE OR REPLACE MACRO tdb_stream(s) AS
-    CASE WHEN s IS NULL THEN NULL::FLOAT[]
-         WHEN left(s, 1) = '=' THEN CASE WHEN length(s) = 1 THEN []::FLOAT[] ELSE string_split(s[2:], ',')::FLOAT[] END
-         ELSE tdb_scaled(left(s, 1), [1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9][ascii(s[2]) - 47],
-                         list_transform(string_split(s[3:], ''), lambda c: tdb_value(c)))
-    END;
-
--- loss_weights kept as a JSON object from each name to its stream text.
-CREATE OR REPLACE MACRO tdb_loss_weights(lw) AS
-    CASE WHEN lw IS NULL THEN NULL::MAP(VARCHAR, FLOAT[])
-         ELSE map_from_entries(list_transform(map_entries(lw::JSON::MAP(VARCHAR, VARCHAR)),
-                                              lambda e: {'key': e.key, 'value': tdb_stream(e.value)}))
-    END;
-
--- The other way, for writers in SQL (tracedb.writeback): a FLOAT[] as stream text, in the
--- decimals form ('=' then each value's shortest decimal, the sign of zero kept).
-CREATE OR REPLACE MACRO tdb_stream_text(v) AS
-    CASE WHEN v IS NOT NULL THEN '=' || array_to_string(list_transform(v::FLOAT[],
-        lambda x: CASE WHEN x = 0 AND signbit(x) THEN '-0.0' ELSE x::VARCHAR END), ',') END;
-
--- A MAP(VARCHAR, FLOAT[]) of loss_weights as its stored JSON text.
-CREATE OR REPLACE MACRO tdb_loss_weights_text(m) AS
-    CASE WHEN m IS NOT NULL THEN
-        CASE WHEN cardinality(m) = 0 THEN '{}'
-             ELSE to_json(map_from_entries(list_transform(map_entries(m),
-                      lambda e: {'key': e.key, 'value': tdb_stream_text(e.value)})))::VARCHAR END
-    END;
-
--- The tables as they read: token ids and streams as lists.
-CREATE OR REPLACE VIEW segments AS
-    SELECT segment_id, n_tokens, coalesce(token_ids, tdb_tokens(tokens)) AS token_ids FROM segment_store;
-
-CREATE OR REPLACE VIEW nodes AS
-    SELECT trace_id, node_index, parent, role, sampled, "timestamp", segment_id, n_tokens, n_sampled,
-           mask_prefix, mask_slots, is_content,
-           tdb_stream(logprobs) AS logprobs, tdb_stream(advantages) AS advantages,
-           tdb_stream(reference_logprobs) AS reference_logprobs, tdb_stream(trainer_logprobs) AS trainer_logprobs,
-           tdb_stream(entropies) AS entropies, tdb_loss_weights(loss_weights) AS loss_weights,
-           semantic_parents, semantic_parents_record, message, extra, present, weight_versions
-    FROM node_store;
-
 -- A node's sampled mask, per token.
 CREATE OR REPLACE MACRO tdb_mask(n_tokens, mask_prefix, mask_slots) AS
     CASE WHEN mask_slots IS NULL
@@ -230,11 +170,15 @@ CREATE OR REPLACE MACRO branch_tokens(train_once := false, credit := NULL) AS TA
 CREATE OR REPLACE MACRO branch_stats() AS TABLE
     SELECT b.trace_id, b.branch_index, b.trainable, b.n_tokens, b.n_sampled,
            CASE WHEN b.n_tokens > 0 THEN b.n_sampled / b.n_tokens END AS sampled_share,
-           len(b.path) AS n_nodes,
+           b.n_nodes,
            count(n.advantages) AS credited_nodes,
            count(*) FILTER (WHERE n.sampled) AS sampled_nodes
-    FROM branches b, unnest(b.path) AS u(node_index)
-    JOIN nodes n ON n.trace_id = b.trace_id AND n.node_index = u.node_index
+    -- The path unnested in a select list, not laterally: a filter on the trace id (or the
+    -- branch) then reaches the scans of branches and nodes (a lake reads only its traces).
+    FROM (SELECT trace_id, branch_index, trainable, n_tokens, n_sampled, len(path) AS n_nodes,
+                 unnest(path) AS node_index
+          FROM branches) b
+    JOIN nodes n ON n.trace_id = b.trace_id AND n.node_index = b.node_index
     GROUP BY ALL;
 
 -- Which nodes carry credit in a set, and how much (NULL = never assigned, not zero).
@@ -253,6 +197,30 @@ CREATE OR REPLACE MACRO credit_tokens(credit := NULL) AS TABLE
            CASE WHEN advantages IS NOT NULL
                 THEN list_transform(list_resize(advantages, n_sampled, 0.0::FLOAT), lambda x: x::DOUBLE) END AS a
     FROM credit_advantages(credit);
+
+-- Each node's absolute credit mass in one set, as credit_tokens spreads it (a compact
+-- list cut or zero-padded to the node's sampled tokens, a per-node or per-trace value on
+-- each of them), without building per-token lists for values: abs_sum (sum of |A| over
+-- its sampled tokens, DOUBLE) and n_sampled (the tokens assigned). Assigned nodes only.
+-- Replay ranks earlier groups by it (tracedb/batches/replay.py).
+CREATE OR REPLACE MACRO credit_abs_mass(credit := NULL) AS TABLE
+    WITH per AS (
+        SELECT n.trace_id, n.node_index, n.n_sampled,
+               CASE WHEN credit IS NULL OR credit = 'default' THEN n.advantages ELSE c.advantages END AS listed,
+               CASE WHEN credit IS NULL OR credit = 'default' THEN NULL
+                    ELSE coalesce(c.value, t.value)::FLOAT END AS scalar
+        FROM nodes n
+        LEFT JOIN credit c
+               ON c.credit_set = credit AND c.trace_id = n.trace_id AND c.node_index = n.node_index
+        LEFT JOIN trace_credit t
+               ON t.credit_set = credit AND t.trace_id = n.trace_id AND n.n_sampled > 0
+    )
+    SELECT trace_id, node_index, n_sampled,
+           CASE WHEN listed IS NOT NULL
+                THEN coalesce(list_sum(list_transform(listed[1:n_sampled], lambda x: abs(x::DOUBLE))), 0.0)
+                ELSE abs(scalar::DOUBLE) * n_sampled END AS abs_sum
+    FROM per
+    WHERE listed IS NOT NULL OR scalar IS NOT NULL;
 
 -- The dose of one credit set, per trace, over the trace's sampled tokens (each node once):
 -- tokens assigned and credited (nonzero), coverage (assigned / sampled), signed, absolute
@@ -378,3 +346,62 @@ CREATE OR REPLACE MACRO group_rewards(through := NULL) AS TABLE
            max(seq) AS last_seq
     FROM traces WHERE group_id IS NOT NULL AND (through IS NULL OR seq <= through)
     GROUP BY group_id;
+
+-- Off-policy mismatch between the policy that sampled a token (the node's `logprobs`, the
+-- inference engine's) and the trainer's policy (`trainer_logprobs`, written back by a
+-- recompute pass). A token holds both when it is one of the node's first
+-- least(n_sampled, len(logprobs), len(trainer_logprobs)) sampled tokens (a NULL or empty
+-- stream: none; values past the sampled tokens are not tokens). With the log ratio
+-- d = trainer - inference and the ratio exp(d), k3 = (exp(d) - 1) - d: its mean over tokens
+-- sampled from the inference policy estimates KL(inference || trainer) (Schulman's k3,
+-- unbiased and never negative). A ratio leaves [1/c, c] when exp(d) < 1/c or exp(d) > c.
+-- Per node holding at least one such token: the count and the sums the means are made of.
+CREATE OR REPLACE MACRO node_mismatch(c := 2.0) AS TABLE
+    WITH d AS (
+        SELECT trace_id, node_index,
+               list_transform(range(1, least(n_sampled, len(logprobs), len(trainer_logprobs)) + 1),
+                              lambda k: exp(trainer_logprobs[k]::DOUBLE - logprobs[k]::DOUBLE)) AS ratio,
+               list_transform(range(1, least(n_sampled, len(logprobs), len(trainer_logprobs)) + 1),
+                              lambda k: trainer_logprobs[k]::DOUBLE - logprobs[k]::DOUBLE) AS log_ratio
+        FROM nodes
+        WHERE n_sampled > 0 AND logprobs IS NOT NULL AND trainer_logprobs IS NOT NULL
+          AND len(logprobs) > 0 AND len(trainer_logprobs) > 0
+          AND (SELECT CASE WHEN c >= 1 THEN true
+                           ELSE error('policy_mismatch: c must be at least 1 (the ratio band is [1/c, c]), got ' || coalesce(c::VARCHAR, 'NULL')) END)
+    )
+    SELECT trace_id, node_index, len(ratio)::BIGINT AS tokens,
+           list_sum(list_transform(list_zip(ratio, log_ratio), lambda p: (p[1] - 1.0) - p[2])) AS k3_sum,
+           list_sum(ratio) AS ratio_sum,
+           list_max(ratio) AS ratio_max,
+           len(list_filter(ratio, lambda r: r < 1.0 / c OR r > c))::BIGINT AS outside
+    FROM d;
+
+-- The mismatch per trace (per := 'trace': one row per trace, node_index NULL, over its
+-- sampled tokens, each node once) or per turn (per := 'turn': one row per node with
+-- sampled tokens), over the tokens holding both streams (node_mismatch): how many
+-- (`tokens`), the mean of k3 (`k3_mean`, an estimate of KL(inference || trainer)), the
+-- mean and the largest ratio exp(trainer - inference), and the share of ratios outside
+-- [1/c, c]. A trace or turn without such a token has tokens = 0 and NULL figures.
+CREATE OR REPLACE MACRO policy_mismatch(c := 2.0, per := 'trace') AS TABLE
+    WITH m AS (SELECT * FROM node_mismatch(c := c)),
+    rows AS (
+        SELECT n.trace_id, n.node_index, coalesce(m.tokens, 0)::BIGINT AS tokens,
+               m.k3_sum, m.ratio_sum, m.ratio_max, coalesce(m.outside, 0)::BIGINT AS outside
+        FROM nodes n LEFT JOIN m USING (trace_id, node_index)
+        WHERE per = 'turn' AND n.n_sampled > 0
+        UNION ALL
+        SELECT t.trace_id, NULL::INTEGER, coalesce(sum(m.tokens), 0)::BIGINT,
+               sum(m.k3_sum), sum(m.ratio_sum), max(m.ratio_max), coalesce(sum(m.outside), 0)::BIGINT
+        FROM traces t LEFT JOIN m USING (trace_id)
+        WHERE per = 'trace'
+        GROUP BY t.trace_id
+    )
+    SELECT trace_id, node_index, tokens,
+           CASE WHEN tokens > 0 THEN k3_sum / tokens END AS k3_mean,
+           CASE WHEN tokens > 0 THEN ratio_sum / tokens END AS ratio_mean,
+           CASE WHEN tokens > 0 THEN ratio_max END AS ratio_max,
+           CASE WHEN tokens > 0 THEN outside / tokens END AS outside_share
+    FROM rows
+    WHERE (SELECT CASE WHEN per IN ('trace', 'turn') THEN true
+                       ELSE error('policy_mismatch: per must be ''trace'' or ''turn'', got ' || coalesce(per::VARCHAR, 'NULL')) END)
+    ORDER BY trace_id, node_index;

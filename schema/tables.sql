@@ -6,7 +6,7 @@
 -- Per-token arrays are kept as text, one character per value (tracedb/codec: token ids
 -- and fixed-point streams), so that DuckDB compresses them with zstd; so are the JSON
 -- records and message text. `node_store` and `segment_store` hold them so; the views
--- `nodes` and `segments` (schema/macros.sql) show them decoded, as lists, to any client.
+-- `nodes` and `segments` (schema/encoded.sql) show them decoded, as lists, to any client.
 -- Only the tables a lookup needs by key keep a primary key (an ART index costs ~60-80
 -- bytes a key): traces, episodes and the small tables. Nodes and branches are written
 -- once per fresh trace (unique by construction), segments are looked up by a join.

@@ -48,6 +48,7 @@ LAYERS: list[list[str]] = [
         "tracedb.storage",
         "tracedb.export",
         "tracedb.batches",
+        "tracedb.offpolicy",
     ],
     ["tracedb.credit"],
     ["tracedb.cec"],

@@ -2,9 +2,9 @@
 branch-spread token views for trainers, analysts and services."""
 
 from tracedb import batches
-from tracedb.batches import MicroBatch, Plan, read_micro_batches
+from tracedb.batches import MicroBatch, Plan, Replay, read_micro_batches
 from tracedb.database import Database, connect
-from tracedb.errors import IngestAborted, NotFound, RecordError, TraceDBError
+from tracedb.errors import IngestAborted, NotFound, RecordError, StepChanged, TraceDBError
 from tracedb.migrations import SCHEMA_VERSION
 from tracedb.selection import watermark_of
 from tracedb.tables import BRANCH_SCHEMA
@@ -20,9 +20,11 @@ __all__ = [
     "RecordError",
     "IngestAborted",
     "NotFound",
+    "StepChanged",
     "SCHEMA_VERSION",
     "MicroBatch",
     "Plan",
+    "Replay",
     "read_micro_batches",
     "batches",
 ]

@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 
-from tracedb.batches import MicroBatch
+from tracedb.batches import MicroBatch, Replay
 from tracedb.batches.plan import SAMPLES_SCHEMA
 from tracedb.errors import TraceDBError
 from tracedb.selection import Selection
@@ -84,6 +84,27 @@ def _params(**values: Any) -> list[tuple[str, str]]:
         items = [value] if isinstance(value, str | int | float | bool) else list(value)
         out += [(key, ("true" if v else "false") if isinstance(v, bool) else str(v)) for v in items]
     return out
+
+
+def _replay_params(replay: Any) -> dict[str, Any]:
+    """A :class:`tracedb.Replay` as ``/micro-batches``' ``replay*`` parameters. A use limit
+    is refused (one line): uses are counted from the step manifests a trainer writes under
+    its ``steps_root``, and a server writes none."""
+    if replay is None:
+        return {}
+    if not isinstance(replay, Replay):
+        raise ValueError(f"replay is a tracedb.Replay(...), not {type(replay).__name__} {replay!r}")
+    if replay.max_uses is not None or replay.steps_root is not None:
+        raise ValueError(
+            "replay over a server takes no max_uses or steps_root: uses are counted from step manifests, "
+            "which a server does not write (pack steps with db.micro_batches or tracedb pack for a use limit)"
+        )
+    return {
+        "replay": True,
+        "replay_max_staleness": replay.max_staleness,
+        "replay_priority": replay.priority,
+        "replay_seed": replay.seed,
+    }
 
 
 def _request(
@@ -245,7 +266,7 @@ def fetch_micro_batches(
     url: str,
     seq_len: int,
     *,
-    rank: int = 0,
+    rank: int,
     ranks: int = 1,
     part: str = "tokens",
     trace_ids: str | Sequence[str] | None = None,
@@ -268,9 +289,10 @@ def fetch_micro_batches(
     (one record batch per micro-batch: ``table.to_batches()``) or ``"samples"`` (with a
     ``micro_batch`` column); and the plan's report (``report["watermark"]``: the next
     ``after``). The selection is :meth:`tracedb.Database.micro_batches`'; ``options`` its
-    packing arguments (``credit``, ``overflow``, ``cost``, ``share_prefixes`` ...;
-    ``trainable=None`` for every branch). Pass ``through`` to read several parts or ranks
-    of one step."""
+    packing arguments (``credit``, ``overflow``, ``cost``, ``share_prefixes``, ``importance``, ``clip`` ...;
+    ``trainable=None`` for every branch; ``replay=tracedb.Replay(...)`` without a use
+    limit, as the server takes it: ``report["replayed"]`` says what replaced what). Pass
+    ``through`` to read several parts or ranks of one step."""
     selection = Selection(
         trace_ids,
         group,
@@ -295,6 +317,7 @@ def fetch_micro_batches(
         if trainable is not None and trainable is not True:
             raise ValueError("the server packs trainable branches (trainable=True) or every branch (None)")
         extra["all_branches"] = trainable is None
+    extra.update(_replay_params(extra.pop("replay", None)))
     params = _params(seq_len=seq_len, rank=rank, ranks=ranks, part=part, **_selected(selection), **extra)
     data, headers = _request(url, "/micro-batches", params, accept=ARROW_STREAM)
     return _arrow(data), json.loads(headers["X-Tracedb-Report"])
@@ -304,7 +327,7 @@ def micro_batches(
     url: str,
     seq_len: int,
     *,
-    rank: int = 0,
+    rank: int,
     ranks: int = 1,
     trace_ids: str | Sequence[str] | None = None,
     group: str | Sequence[str] | None = None,

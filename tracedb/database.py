@@ -17,8 +17,19 @@ from typing import TYPE_CHECKING, Any
 import duckdb
 import pyarrow as pa
 
-from tracedb import batches, credit_sets, migrations, policy_labels, readback, sqlcheck, storage, views, writeback
-from tracedb.dbfile import open_handle
+from tracedb import (
+    batches,
+    credit_sets,
+    migrations,
+    offpolicy,
+    policy_labels,
+    readback,
+    sqlcheck,
+    storage,
+    views,
+    writeback,
+)
+from tracedb.dbfile import open_handle, rewrite_storage
 from tracedb.export import export
 from tracedb.handle import Handle
 from tracedb.ingest import IngestReport, ingest_files
@@ -465,6 +476,9 @@ class Database:
         pad_token_id: int = 0,
         share_prefixes: bool = False,
         drop_zero_advantages: bool = False,
+        importance: str | None = None,
+        clip: float | None = None,
+        replay: batches.Replay | None = None,
     ) -> batches.Plan:
         """Packed, rank-balanced micro-batches of the selected branches, for a trainer.
 
@@ -485,6 +499,17 @@ class Database:
         is rank r's micro-batches, ``plan.report`` what was packed and left out, and
         ``plan.report.watermark`` the watermark to pass as ``after`` for the next step
         (``complete_groups=N``: the groups completed since, each once; see :meth:`branches`).
+
+        ``importance="tis"`` adds the token column ``importance_weight``: on each loss token
+        holding both ``logprobs`` and ``trainer_logprobs`` (written back by a recompute pass
+        with ``write_nodes(rows, stream="trainer_logprobs")``) ``min(exp(trainer -
+        inference), clip)`` (``clip`` default 2.0), 1.0 on every other token; the report
+        counts the loss tokens weighted, defaulted to 1.0 and clipped
+        (:mod:`tracedb.batches.importance`).
+
+        ``replay=tracedb.Replay(...)`` replaces each zero-variance group of the selection by
+        an earlier complete group with signal, within a staleness bound and a use limit
+        (:mod:`tracedb.batches.replay`; ``plan.report.replayed`` says what replaced what).
         """
         return batches.micro_batches(
             self.handle,
@@ -516,6 +541,9 @@ class Database:
             pad_token_id=pad_token_id,
             share_prefixes=share_prefixes,
             drop_zero_advantages=drop_zero_advantages,
+            importance=importance,
+            clip=clip,
+            replay=replay,
         )
 
     # ----------------------------------------------------------------- write-back
@@ -559,6 +587,50 @@ class Database:
     def policy_versions(self) -> pa.Table:
         """The mapped weight labels: label, version, set_at."""
         return policy_labels.listing(self.handle)
+
+    def policy_mismatch(
+        self,
+        *,
+        per: str = "trace",
+        c: float = 2.0,
+        trace_ids: Sequence[str] | None = None,
+        group: str | Sequence[str] | None = None,
+        episode: str | Sequence[str] | None = None,
+        after: int | None = None,
+        complete_groups: int | None = None,
+        tags: Mapping[str, Any] | None = None,
+        through: int | None = None,
+        policy: int | None = None,
+        max_staleness: int | None = None,
+        stale: str | None = None,
+        unknown: str | None = None,
+        include_dropped: bool | None = None,
+        include_eval: bool | None = None,
+        max_groups: int | None = None,
+    ) -> pa.Table:
+        """How far the trainer's policy (``trainer_logprobs``) is from the one that sampled
+        (``logprobs``), per trace or per turn (``per="turn"``) of the selected traces (filters
+        as in :meth:`branches`), over the tokens holding both: ``tokens``, ``k3_mean``
+        (estimates KL(inference || trainer)), ``ratio_mean`` and ``ratio_max`` of
+        exp(trainer - inference), ``outside_share`` of ``[1/c, c]``; see
+        :mod:`tracedb.offpolicy` (the ``policy_mismatch()`` macro in SQL)."""
+        selection = Selection(
+            trace_ids,
+            group,
+            episode,
+            after,
+            complete_groups,
+            tags,
+            through,
+            policy,
+            max_staleness,
+            stale,
+            unknown,
+            include_dropped,
+            include_eval,
+            max_groups,
+        )
+        return offpolicy.mismatch(self.handle, per=per, c=c, selection=selection)
 
     # ----------------------------------------------------------------- credit sets
 
@@ -607,11 +679,20 @@ class Database:
 def migrate(path: str | Path) -> dict[str, Any]:
     """Upgrade a database file written by an older tracedb to this one's schema, in place
     (one transaction: a failure leaves the file as it was). Returns the path, the version
-    the file held before (None: none) and after, and this tracedb's."""
+    the file held before (None: none) and after, and this tracedb's; then rewrites a file
+    in another DuckDB storage format into tracedb's, one DuckDB 1.5 reads (atomically:
+    :func:`tracedb.dbfile.rewrite_storage`), saying the format before and after."""
     before = migrations.stored_version(Path(path))
     with Database(path) as db:  # a read-write open upgrades
         after = db.schema_version
-    return {"path": str(path), "from_version": before, "to_version": after, "current": migrations.SCHEMA_VERSION}
+    rewritten = rewrite_storage(path)
+    return {
+        "path": str(path),
+        "from_version": before,
+        "to_version": after,
+        "current": migrations.SCHEMA_VERSION,
+        **{k: rewritten[k] for k in ("from_storage", "to_storage")},
+    }
 
 
 def connect(path: str | Path = ":memory:", *, read_only: bool = False, isolated: bool = False) -> Database:

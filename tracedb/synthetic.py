@@ -206,6 +206,7 @@ def versioned(
     zero_variance_share: float = 0.25,
     dropped_share: float = 0.0,
     seed: int = 0,
+    first_step: int = 1,
 ) -> Iterator[dict[str, Any]]:
     """The episodes of :func:`generate_episodes` as an asynchronous trainer's rollouts
     (verifiers 0.4.1's fields): each group is dispatched at a training step (groups fill
@@ -214,7 +215,8 @@ def versioned(
     carries 1-3 weight-version spans ``step_N`` tiling its sampled tokens (a weight swap
     mid-turn). A ``stale_share`` of the groups were sampled two versions further back; a
     ``zero_variance_share`` of the groups get one reward for all members (their
-    advantages 0); a ``dropped_share`` of the traces are dropped (``Trace.dropped``)."""
+    advantages 0); a ``dropped_share`` of the traces are dropped (``Trace.dropped``).
+    ``first_step``: the step the first groups are dispatched at (later ones count on from it)."""
     rng = np.random.default_rng(seed + 7_777)
     by_group: dict[str, list[dict[str, Any]]] = {}
     order: list[str] = []
@@ -225,7 +227,7 @@ def versioned(
             by_group[gid] = []
         by_group[gid].append(ep)
     for k, gid in enumerate(order):
-        dispatch = min(step, 1 + k // max(1, groups_per_step))
+        dispatch = min(step, first_step + k // max(1, groups_per_step))
         lag = 2 if rng.random() < stale_share else 0
         low, high = max(0, dispatch - 1 - lag), max(0, dispatch - lag)
         flat = rng.random() < zero_variance_share

@@ -45,6 +45,10 @@ OPERATIONS = [
     ("GET", "/run"),
     ("GET", "/api/run"),
     ("GET", "/view/group/{group_id}"),
+    ("GET", "/traces/{trace_id}/turns"),
+    ("GET", "/runs"),
+    ("GET", "/api/runs/compare"),
+    ("GET", "/runs/compare"),
 ]
 STRING_LISTS = ("trace_id", "group", "episode")
 """Repeatable query parameters of strings: whatever the fuzzer puts there (a number, a
@@ -55,6 +59,7 @@ NO_INPUT = {
     ("GET", "/credit-sets"),
     ("GET", "/stats"),
     ("GET", "/policy-versions"),
+    ("GET", "/runs"),
 }  # nothing to make invalid
 
 

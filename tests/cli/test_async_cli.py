@@ -85,11 +85,13 @@ def test_the_routes_take_the_same_parameters(db_path):
     with TestClient(app_) as client:
         plain = client.get("/traces", params={"after": 0}).json()
         assert {"dropped", "work_type", "policy_min"} <= set(plain["traces"][0])
-        r = client.get("/micro-batches", params={"seq_len": 4096, "credit": "flat", "policy": 12, "max_staleness": 1})
+        r = client.get(
+            "/micro-batches", params={"seq_len": 4096, "rank": 0, "credit": "flat", "policy": 12, "max_staleness": 1}
+        )
         assert r.status_code == 422 and "unknown policy version" in r.json()["detail"]
         r = client.get(
             "/micro-batches",
-            params={"seq_len": 4096, "credit": "flat", "policy": 12, "max_staleness": 1, "unknown": "drop"},
+            params={"seq_len": 4096, "rank": 0, "credit": "flat", "policy": 12, "max_staleness": 1, "unknown": "drop"},
         )
         assert r.status_code == 200
         report = json.loads(r.headers["X-Tracedb-Report"])

@@ -102,7 +102,8 @@ def test_the_form_of_token_ids_follows_what_compresses():
 
 def test_the_sql_macros_read_what_tracedb_writes():
     con = duckdb.connect()
-    con.execute(load_sql("macros.sql").split("-- The tables as they read")[0])
+    con.execute(load_sql("tables.sql"))
+    con.execute(load_sql("encoded.sql"))
     values, offsets, valid = rows(STREAMS[:7])
     text = codec.stream_text(values, offsets, valid)
     ids = np.array([0, 96, 55_300, 151_935], np.int32)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import tracedb
-from tracedb import codec
+from tracedb import codec, dbfile, runtime
 
 from support import FIXTURES_041, REPO
 
@@ -60,6 +60,24 @@ def test_the_views_read_exactly_the_rows_schema_6_held(tmp_path):
     # the stream written as computed values is kept as decimals, the rest as fixed point
     assert query(path, "SELECT count(*) FROM node_store WHERE left(reference_logprobs, 1) = '='")[0][0] == 2
     assert query(path, "SELECT count(*) FROM node_store WHERE left(logprobs, 1) IN ('+', '-', '~')")[0][0] > 100
+
+
+def test_a_schema_6_file_in_the_storage_format_tracedb_writes_upgrades(tmp_path):
+    """Schema 6 files tracedb wrote since 0.x's DuckDB 1.5 storage (``STORAGE_VERSION``;
+    the fixture predates it) upgrade in place, keeping their format."""
+    path = copy_of(tmp_path)
+    before_nodes, before_segments = query(path, NODES), query(path, SEGMENTS)
+    assert dbfile.rewrite_storage(path)["to_storage"] == runtime.STORAGE_VERSION + "+"
+    with tracedb.connect(path) as db:
+        assert db.sql("SELECT value FROM tracedb_meta WHERE key = 'schema_version'").column(0).to_pylist() == ["7"]
+    assert query(path, NODES) == before_nodes
+    assert query(path, SEGMENTS) == before_segments
+    con = duckdb.connect()
+    try:
+        con.execute(f"ATTACH '{path}' AS f (READ_ONLY)")
+        assert dbfile.storage_version(con, "f") == runtime.STORAGE_VERSION + "+"
+    finally:
+        con.close()
 
 
 def test_records_and_views_read_as_a_fresh_ingest(tmp_path):

@@ -7,11 +7,27 @@
 - :mod:`~tracedb.batches.plan`: the bins laid out as :class:`MicroBatch` objects, per rank
   (:class:`Plan`), and the :class:`PackReport`;
 - :mod:`~tracedb.batches.files`: a step directory for trainers (``tracedb pack``) and
-  :func:`read_micro_batches`.
+  :func:`read_micro_batches`;
+- :mod:`~tracedb.batches.replay`: zero-variance groups replaced by earlier groups with
+  signal (:class:`Replay`);
+- :mod:`~tracedb.batches.provenance` and :mod:`~tracedb.batches.steps`: what a step's
+  manifest records of its inputs, and rebuilding a step from it (:func:`rebuild`).
 """
 
 from tracedb.batches.files import read_micro_batches, write_step
 from tracedb.batches.plan import MicroBatch, PackReport, Plan
+from tracedb.batches.replay import Replay, Replayed
 from tracedb.batches.run import micro_batches
+from tracedb.batches.steps import rebuild
 
-__all__ = ["MicroBatch", "PackReport", "Plan", "micro_batches", "read_micro_batches", "write_step"]
+__all__ = [
+    "MicroBatch",
+    "PackReport",
+    "Plan",
+    "Replay",
+    "Replayed",
+    "micro_batches",
+    "read_micro_batches",
+    "rebuild",
+    "write_step",
+]

@@ -5,7 +5,7 @@ DuckDB 2.0 compresses strings with zstd (``USING COMPRESSION zstd``, a frame per
 sees no repeats: real token ids (a BPE vocabulary's Zipf ids, long repeated spans) and
 confident logprobs (mostly near zero) compress 4-5x better as zstd text. So a row's
 values are written as a string of code points, which any DuckDB client decodes
-(``schema/macros.sql``: ``tdb_tokens``, ``tdb_stream``) and tracedb decodes in bulk here.
+(``schema/encoded.sql``: ``tdb_tokens``, ``tdb_stream``) and tracedb decodes in bulk here.
 
 **Values as characters.** A value ``u`` in ``0..UMAX`` is the character ``U+(u + 32)``,
 the surrogates skipped (``+ 0x800`` from ``U+D800`` on): no control character, every

@@ -15,7 +15,6 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-import duckdb
 import pyarrow as pa
 from pyiceberg.expressions import EqualTo
 
@@ -24,6 +23,7 @@ from tracedb.credit.outcome import trace_rewards
 from tracedb.credit_sets import check_name
 from tracedb.errors import WriteError
 from tracedb.lake import catalog
+from tracedb.lake import files as lake_files
 from tracedb.lake.scan import visible_traces
 from tracedb.lake.workers import quiet_data, running_ray
 from tracedb.lake.write import lake_rows
@@ -38,7 +38,7 @@ class _Traces:
     """What the credit functions read through ``.sql``: a ``traces`` table alone."""
 
     def __init__(self, traces: pa.Table) -> None:
-        self.con = duckdb.connect()
+        self.con = lake_files.duck()
         self.con.register("traces", traces)
 
     def sql(self, query: str, params: list[Any] | None = None) -> pa.Table:
@@ -68,16 +68,21 @@ def compute(lake: catalog.Opened, algorithm: str, **params: Any) -> pa.Table:
         raise ValueError(f"lake credit {algorithm}: unknown parameters {unknown}; known: {sorted(known)}")
     ray = running_ray()
     reward, group_by = params.get("reward"), params.get("group_by", "group_id")
-    columns = ["trace_id", "reward", "ok", "is_timeout"]
+    columns = ["trace_id", "reward", "ok", "is_timeout", "dropped", "work_type"]  # what trace_rewards decides on
     if reward is not None or str(group_by).startswith("$"):
         columns.append("record")
     if not str(group_by).startswith("$") and group_by not in columns:
         columns.append(group_by)
     traces = _visible_traces(lake, columns).drop_columns([catalog.BATCH])
     keys = trace_rewards(
-        _Traces(traces), reward=reward, group_by=group_by, include_failed=params.get("include_failed", False)
+        _Traces(traces),
+        reward=reward,
+        group_by=group_by,
+        include_failed=params.get("include_failed", False),
+        include_dropped=params.get("include_dropped", False),
+        include_eval=params.get("include_eval", False),
     )
-    keyed = duckdb.connect()
+    keyed = lake_files.duck()
     keyed.register("t", traces)
     keyed.register("k", keys.select("trace_id", "group").to_arrow())
     rows = keyed.sql(f"SELECT t.*, coalesce(k.\"group\", '\\x00none') AS {_GROUP} FROM t JOIN k USING (trace_id)")
@@ -118,7 +123,7 @@ def run(lake: catalog.Opened, algorithm: str, name: str | None = None, **params:
             )
     values = compute(lake, algorithm, **params)
     batches = _visible_traces(lake, ["trace_id"])
-    con = duckdb.connect()
+    con = lake_files.duck()
     con.register("v", values)
     con.register("b", batches)
     stamped = con.sql(

@@ -33,6 +33,11 @@ class Lake(catalog.Opened):
     def where(self) -> str:
         return self.location.where
 
+    @property
+    def buckets(self) -> int:
+        """The hash buckets of the lake's tables (chosen when it was made, see :func:`init`)."""
+        return catalog.lake_buckets(catalog.meta_rows(self.table(catalog.META)))
+
     # ----------------------------------------------------------------- writing
 
     def append(self, rows: dict[str, pa.Table]) -> AppendReport:
@@ -237,13 +242,16 @@ class Lake(catalog.Opened):
         pad_token_id: int = 0,
         share_prefixes: bool = False,
         drop_zero_advantages: bool = False,
+        importance: str | None = None,
+        clip: float | None = None,
     ) -> Plan:
         """Packed, rank-balanced micro-batches of the selected visible traces: the plan
         :meth:`tracedb.Database.micro_batches` makes of the same traces (the same
         arguments and selection; ``after`` / ``through`` / ``complete_groups`` compare with
         the lake's ``seq``, and ``plan.report.watermark`` is the lake's, the ``after`` of the
-        next step). The driver pulls the selection into an in-memory tracedb and packs it
-        there (no Ray needed). Write it with :func:`tracedb.batches.write_step`."""
+        next step). The driver reads the selection's node columns straight from the lake's
+        files and packs them with the file store's code (no Ray needed). Write it with
+        :func:`tracedb.batches.write_step`."""
         from tracedb.lake import train
 
         return train.micro_batches(
@@ -276,6 +284,70 @@ class Lake(catalog.Opened):
             pad_token_id=pad_token_id,
             share_prefixes=share_prefixes,
             drop_zero_advantages=drop_zero_advantages,
+            importance=importance,
+            clip=clip,
+        )
+
+    def export(
+        self,
+        path: str | Path,
+        *,
+        format: str | None = None,
+        trace_ids: Sequence[str] | None = None,
+        group: str | Sequence[str] | None = None,
+        episode: str | Sequence[str] | None = None,
+        after: int | None = None,
+        complete_groups: int | None = None,
+        tags: Mapping[str, Any] | None = None,
+        through: int | None = None,
+        policy: int | None = None,
+        max_staleness: int | None = None,
+        stale: str | None = None,
+        unknown: str | None = None,
+        include_dropped: bool | None = None,
+        include_eval: bool | None = None,
+        max_groups: int | None = None,
+        trainable: bool | None = None,
+        columns: Sequence[str] | None = None,
+        train_once: bool = False,
+        credit: str | None = None,
+        compression: str | None = "zstd",
+    ) -> dict[str, Any]:
+        """Write the branch views of the selected visible traces to ``path`` (``.parquet``,
+        ``.arrow``, ``.arrows``; ``format`` overrides the suffix), as
+        :meth:`tracedb.Database.export` writes a file's: the same arguments and selection
+        (``after`` / ``through`` / ``complete_groups`` on the lake's ``seq``; with
+        ``trainable=True`` dropped traces and eval episodes out unless kept), the same
+        columns, published whole or not at all. The driver pulls the selection a chunk of
+        traces at a time (no Ray). Returns rows, tokens, bytes and the lake's watermark
+        the selection was read at (also in the file's schema)."""
+        from tracedb.lake import export
+
+        return export.export(
+            self,
+            path,
+            Selection(
+                trace_ids,
+                group,
+                episode,
+                after,
+                complete_groups,
+                tags,
+                through,
+                policy,
+                max_staleness,
+                stale,
+                unknown,
+                include_dropped,
+                include_eval,
+                max_groups,
+            ),
+            format=format,
+            trainable=trainable,
+            columns=None if columns is None else list(columns),
+            train_once=train_once,
+            credit=credit,
+            compression=compression,
         )
 
     def credit(self, algorithm: str, name: str | None = None, **params: Any) -> dict[str, Any]:
@@ -290,19 +362,40 @@ class Lake(catalog.Opened):
 
         return credit.run(self, algorithm, name, **params)
 
-    def compact(self, *, grace: float = 3600.0, expire_older_than: float | None = None) -> CompactReport:
-        """Rewrite every table holding only what readers see (removing rows of writes that
-        never committed their traces row, rows of writes that lost the race for a trace
-        id, duplicate segments, rejects and credit sets), one file per partition: readers'
-        answers are unchanged (``traces`` rows keep their ``seq``, stored in the row; the
-        rewrite is a traces commit, so the watermark moves past it). Rows of an uncommitted
-        write in a file added less than ``grace`` seconds ago are kept (its writer may
-        still be at work). With ``expire_older_than`` (seconds), snapshots replaced longer
-        ago than that are expired and the files no snapshot refers to that are older than
-        ``grace`` are deleted. See :mod:`tracedb.lake.compact`."""
+    def set_policy_versions(self, mapping: Mapping[str, int]) -> int:
+        """Map weight labels that name no number of their own to policy versions in the
+        lake (``{"ckpt-abc": 12}``, as :meth:`tracedb.Database.set_policy_versions`): the
+        mapping is appended, then every visible trace whose spans use one of the labels
+        gets its bounds again and ``traces`` is rewritten (each trace keeps its ``seq``).
+        Returns how many traces that was. Writers that ingest traces using these labels
+        while it runs keep the bounds they computed (see :mod:`tracedb.lake.labels`)."""
+        from tracedb.lake import labels
+
+        return labels.set_versions(self, mapping)
+
+    def policy_versions(self) -> dict[str, int]:
+        """The lake's mapped weight labels and their policy versions."""
+        from tracedb.lake import labels
+
+        return labels.mapping(self)
+
+    def compact(
+        self, *, grace: float = 3600.0, expire_older_than: float | None = None, full: bool = False
+    ) -> CompactReport:
+        """Rewrite the files added to each table since its last compaction (``full``: every
+        file) holding only what readers see (removing rows of writes that never committed
+        their traces row, rows of writes that lost the race for a trace id, duplicate
+        segments, rejects and credit sets), one file per partition, and merge each table's
+        manifests: readers' answers are unchanged (``traces`` rows keep their ``seq``,
+        stored in the row; the rewrite is a traces commit, so the watermark moves past
+        it). A file holding rows of an uncommitted write, added less than ``grace`` seconds
+        ago, is left for a later compaction (its writer may still be at work). With
+        ``expire_older_than`` (seconds), snapshots replaced longer ago than that are
+        expired and the files no snapshot refers to that are older than ``grace`` are
+        deleted. See :mod:`tracedb.lake.compact`."""
         from tracedb.lake import compact
 
-        return compact.compact(self, grace=grace, expire_older_than=expire_older_than)
+        return compact.compact(self, grace=grace, expire_older_than=expire_older_than, full=full)
 
     def ingest(
         self,
@@ -312,6 +405,7 @@ class Lake(catalog.Opened):
         files_per_task: int = 1,
         allow_ragged: bool = False,
         range_bytes: int | None = None,
+        commit_traces: int | None = None,
     ) -> LakeIngestReport:
         """Ingest ``traces.jsonl`` files or directories into the lake in Ray tasks
         (``files_per_task`` files each, at most ``workers`` at once; default: Ray's CPUs):
@@ -319,9 +413,12 @@ class Lake(catalog.Opened):
         in memory and appends its traces as one write. A plain ``.jsonl`` file larger than
         ``range_bytes`` (default 128 MiB) is cut at line starts into byte ranges of about
         that size, a task each, its lines and rejects numbered as in the whole file
-        (compressed and ``.json`` files are never cut). Idempotent by trace id, also
-        against other ingests running at the same time. Runs on the Ray of this process
-        (started when none runs, as :meth:`branches` says)."""
+        (compressed and ``.json`` files are never cut). The tasks stage their writes (data
+        files, nothing visible) and this process commits them together once they hold
+        ``commit_traces`` traces (default 256), and the rest at the end: one commit per
+        table, ``traces`` last. Idempotent by trace id, also against other ingests running
+        at the same time. Runs on the Ray of this process (started when none runs, as
+        :meth:`branches` says)."""
         from tracedb.lake import ingest
 
         chosen = [paths] if isinstance(paths, str | Path) else list(paths)
@@ -332,6 +429,7 @@ class Lake(catalog.Opened):
             files_per_task=files_per_task,
             allow_ragged=allow_ragged,
             range_bytes=ingest.RANGE_BYTES if range_bytes is None else range_bytes,
+            commit_traces=ingest.COMMIT_TRACES if commit_traces is None else commit_traces,
         )
 
     def sql(
@@ -365,17 +463,20 @@ def _database(db: str | Path | Database, *, read_only: bool) -> Iterator[Databas
         yield opened
 
 
-def init(lake: str | Path) -> Lake:
+def init(lake: str | Path, *, buckets: int | None = None) -> Lake:
     """Make a lake (idempotent: an existing one gets the tables it lacks, and a lake of
     an older layout version is upgraded to this one, see :mod:`tracedb.lake.upgrade`)
     and open it. ``lake`` is a directory (created; a SQLite catalog and the warehouse go
-    inside) or a ``.yaml``/``.json`` file of pyiceberg catalog properties."""
+    inside) or a ``.yaml``/``.json`` file of pyiceberg catalog properties. ``buckets``:
+    the hash buckets of a new lake's tables (default
+    :data:`~tracedb.lake.catalog.DEFAULT_BUCKETS`); an existing lake keeps its own (asking
+    for another count is a :class:`~tracedb.lake.catalog.LakeError`)."""
     from tracedb.lake.upgrade import upgrade
 
     location = catalog.locate(lake)
     if Path(lake).suffix not in catalog.PROPERTY_FILES:
         Path(lake).mkdir(parents=True, exist_ok=True)
-    catalog.create(location)
+    catalog.create(location, buckets)
     upgrade(location)
     return open_lake(lake)
 

@@ -10,6 +10,9 @@ gathers it along each path with the compiled token kernel (as it gathers token i
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 import numpy as np
 import pyarrow as pa
 
@@ -39,7 +42,21 @@ def attach(handle: Handle, data: NodeColumns) -> np.ndarray | None:
             "AND len(weight_versions) > 0 AND trace_id IN (SELECT trace_id FROM _tdb_version_traces)"
         ).fetchall()
         mapping = policy.mapping_of(handle.con) if spans else {}
-    if not fallbacks and not spans:
+    return attach_rows(data, fallbacks, spans, mapping)
+
+
+def attach_rows(
+    data: NodeColumns,
+    fallbacks: Sequence[tuple[str, int | None]],
+    spans: Sequence[tuple[str, int, Sequence[Mapping[str, Any]] | None]],
+    mapping: Mapping[str, int],
+) -> np.ndarray | None:
+    """:func:`attach` from rows read already (by a store of another kind, the lake):
+    ``fallbacks`` each loaded trace's episode policy start or work step (trace id,
+    value), ``spans`` the nodes' weight-version spans (trace id, node index, spans),
+    ``mapping`` the label mapping. Sets ``data.versions`` (and marks them read)."""
+    data.versions_read = True
+    if not fallbacks and not any(node_spans for _, _, node_spans in spans):
         return None
     n_rows = len(data.n_tok)
     per_row = np.full(n_rows, policy.UNKNOWN, np.int64)
@@ -54,6 +71,8 @@ def attach(handle: Handle, data: NodeColumns) -> np.ndarray | None:
     offsets = np.zeros(n_rows + 1, np.int64)
     np.cumsum(data.n_sampled, out=offsets[1:])
     for trace_id, node_index, node_spans in spans:
+        if not node_spans or trace_id not in data.base:
+            continue
         row = data.base[trace_id] + node_index
         lo, n = int(offsets[row]), int(data.n_sampled[row])
         compact[lo : lo + n] = policy.node_versions(node_spans, n, mapping, _default(per_row[row]))
