@@ -137,7 +137,14 @@ CREATE TABLE IF NOT EXISTS node_store (
     present            INTEGER NOT NULL,  -- bit i: field i of records.NODE_KEYS was in the record
     -- verifiers 0.4.1: sampled tokens [start, end) (among the node's sampled tokens) came
     -- from the engine weights labelled version; NULL when the record holds none.
-    weight_versions    STRUCT("version" VARCHAR, "start" INTEGER, "end" INTEGER)[]
+    weight_versions    STRUCT("version" VARCHAR, "start" INTEGER, "end" INTEGER)[],
+    -- A batch's streams kept as lists instead, where their text would not be clearly
+    -- smaller (tracedb.codec.stream_form: lists read faster); the text column is then NULL.
+    logprobs_list           FLOAT[],
+    advantages_list         FLOAT[],
+    reference_logprobs_list FLOAT[],
+    trainer_logprobs_list   FLOAT[],
+    entropies_list          FLOAT[]
 );
 
 CREATE TABLE IF NOT EXISTS branches (

@@ -174,7 +174,9 @@ CREATE TABLE node_store (
     entropies VARCHAR USING COMPRESSION zstd, loss_weights VARCHAR USING COMPRESSION zstd,
     semantic_parents STRUCT("node" INTEGER, "type" VARCHAR)[], semantic_parents_record JSON,
     message JSON USING COMPRESSION zstd, extra JSON, present INTEGER NOT NULL,
-    weight_versions STRUCT("version" VARCHAR, "start" INTEGER, "end" INTEGER)[]);
+    weight_versions STRUCT("version" VARCHAR, "start" INTEGER, "end" INTEGER)[],
+    logprobs_list FLOAT[], advantages_list FLOAT[], reference_logprobs_list FLOAT[], trainer_logprobs_list FLOAT[],
+    entropies_list FLOAT[]);
 CREATE TABLE branches (
     trace_id VARCHAR NOT NULL, branch_index INTEGER NOT NULL, leaf INTEGER NOT NULL, trainable BOOLEAN NOT NULL,
     path INTEGER[] NOT NULL, n_tokens BIGINT NOT NULL, n_sampled BIGINT NOT NULL);
@@ -239,7 +241,8 @@ def _v6_to_v7(con: duckdb.DuckDBPyConnection) -> None:
             "SELECT * FROM _v6_nodes WHERE rowid >= ? AND rowid < ? ORDER BY rowid", params=[lo, hi]
         ).to_arrow_table()
         for name in _V6_STREAMS:
-            rows = rows.set_column(rows.schema.get_field_index(name), name, codec.stream_lists(rows.column(name)))
+            text, lists = codec.stream_columns(rows.column(name))
+            rows = rows.set_column(rows.schema.get_field_index(name), name, text).append_column(f"{name}_list", lists)
         weights = rows.column("loss_weights")
         index = rows.schema.get_field_index("loss_weights")
         rows = rows.set_column(index, "loss_weights", codec.loss_weights_text(weights.to_pylist()))

@@ -39,7 +39,7 @@ def trace_record(handle: Handle, trace_id: str, *, credit: str | None = None) ->
         )
     else:
         nodes = handle.sql(
-            "SELECT n.* EXCLUDE (advantages), a.advantages, s.token_ids AS segment_list, s.tokens AS segment_text "
+            "SELECT n.* EXCLUDE (advantages, advantages_list), a.advantages, s.token_ids AS segment_list, s.tokens AS segment_text "
             "FROM node_store n JOIN segment_store s USING (segment_id) "
             "JOIN credit_advantages(?) a USING (trace_id, node_index) WHERE n.trace_id = ? ORDER BY n.node_index",
             [credit, trace_id],
@@ -180,12 +180,21 @@ def _lists(column: pa.ChunkedArray) -> list[np.ndarray | None]:
     return [values[offsets[i] : offsets[i + 1]] if valid[i] else None for i in range(len(valid))]
 
 
+def _stream(nodes: pa.Table, name: str) -> list[np.ndarray | None]:
+    """Per row: a stream's values, from its text or (a batch kept so) its list."""
+    text = _lists(nodes.column(name))
+    if f"{name}_list" not in nodes.column_names:
+        return text
+    return [t if v is None else v for t, v in zip(text, _lists(nodes.column(f"{name}_list")), strict=True)]
+
+
 def _node_records(nodes: pa.Table, named_credit: bool = False) -> list[dict[str, Any]]:
-    streams = {name: _lists(nodes.column(name)) for name in COMPACT_STREAMS}
+    streams = {name: _stream(nodes, name) for name in COMPACT_STREAMS}
     text_ids, text_off, _ = codec.token_values(nodes.column("segment_text"))
     lists = nodes.column("segment_list").to_pylist()
     weights = codec.loss_weights_values(nodes.column("loss_weights"))
-    plain = nodes.drop_columns([*COMPACT_STREAMS, "loss_weights", "segment_list", "segment_text"]).to_pylist()
+    listed = [c for c in nodes.column_names if c.endswith("_list") and c != "segment_list"]
+    plain = nodes.drop_columns([*COMPACT_STREAMS, *listed, "loss_weights", "segment_list", "segment_text"]).to_pylist()
     out = []
     for i, row in enumerate(plain):
         ids = lists[i] if lists[i] is not None else text_ids[text_off[i] : text_off[i + 1]].tolist()

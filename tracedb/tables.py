@@ -185,8 +185,12 @@ SEGMENT_STORE = pa.schema(
 TEXT_COLUMNS = (*COMPACT_STREAMS, "loss_weights")
 """The ``nodes`` columns ``node_store`` keeps as stream text."""
 
-NODE_STORE = pa.schema([_col(f.name, pa.string()) if f.name in TEXT_COLUMNS else f for f in NODES])
-"""``nodes`` as stored: the streams and ``loss_weights`` as their text."""
+NODE_STORE = pa.schema(
+    [_col(f.name, pa.string()) if f.name in TEXT_COLUMNS else f for f in NODES]
+    + [_col(f"{s}_list", pa.list_(pa.float32())) for s in COMPACT_STREAMS]
+)
+"""``nodes`` as stored: the streams and ``loss_weights`` as their text, or a batch's
+streams as lists (``logprobs_list``, ...; :func:`tracedb.codec.stream_form`)."""
 
 BRANCHES = pa.schema(
     [
@@ -370,7 +374,7 @@ def encode_rows(name: str, table: pa.Table) -> tuple[str, pa.Table]:
             columns["tokens"] = pa.nulls(len(table), pa.string())
     else:
         for column in COMPACT_STREAMS:
-            columns[column] = codec.stream_lists(table.column(column))
+            columns[column], columns[f"{column}_list"] = codec.stream_columns(table.column(column))
         weights = table.column("loss_weights")
         columns["loss_weights"] = (
             pa.nulls(len(table), pa.string())

@@ -201,9 +201,9 @@ def _apply(db: Handle, stage: pa.Table, stream: str, credit: str | None, name: s
         )
     else:
         bit = BIT[stream]
-        col = quote_identifier(stream)
-        con.execute(
-            f"UPDATE node_store SET {col} = tdb_stream_text(w.values), "
+        col, listed = quote_identifier(stream), quote_identifier(f"{stream}_list")
+        con.execute(  # computed values: kept as a list (their text would be decimals)
+            f"UPDATE node_store SET {col} = NULL, {listed} = w.values::FLOAT[], "
             f"  present = CASE WHEN w.values IS NULL THEN present & ~{bit} ELSE present | {bit} END "
             "FROM _tdb_write w WHERE node_store.trace_id = w.trace_id AND node_store.node_index = w.node_index"
         )
@@ -257,8 +257,9 @@ def _apply_scalars(db: Handle, table: pa.Table, stream: str, credit: str | None)
         else:
             bit = BIT[stream]
             con.execute(
-                f"UPDATE node_store SET {quote_identifier(stream)} = CASE WHEN w.value IS NULL THEN NULL "
-                "  ELSE tdb_stream_text(list_resize([]::FLOAT[], node_store.n_sampled, w.value::FLOAT)) END, "
+                f"UPDATE node_store SET {quote_identifier(stream)} = NULL, "
+                f"  {quote_identifier(stream + '_list')} = CASE WHEN w.value IS NULL THEN NULL "
+                "  ELSE list_resize([]::FLOAT[], node_store.n_sampled, w.value::FLOAT) END, "
                 f"  present = CASE WHEN w.value IS NULL THEN present & ~{bit} ELSE present | {bit} END "
                 "FROM (SELECT DISTINCT * FROM _tdb_scalars) w "
                 "WHERE node_store.trace_id = w.trace_id AND node_store.node_index = w.node_index"

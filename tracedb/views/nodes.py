@@ -204,10 +204,36 @@ _META = "trace_id, node_index, n_tokens, n_sampled, mask_prefix, mask_slots, los
 
 
 def read_all(con: Any, streams: Sequence[str]) -> tuple[pa.Table, dict[str, _Parts]]:
-    """Every node, its streams decoded (their text is handed over as strings, which DuckDB
-    does several times faster than lists)."""
-    nodes = _sql(con, f"SELECT {_META}{''.join(f', {s}' for s in streams)} FROM node_store")
-    return nodes, {s: codec.stream_values(nodes.column(s)) for s in streams}
+    """Every node, its streams: the rows kept as text decoded (handed over as strings,
+    which DuckDB does several times faster than lists), those kept as lists read flat with
+    ``unnest`` and cut by the lengths a plain scan of the same table returns in the same
+    order (both keep insertion order)."""
+    columns = "".join(f', {s}, len({s}_list) AS "len:{s}"' for s in streams)
+    nodes = _sql(con, f"SELECT {_META}{columns} FROM node_store")
+    out = {}
+    for s in streams:
+        listed = flat_column(con, f"SELECT unnest({s}_list) FROM node_store", nodes.column(f"len:{s}"), np.float32)
+        out[s] = merged(codec.stream_values(nodes.column(s)), listed)
+    return nodes, out
+
+
+def merged(a: _Parts, b: _Parts) -> _Parts:
+    """One stream of rows whose values are in ``a`` or in ``b`` (the other holds none for
+    the row: null or empty), as (values, offsets, validity)."""
+    a_values, a_off, a_valid = a
+    b_values, b_off, b_valid = b
+    if not b_valid.any():
+        return a
+    if not a_valid.any():
+        return b
+    a_len, b_len = np.diff(a_off), np.diff(b_off)
+    offsets = np.zeros(len(a_len) + 1, np.int64)
+    np.cumsum(a_len + b_len, out=offsets[1:])
+    values = np.empty(int(offsets[-1]), np.result_type(a_values, b_values))
+    for part, part_off, part_len in ((a_values, a_off, a_len), (b_values, b_off, b_len)):
+        at = np.repeat(offsets[:-1] - part_off[:-1], part_len) + np.arange(part_off[0], part_off[-1], dtype=np.int64)
+        values[at] = part[part_off[0] : part_off[-1]]
+    return values, offsets, a_valid | b_valid
 
 
 def read_segments(con: Any, own_cursor: bool) -> tuple[pa.ChunkedArray, _Parts]:
@@ -293,7 +319,7 @@ def read_lists(
     """The nodes (``where``: of the traces in ``_tdb_sel``) and their segments: each row
     carries its own values, so no row order is relied on (a selection filters with a
     join, which keeps none; ``preserve_insertion_order`` may be off)."""
-    columns = "".join(f", {s}" for s in streams)
+    columns = "".join(f", {s}, {s}_list" for s in streams)
     nodes = _sql(con, f"SELECT {_META}{columns} FROM node_store{where}")
     wanted_columns = "segment_id, n_tokens, token_ids, tokens"
     if not where:
@@ -317,7 +343,7 @@ def read_lists(
                 )
             finally:
                 con.unregister("_tdb_segs")
-    lists = {s: codec.stream_values(nodes.column(s)) for s in streams}
+    lists = {s: merged(codec.stream_values(nodes.column(s)), list_parts(nodes.column(f"{s}_list"))) for s in streams}
     return nodes, (segments.column("segment_id"), segment_tokens(segments)), lists
 
 
