@@ -59,8 +59,10 @@ CREATE OR REPLACE VIEW segments AS
 CREATE OR REPLACE VIEW nodes AS
     SELECT trace_id, node_index, parent, role, sampled, "timestamp", segment_id, n_tokens, n_sampled,
            mask_prefix, mask_slots, is_content,
-           tdb_stream(logprobs) AS logprobs, tdb_stream(advantages) AS advantages,
-           tdb_stream(reference_logprobs) AS reference_logprobs, tdb_stream(trainer_logprobs) AS trainer_logprobs,
-           tdb_stream(entropies) AS entropies, tdb_loss_weights(loss_weights) AS loss_weights,
+           coalesce(logprobs_list, tdb_stream(logprobs)) AS logprobs,
+           coalesce(advantages_list, tdb_stream(advantages)) AS advantages,
+           coalesce(reference_logprobs_list, tdb_stream(reference_logprobs)) AS reference_logprobs,
+           coalesce(trainer_logprobs_list, tdb_stream(trainer_logprobs)) AS trainer_logprobs,
+           coalesce(entropies_list, tdb_stream(entropies)) AS entropies, tdb_loss_weights(loss_weights) AS loss_weights,
            semantic_parents, semantic_parents_record, message, extra, present, weight_versions
     FROM node_store;

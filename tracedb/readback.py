@@ -39,8 +39,8 @@ def trace_record(handle: Handle, trace_id: str, *, credit: str | None = None) ->
         )
     else:
         nodes = handle.sql(
-            "SELECT n.* EXCLUDE (advantages, advantages_list), a.advantages, s.token_ids AS segment_list, s.tokens AS segment_text "
-            "FROM node_store n JOIN segment_store s USING (segment_id) "
+            "SELECT n.* EXCLUDE (advantages, advantages_list), a.advantages, s.token_ids AS segment_list, "
+            "s.tokens AS segment_text FROM node_store n JOIN segment_store s USING (segment_id) "
             "JOIN credit_advantages(?) a USING (trace_id, node_index) WHERE n.trace_id = ? ORDER BY n.node_index",
             [credit, trace_id],
         )

@@ -134,3 +134,33 @@ def test_loss_weights_keep_their_order_and_values():
     assert [k for k, _ in back[2]] == ["z", "a"]
     assert same_bits(back[2][0][1], np.array([0.25, -0.0], np.float32))
     assert same_bits(back[2][1][1], np.array([0.1 + 0.2], np.float32))
+
+
+def test_stream_form_keeps_text_only_where_it_is_clearly_smaller():
+    rng = np.random.default_rng(7)
+    uniform = -np.round(rng.uniform(0, 3, 200_000), 4).astype(np.float32)  # a synthetic workload's
+    assert codec.stream_form(uniform) == "list"
+    confident = -np.round(rng.exponential(0.002, 200_000), 4).astype(np.float32)  # mostly near 0
+    confident[rng.random(200_000) < 0.02] = -np.float32(12.5)
+    assert codec.stream_form(confident) == "text"
+    runs = np.repeat(np.round(rng.uniform(-3, 0, 200), 4), 1000).astype(np.float32)  # one value per 1,000
+    assert codec.stream_form(runs) == "list"  # DuckDB keeps them run-length encoded (a value and a count)
+    computed = (np.arange(50_000) / 3).astype(np.float32)  # not m / 10**d
+    assert codec.stream_form(computed) == "list"
+    assert codec.stream_form(np.zeros(0, np.float32)) == "list"
+    text, lists = codec.stream_columns(pa.array([[0.5, -0.25], None, []], pa.list_(pa.float32())))
+    assert text.null_count + lists.null_count == 4  # one column holds the rows, the other is all null
+    nothing = codec.stream_columns(pa.nulls(2, pa.list_(pa.float32())))
+    assert nothing[0].null_count == 2 and nothing[1].null_count == 2
+
+
+def test_token_values_with_known_counts_and_with_counts_that_disagree():
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 48_000, 120_000).astype(np.int32)
+    offsets = np.array([0, 1_000, 1_000, 70_000, 120_000])
+    text = codec.token_text(ids, offsets)
+    want = codec.token_values(text)
+    assert np.array_equal(want[0], ids) and np.array_equal(want[1], offsets)
+    for counts in (np.diff(offsets), np.diff(offsets) + np.array([0, 0, 5, -5])):  # n_tokens right, and not
+        got = codec.token_values(text, counts)
+        assert np.array_equal(got[0], ids) and np.array_equal(got[1], offsets)

@@ -57,9 +57,14 @@ def test_the_views_read_exactly_the_rows_schema_6_held(tmp_path):
     assert query(path, SEGMENTS) == before_segments
     kinds = query(path, "SELECT left(logprobs, 1) AS form, count(*) FROM node_store GROUP BY ALL ORDER BY ALL")
     assert {k for k, _ in kinds} - {None} <= {"+", "-", "~", "="}
-    # the stream written as computed values is kept as decimals, the rest as fixed point
-    assert query(path, "SELECT count(*) FROM node_store WHERE left(reference_logprobs, 1) = '='")[0][0] == 2
-    assert query(path, "SELECT count(*) FROM node_store WHERE left(logprobs, 1) IN ('+', '-', '~')")[0][0] > 100
+    for stream in ("logprobs", "advantages", "reference_logprobs", "trainer_logprobs", "entropies"):
+        both = f"SELECT count(*) FROM node_store WHERE {stream} IS NOT NULL AND {stream}_list IS NOT NULL"
+        assert query(path, both) == [(0,)], stream  # a row's stream is text or a list, never both
+    # the batch holding computed values (not fixed point) keeps its streams as lists; the
+    # advantages (fixed point, constant over a node's tokens) as text
+    assert query(path, "SELECT count(*) FROM node_store WHERE reference_logprobs IS NOT NULL") == [(0,)]
+    assert query(path, "SELECT count(*) FROM node_store WHERE reference_logprobs_list IS NOT NULL")[0][0] > 2
+    assert query(path, "SELECT count(*) FROM node_store WHERE left(advantages, 1) IN ('+', '-', '~')")[0][0] > 100
 
 
 def test_a_schema_6_file_in_the_storage_format_tracedb_writes_upgrades(tmp_path):

@@ -187,9 +187,11 @@ def token_text(ids: np.ndarray, offsets: np.ndarray) -> pa.Array:
     return pa.array([text[offsets[r] : offsets[r + 1]] for r in range(n)], pa.string())
 
 
-def token_values(text: pa.Array | pa.ChunkedArray) -> Parts:
-    """The token ids of text rows: (int32 ids, offsets, validity)."""
-    return _decode(text, skip=0, dtype=np.int32)
+def token_values(text: pa.Array | pa.ChunkedArray, counts: np.ndarray | None = None) -> Parts:
+    """The token ids of text rows: (int32 ids, offsets, validity). ``counts``, the ids each
+    row holds (``segments.n_tokens``; 0 for a null row), spares the pass that counts them
+    (they are counted after all when a row's text disagrees)."""
+    return _decode(text, skip=0, dtype=np.int32, counts=counts)
 
 
 # --------------------------------------------------------------------------- streams
@@ -357,13 +359,13 @@ def stream_values(text: pa.Array | pa.ChunkedArray) -> Parts:
     return _decode(text, skip=2, dtype=np.float32)
 
 
-def _decode(text: pa.Array | pa.ChunkedArray, skip: int, dtype: type) -> Parts:
+def _decode(text: pa.Array | pa.ChunkedArray, skip: int, dtype: type, counts: np.ndarray | None = None) -> Parts:
     if isinstance(text, pa.ChunkedArray) and text.num_chunks > 1:
         # One array (DuckDB hands over a chunk per vector of rows): one pass over all of it.
         size = sum(c.buffers()[2].size for c in text.chunks if c.buffers()[2] is not None)
         text = (text.cast(pa.large_string()) if size >= 2**31 else text).combine_chunks()
     chunks = _chunks(text)
-    return _decode_chunk(chunks[0], skip, dtype)
+    return _decode_chunk(chunks[0], skip, dtype, counts)
 
 
 PARALLEL_BYTES = 1 << 20
@@ -397,15 +399,23 @@ def _each(parts: list[tuple[int, int]], fn: Any) -> None:
         future.result()
 
 
-def _decode_chunk(text: pa.Array, skip: int, dtype: type) -> Parts:
+def _decode_chunk(text: pa.Array, skip: int, dtype: type, known: np.ndarray | None = None) -> Parts:
     n = len(text)
     if n == 0:
         return np.zeros(0, dtype), np.zeros(1, np.int64), np.zeros(0, bool)
     data, offsets, valid = _utf8_parts(text)
     if len(data) > KERNEL_VALUES:
         k = _compiled()
-        counts = np.empty(n, np.int64)
         parts = _parts(offsets)
+        if not skip and known is not None and len(known) == n:
+            out_off = np.zeros(n + 1, np.int64)
+            np.cumsum(np.where(valid, known, 0), out=out_off[1:])
+            out = np.zeros(int(out_off[-1]), dtype)
+            exact = [True]
+            _each(parts, lambda a, b: exact.append(k.read_text(data, offsets[a : b + 1], out_off[a : b + 1], out)))
+            if all(exact):
+                return out, out_off, valid
+        counts = np.empty(n, np.int64)
         _each(parts, lambda a, b: k.text_counts(data, offsets[a : b + 1], skip, counts[a:b]))
         out_off = np.zeros(n + 1, np.int64)
         np.cumsum(counts, out=out_off[1:])

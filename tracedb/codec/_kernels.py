@@ -127,14 +127,19 @@ def text_counts(data: np.ndarray, offsets: np.ndarray, skip: int, out: np.ndarra
 
 
 @compiled
-def read_text(data: np.ndarray, offsets: np.ndarray, out_off: np.ndarray, out: np.ndarray) -> None:
-    """The values of each row's text into ``out[out_off[r]:out_off[r + 1]]``."""
+def read_text(data: np.ndarray, offsets: np.ndarray, out_off: np.ndarray, out: np.ndarray) -> bool:
+    """The values of each row's text into ``out[out_off[r]:out_off[r + 1]]``; False when
+    a row's text holds another number of values than its place."""
+    exact = True
     for r in range(len(offsets) - 1):
         i, hi, o, end = offsets[r], offsets[r + 1], out_off[r], out_off[r + 1]
         while i < hi and o < end:
             u, i = _get(data, i)
             out[o] = u
             o += 1
+        if i != hi or o != end:
+            exact = False
+    return exact
 
 
 @inline
