@@ -6,7 +6,7 @@ from tracedb.batches import MicroBatch, Plan, Replay, read_micro_batches
 from tracedb.database import Database, connect
 from tracedb.errors import IngestAborted, NotFound, RecordError, StepChanged, TraceDBError
 from tracedb.migrations import SCHEMA_VERSION
-from tracedb.selection import watermark_of
+from tracedb.selection import Selection, watermark_of
 from tracedb.tables import BRANCH_SCHEMA
 from tracedb.views import to_polars
 
@@ -25,6 +25,7 @@ __all__ = [
     "MicroBatch",
     "Plan",
     "Replay",
+    "Selection",
     "read_micro_batches",
     "batches",
 ]

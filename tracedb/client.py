@@ -177,22 +177,7 @@ def poll_traces(
     for one when there is none yet. Returns the server's answer: ``traces`` (rows with
     ``seq``, ids, reward, counts, ``tags``), ``watermark`` (pass it as ``after`` next time)
     and ``more`` (``limit`` cut it short: call again)."""
-    selection = Selection(
-        trace_ids,
-        group,
-        episode,
-        after,
-        complete_groups,
-        tags,
-        through,
-        policy,
-        max_staleness,
-        stale,
-        unknown,
-        include_dropped,
-        include_eval,
-        max_groups,
-    )
+    selection = Selection.of(locals())
     params = _params(**_selected(selection), wait=wait, limit=limit)
     return _json(url, "/traces", params, timeout=TIMEOUT_S + wait)
 
@@ -225,22 +210,7 @@ def fetch_branches(
     said of it: ``watermark``, ``tokens``, ``token_limit``, ``n_branches``,
     ``branch_limit``, ``truncated`` and ``truncated_by`` (which of the server's limits was
     reached, ``"tokens"`` or ``"branches"``: pass ``after=watermark`` for the rest)."""
-    selection = Selection(
-        trace_ids,
-        group,
-        episode,
-        after,
-        complete_groups,
-        tags,
-        through,
-        policy,
-        max_staleness,
-        stale,
-        unknown,
-        include_dropped,
-        include_eval,
-        max_groups,
-    )
+    selection = Selection.of(locals())
     params = _params(
         **_selected(selection),
         trainable=trainable,
@@ -293,22 +263,7 @@ def fetch_micro_batches(
     ``trainable=None`` for every branch; ``replay=tracedb.Replay(...)`` without a use
     limit, as the server takes it: ``report["replayed"]`` says what replaced what). Pass
     ``through`` to read several parts or ranks of one step."""
-    selection = Selection(
-        trace_ids,
-        group,
-        episode,
-        after,
-        complete_groups,
-        tags,
-        through,
-        policy,
-        max_staleness,
-        stale,
-        unknown,
-        include_dropped,
-        include_eval,
-        max_groups,
-    )
+    selection = Selection.of(locals())
     extra = dict(options)
     if "cost" in extra:
         extra["cost_linear"], extra["cost_quadratic"] = extra.pop("cost")
@@ -347,22 +302,7 @@ def micro_batches(
 ) -> tuple[list[MicroBatch], dict[str, Any]]:
     """One rank's micro-batches, the objects ``db.micro_batches(...)[rank]`` gives, and the
     plan's report: both files of the rank, the second read as of the first's watermark."""
-    selection = Selection(
-        trace_ids,
-        group,
-        episode,
-        after,
-        complete_groups,
-        tags,
-        through,
-        policy,
-        max_staleness,
-        stale,
-        unknown,
-        include_dropped,
-        include_eval,
-        max_groups,
-    )
+    selection = Selection.of(locals())
     chosen = selection.kwargs()
     tokens, report = fetch_micro_batches(url, seq_len, rank=rank, ranks=ranks, part="tokens", **chosen, **options)
     chosen["through"] = report["watermark"]

@@ -234,22 +234,7 @@ class Database:
         The table carries the watermark to pass as ``after`` next time
         (``tracedb.watermark_of``); with ``limit`` it is the last row's, so paging through
         a live run misses nothing and repeats nothing."""
-        selection = Selection(
-            trace_ids,
-            group,
-            episode,
-            after,
-            complete_groups,
-            tags,
-            through,
-            policy,
-            max_staleness,
-            stale,
-            unknown,
-            include_dropped,
-            include_eval,
-            max_groups,
-        )
+        selection = Selection.of(locals())
         return readback.trace_listing(self.handle, selection, limit)
 
     # ----------------------------------------------------------------- records
@@ -313,22 +298,7 @@ class Database:
         """
         return views.branches(
             self.handle,
-            Selection(
-                trace_ids,
-                group,
-                episode,
-                after,
-                complete_groups,
-                tags,
-                through,
-                policy,
-                max_staleness,
-                stale,
-                unknown,
-                include_dropped,
-                include_eval,
-                max_groups,
-            ),
+            Selection.of(locals()),
             trainable=trainable,
             branch_index=branch_index,
             columns=columns,
@@ -365,22 +335,7 @@ class Database:
         carries the watermark the selection was made at."""
         return views.iter_branches(
             self.handle,
-            Selection(
-                trace_ids,
-                group,
-                episode,
-                after,
-                complete_groups,
-                tags,
-                through,
-                policy,
-                max_staleness,
-                stale,
-                unknown,
-                include_dropped,
-                include_eval,
-                max_groups,
-            ),
+            Selection.of(locals()),
             trainable=trainable,
             branch_index=branch_index,
             columns=columns,
@@ -422,22 +377,7 @@ class Database:
         return export(
             self.handle,
             path,
-            Selection(
-                trace_ids,
-                group,
-                episode,
-                after,
-                complete_groups,
-                tags,
-                through,
-                policy,
-                max_staleness,
-                stale,
-                unknown,
-                include_dropped,
-                include_eval,
-                max_groups,
-            ),
+            Selection.of(locals()),
             format=format,
             trainable=trainable,
             columns=columns,
@@ -514,22 +454,7 @@ class Database:
         return batches.micro_batches(
             self.handle,
             seq_len,
-            Selection(
-                trace_ids,
-                group,
-                episode,
-                after,
-                complete_groups,
-                tags,
-                through,
-                policy,
-                max_staleness,
-                stale,
-                unknown,
-                include_dropped,
-                include_eval,
-                max_groups,
-            ),
+            Selection.of(locals()),
             ranks=ranks,
             trainable=trainable,
             branch_index=branch_index,
@@ -614,22 +539,7 @@ class Database:
         (estimates KL(inference || trainer)), ``ratio_mean`` and ``ratio_max`` of
         exp(trainer - inference), ``outside_share`` of ``[1/c, c]``; see
         :mod:`tracedb.offpolicy` (the ``policy_mismatch()`` macro in SQL)."""
-        selection = Selection(
-            trace_ids,
-            group,
-            episode,
-            after,
-            complete_groups,
-            tags,
-            through,
-            policy,
-            max_staleness,
-            stale,
-            unknown,
-            include_dropped,
-            include_eval,
-            max_groups,
-        )
+        selection = Selection.of(locals())
         return offpolicy.mismatch(self.handle, per=per, c=c, selection=selection)
 
     # ----------------------------------------------------------------- credit sets

@@ -134,6 +134,29 @@ class Selection:
         through = mark if self.through is None else min(self.through, mark)
         return dataclasses.replace(self, through=through)
 
+    def check(self) -> Selection:
+        """This selection, once every field holds a value of its kind (watermarks,
+        group sizes, tag filters, the staleness and group-count fields); ValueError naming
+        the field otherwise. What needs the data (which traces exist) is for
+        :func:`resolve_at`: a shell checks what was typed before it opens anything."""
+        for name in ("after", "through"):
+            if getattr(self, name) is not None:
+                check_watermark(name, getattr(self, name))
+        if self.complete_groups is not None:
+            _group_size(self.complete_groups)
+        for name, want in (self.tags or {}).items():
+            _tag_filter(name, want)
+        _check_async(self)
+        return self
+
+    @classmethod
+    def of(cls, arguments: Mapping[str, Any]) -> Selection:
+        """The selection a facade method was called with, from its arguments by name
+        (``Selection.of(locals())`` first thing in the method): every facade method spells
+        each field in its signature (``tests/test_architecture.py``), and the value is
+        built here by name, never by position."""
+        return cls(**{name: arguments[name] for name in cls.FIELDS})
+
     def kwargs(self) -> dict[str, Any]:
         """The fields as the keyword arguments of a facade method (``db.traces(**s.kwargs())``)."""
         return {name: getattr(self, name) for name in self.FIELDS}

@@ -69,7 +69,14 @@ def test_credit_each_step_into_one_set(tmp_path: Path) -> None:
     report = json.loads(stale.stdout)["selection"]
     assert report["stale_groups"] > 0 and report["bound"] == 3
 
+    # A bad selection is a usage error (exit 2, one line), refused before the file is opened.
+    before = db.stat().st_mtime_ns
     bad = invoke("credit", "rloo", "--name", "x", "--max-staleness", 1, "--db", db)
-    assert bad.exit_code == 1 and bad.stderr.strip().count("\n") == 0 and "max_staleness needs policy" in bad.stderr
+    assert bad.exit_code == 2 and bad.stderr.strip().count("\n") == 0 and "max_staleness needs policy" in bad.stderr
+    unknown = invoke("credit", "rloo", "--name", "x", "--unknown", "keep", "--db", db)
+    assert unknown.exit_code == 2 and "give policy and max_staleness too" in unknown.stderr
+    assert db.stat().st_mtime_ns == before
+    sets = json.loads(invoke("credit-sets", "--db", db, "--json").stdout)
+    assert "x" not in {row["name"] for row in sets}
     listed = invoke("credit", "--help")
     assert "--complete-groups" in listed.stdout and "--max-groups" in listed.stdout

@@ -451,6 +451,44 @@ else:
         with pytest.raises(ValueError, match="lake credit computes"):
             lake.credit("gae", "x")
 
+    def test_group_credit_on_a_selection_steps_through_a_run_as_the_file_store_does(local_ray, store, tmp_path):
+        from typer.testing import CliRunner
+
+        from tracedb import credit
+        from tracedb.cli.main import app
+
+        lake = lakes.init(tmp_path / "L")
+        lake.push(store, batch_traces=25)
+        file = tmp_path / "file.duckdb"
+        shutil.copy(store, file)
+        with tracedb.connect(file) as db:
+            groups = db.sql("SELECT DISTINCT group_id FROM traces WHERE group_id IS NOT NULL ORDER BY 1")
+            groups = groups.column(0).to_pylist()
+            steps = [groups[: len(groups) // 2], groups[len(groups) // 2 :]]
+            for step in steps:
+                credit.run(db, "grpo", "g", selection=tracedb.Selection(group=step))
+            want = db.sql("SELECT credit_set, trace_id, value FROM trace_credit ORDER BY ALL")
+        assert len(steps[0]) >= 2 and want.num_rows > 0
+        first = lake.credit("grpo", "g", group=steps[0])
+        assert first["traces"] > 0 and first["watermark"] == lake.watermark() and "dropped" in first["selection"]
+        with pytest.raises(tracedb.errors.WriteError, match="already holds .* selected traces"):
+            lake.credit("grpo", "g", group=steps[0][:1])
+        with pytest.raises(tracedb.errors.WriteError, match="holds grpo with"):
+            lake.credit("grpo", "g", group=steps[1], scale_std=True)
+        with pytest.raises(ValueError, match="max_staleness needs policy"):
+            lake.credit("grpo", "g", max_staleness=1)
+        cli = CliRunner().invoke(
+            app, ["lake", "credit", "grpo", "--name", "g", *[f"--group={g}" for g in steps[1]], "--lake", lake.where]
+        )
+        assert cli.exit_code == 0, cli.output
+        bad = ["lake", "credit", "grpo", "--name", "g", "--max-staleness", "1", "--lake", lake.where]
+        bad = CliRunner().invoke(app, bad)
+        assert bad.exit_code == 2 and "max_staleness needs policy" in bad.output
+        assert "--complete-groups" in CliRunner().invoke(app, ["lake", "credit", "--help"], terminal_width=200).output
+        got = lake.tables()["trace_credit"].sort_by([(c, "ascending") for c in ("credit_set", "trace_id", "value")])
+        assert got.select(want.column_names).cast(want.schema).equals(want)
+        assert len(lake.tables()["credit_sets"]) == 1  # one set, made by the first step
+
     def test_group_credit_leaves_dropped_and_eval_traces_out_as_the_file_store_does(local_ray, tmp_path):
         from tracedb import credit
 

@@ -39,6 +39,7 @@ from tracedb.cli.common import (
     write_pack,
 )
 from tracedb.errors import SqlRefused, TraceDBError
+from tracedb.selection import Selection
 
 app = typer.Typer(
     help="The same store as Apache Iceberg tables (needs the lake extra: pip install 'tracedb\\[lake]').",
@@ -400,6 +401,7 @@ def _started_ray(ray_address: str | None, workers: int | None) -> bool:
 
 
 @app.command()
+@training_options
 def credit(
     algorithm: Annotated[str, typer.Argument(help="grpo or rloo.")],
     name: Annotated[str | None, typer.Option(help="Credit set to append (default: the algorithm's name).")] = None,
@@ -409,15 +411,38 @@ def credit(
     lake: LakeOption = Path("lake"),
     ray_address: RayAddressOption = None,
     workers: Annotated[int | None, typer.Option("--workers", min=1, help="CPUs of the Ray this starts.")] = None,
+    trace_id: Annotated[
+        list[str] | None, typer.Option("--trace-id", "--trace-ids", help="Only these traces (repeatable).")
+    ] = None,
+    group: Annotated[list[str] | None, typer.Option(help="Only traces of these groups (repeatable).")] = None,
+    episode: Annotated[list[str] | None, typer.Option(help="Only traces of these episodes (repeatable).")] = None,
+    after: AfterOption = None,
+    complete_groups: CompleteGroupsOption = None,
+    through: ThroughOption = None,
+    tag: TagFilterOption = None,
     as_json: JsonOption = False,
+    training: dict[str, Any] | None = None,
 ) -> None:
-    """Compute group credit (grpo, rloo) over the lake in a Ray groupby and append it as a set."""
+    """Compute group credit (grpo, rloo) over the lake in a Ray groupby and append it as a set.
+
+    With a selection (--after W --complete-groups N, --group, --policy V --max-staleness K,
+    --max-groups B, ...) only the selected traces are stamped, into the set, created on
+    first use, as `tracedb credit` does for a file: a trainer credits each step's new groups
+    (the printed watermark is the next step's --after). A trace the set holds is refused."""
     checked_name(name)
+    fields = {"trace_ids": trace_id or None, "group": group or None, "episode": episode or None}
+    fields.update(live_selection(after, complete_groups, through, tag))
+    fields.update(training or {})
+    try:
+        Selection(**fields).check()
+    except ValueError as e:
+        raise fail(e, 2) from None
     opened = _open(lake)
     params = dict(key_value(p) for p in param or [])
     started = _started_ray(ray_address, workers)
     try:
-        result = opened.credit(algorithm, name, **params)  # type: ignore[attr-defined]
+        chosen = {k: v for k, v in fields.items() if v is not None}  # -p include_dropped=true stays
+        result = opened.credit(algorithm, name, **{**params, **chosen})  # type: ignore[attr-defined]
     except (TraceDBError, ValueError, TypeError) as e:
         raise fail(e) from None
     finally:

@@ -521,7 +521,10 @@ def credit(
     fields.update(training_selection(policy, max_staleness, stale, unknown, False, False, max_groups))
     selection = None
     if any(v is not None for v in fields.values()):
-        selection = Selection(**fields)
+        try:
+            selection = Selection(**fields).check()
+        except ValueError as e:
+            raise fail(e, 2) from None
     with open_db(db) as database:
         try:
             result = credit_lib.run(database, algorithm, name, replace=replace, selection=selection, **params)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -78,22 +79,7 @@ class Lake(catalog.Opened):
         :func:`tracedb.lake.read.visible`); the selection is :meth:`branches`'."""
         from tracedb.lake.select import visible_tables
 
-        selection = Selection(
-            trace_ids,
-            group,
-            episode,
-            after,
-            complete_groups,
-            tags,
-            through,
-            policy,
-            max_staleness,
-            stale,
-            unknown,
-            include_dropped,
-            include_eval,
-            max_groups,
-        )
+        selection = Selection.of(locals())
         return visible_tables(self, selection)
 
     def watermark(self) -> int:
@@ -133,22 +119,7 @@ class Lake(catalog.Opened):
 
         rows = visible_tables(
             self,
-            Selection(
-                trace_ids,
-                group,
-                episode,
-                after,
-                complete_groups,
-                tags,
-                through,
-                policy,
-                max_staleness,
-                stale,
-                unknown,
-                include_dropped,
-                include_eval,
-                max_groups,
-            ),
+            Selection.of(locals()),
         )
         with _database(db, read_only=False) as database:
             return move.write_into(database, rows)
@@ -189,22 +160,7 @@ class Lake(catalog.Opened):
 
         return views.branches(
             self,
-            Selection(
-                trace_ids,
-                group,
-                episode,
-                after,
-                complete_groups,
-                tags,
-                through,
-                policy,
-                max_staleness,
-                stale,
-                unknown,
-                include_dropped,
-                include_eval,
-                max_groups,
-            ),
+            Selection.of(locals()),
             trainable=trainable,
             branch_index=branch_index,
             columns=columns,
@@ -257,22 +213,7 @@ class Lake(catalog.Opened):
         return train.micro_batches(
             self,
             seq_len,
-            Selection(
-                trace_ids,
-                group,
-                episode,
-                after,
-                complete_groups,
-                tags,
-                through,
-                policy,
-                max_staleness,
-                stale,
-                unknown,
-                include_dropped,
-                include_eval,
-                max_groups,
-            ),
+            Selection.of(locals()),
             ranks=ranks,
             trainable=trainable,
             branch_index=branch_index,
@@ -326,22 +267,7 @@ class Lake(catalog.Opened):
         return export.export(
             self,
             path,
-            Selection(
-                trace_ids,
-                group,
-                episode,
-                after,
-                complete_groups,
-                tags,
-                through,
-                policy,
-                max_staleness,
-                stale,
-                unknown,
-                include_dropped,
-                include_eval,
-                max_groups,
-            ),
+            Selection.of(locals()),
             format=format,
             trainable=trainable,
             columns=None if columns is None else list(columns),
@@ -350,17 +276,53 @@ class Lake(catalog.Opened):
             compression=compression,
         )
 
-    def credit(self, algorithm: str, name: str | None = None, **params: Any) -> dict[str, Any]:
+    def credit(
+        self,
+        algorithm: str,
+        name: str | None = None,
+        *,
+        trace_ids: str | Sequence[str] | None = None,
+        group: str | Sequence[str] | None = None,
+        episode: str | Sequence[str] | None = None,
+        after: int | None = None,
+        complete_groups: int | None = None,
+        tags: Mapping[str, Any] | None = None,
+        through: int | None = None,
+        policy: int | None = None,
+        max_staleness: int | None = None,
+        stale: str | None = None,
+        unknown: str | None = None,
+        include_dropped: bool | None = None,
+        include_eval: bool | None = None,
+        max_groups: int | None = None,
+        **params: Any,
+    ) -> dict[str, Any]:
         """Compute group credit (``"grpo"`` or ``"rloo"``, with that algorithm's parameters:
-        ``reward``, ``group_by``, ``include_failed``; grpo's ``scale_std``, ``eps``) over
-        the visible traces, each group in a Ray ``groupby`` by the file store's own
-        algorithm, and append it as credit set ``name`` (default: the algorithm's name;
-        stored per trace). A set of that name in the lake is refused. Returns the set's
-        name, algorithm, parameters and rows. Runs on the Ray of this process (started when
-        none runs, as :meth:`branches` says)."""
+        ``reward``, ``group_by``, ``include_failed``, ``include_dropped``,
+        ``include_eval``; grpo's ``scale_std``, ``eps``) over the visible traces, each group
+        in a Ray ``groupby`` by the file store's own algorithm, and append it as credit set
+        ``name`` (default: the algorithm's name; stored per trace). Returns the set's name,
+        algorithm, parameters and rows. Runs on the Ray of this process (started when none
+        runs, as :meth:`branches` says).
+
+        Without a selection the whole set is written once: a set of that name in the lake
+        is refused. With one (the fields of :meth:`branches`: ``after=W,
+        complete_groups=N``, a staleness bound, ``max_groups``, ids, tags), only the
+        selected traces are stamped, into the set, created on first use, as
+        :func:`tracedb.credit.run` does for a file: group means over each selected trace's
+        whole group as the lake holds it, dropped and eval traces left out unless
+        included, the same algorithm and parameters as the set was made with, and a trace
+        the set already holds refused (a lake does not recompute a trace's credit). The
+        result then has the traces selected, their ``watermark`` (the next step's
+        ``after``) and the selection's report."""
         from tracedb.lake import credit
 
-        return credit.run(self, algorithm, name, **params)
+        selection = Selection.of(locals())
+        for flag in ("include_dropped", "include_eval"):  # also the algorithm's: credit them and select them
+            if getattr(selection, flag) is not None:
+                params[flag] = getattr(selection, flag)
+        narrowed = dataclasses.replace(selection, include_dropped=None, include_eval=None)
+        return credit.run(self, algorithm, name, selection=None if narrowed.everything else selection, **params)
 
     def set_policy_versions(self, mapping: Mapping[str, int]) -> int:
         """Map weight labels that name no number of their own to policy versions in the
