@@ -142,12 +142,16 @@ def _session_macros(handle: Handle) -> None:
     is written to the file."""
     if handle.scalar("SELECT value FROM tracedb_meta WHERE key = 'macros_sha256'") == _macros_digest():
         return
-    text = _TEMP_MACRO.sub("CREATE OR REPLACE TEMP MACRO", load_sql("macros.sql"))
+    # The decoding macros too (the file's own views read them by name, so the temporary
+    # ones are what they run), not the views (a file of this schema holds the same).
+    text = _VIEW.sub("", load_sql("encoded.sql")) + load_sql("macros.sql")
+    text = _TEMP_MACRO.sub("CREATE OR REPLACE TEMP MACRO", text)
     handle.session_sql = text
     handle.con.execute(text)
 
 
 _TEMP_MACRO = re.compile(r"^CREATE OR REPLACE MACRO", re.MULTILINE)
+_VIEW = re.compile(r"^CREATE OR REPLACE VIEW .*?;$", re.MULTILINE | re.DOTALL)
 
 
 def _repair(handle: Handle) -> None:
