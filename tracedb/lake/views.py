@@ -38,9 +38,10 @@ if TYPE_CHECKING:
 
 VIEW_TRACES = 256
 """Traces per view task."""
-CACHE_TOKENS = 16_000_000
+CACHE_TOKENS = 8_000_000
 """Tokens of decoded node columns a process (a Ray worker) keeps for later view tasks of
-the same traces at the same snapshots (about 20 bytes a token with every stream)."""
+the same traces at the same snapshots (up to about 24 bytes a token with every stream:
+~200 MB a worker at most, small beside Ray's memory monitor's threshold)."""
 _TABLES = ("nodes", "branches", "segments", "episodes", "policy_labels", "credit", "trace_credit", "credit_sets")
 """The tables a view's columns and policy versions are read of: their snapshots key the cache."""
 
