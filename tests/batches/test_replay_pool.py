@@ -13,8 +13,10 @@ import pytest
 
 import tracedb
 import tracedb.credit
+from tracedb.batches import replay
+from tracedb.selection import Selection
 
-from support.steps import async_run, ingest_step
+from support.steps import async_run, ingest_step, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +99,47 @@ def test_a_policy_mapping_between_steps_is_read(episodes, tmp_path):
         fresh = db.micro_batches(4096, after=marks[7], replay=replay, **bound).report
     assert (mapped.replayed, mapped.replay_candidates) == (fresh.replayed, fresh.replay_candidates)
     assert unmapped.replay_candidates > mapped.replay_candidates, "the mapping made some earlier groups stale"
+
+
+def test_replayed_groups_hold_the_training_members_the_selection_takes(tmp_path):
+    """With dropped traces and tag filters, each replayed group holds exactly the members
+    the selection's own resolution gives it (``replay.members``, asked of the store in
+    SQL): its dropped traces and those the tags leave out (a quarter of every group's
+    members is tagged ``run=b``) are not replayed."""
+    path = tmp_path / "run.duckdb"
+    run = async_run(dropped_share=0.25)
+    with tracedb.connect(path) as db:
+        marks = [0]
+        for step in range(1, 9):
+            todo = [e for e in run if e["run"]["work"]["step"] == step]
+            rank: dict[str, int] = {}
+            for tag in ("a", "b"):
+                part = []
+                for ep in todo:
+                    k = rank.setdefault(ep["id"], sum(1 for e in todo[: todo.index(ep)] if e["group"] == ep["group"]))
+                    if (tag == "b") == (k % 4 == 3):
+                        part.append(ep)
+                assert db.ingest(write_jsonl(tmp_path / f"s{step}{tag}.jsonl", part), tags=[f"run={tag}"]).ok
+            marks.append(db.watermark())
+        chosen = Selection(tags={"run": "a"}, complete_groups=4).for_training()
+        seen = dropped = 0
+        for step in (5, 7, 8):
+            plan = db.micro_batches(
+                4096, complete_groups=4, after=marks[step - 1], tags={"run": "a"}, replay=tracedb.Replay(seed=2)
+            )
+            mark = plan.report.watermark
+            for choice in plan.report.replayed:
+                want = replay.members(db.handle.con, [choice["group"]], chosen, mark)
+                assert choice["traces"] == want, (step, choice["group"])
+                everyone = db.sql(
+                    "SELECT trace_id, dropped FROM traces WHERE group_id = ? AND seq <= ?", [choice["group"], mark]
+                ).to_pylist()
+                dropped += sum(1 for r in everyone if r["dropped"] is not None)
+                seen += 1
+                tagged_b = db.sql(
+                    "SELECT count(*) AS n FROM traces JOIN trace_tags USING (trace_id) WHERE group_id = ? "
+                    "AND name = 'run' AND text = 'b'",
+                    [choice["group"]],
+                ).to_pylist()[0]["n"]
+                assert tagged_b and len(want) <= len(everyone) - tagged_b
+    assert seen and dropped, "some replayed group had a dropped member, left out"
