@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 
 from tracedb import policy
 from tracedb.handle import Handle
-from tracedb.views.nodes import NodeColumns
+from tracedb.views.nodes import NodeColumns, kernels
 
 
 def attach(handle: Handle, data: NodeColumns) -> np.ndarray | None:
@@ -131,9 +131,7 @@ def _spread(
         np.cumsum(n_sampled, out=offsets[1:])
         count = hi - lo
         first = offsets[rows] + lo  # each span's first token in the node-flat sampled tokens
-        runs = np.cumsum(count) - count
-        total = int(count.sum())
-        compact[np.arange(total, dtype=np.int64) - np.repeat(runs - first, count)] = np.repeat(number, count)
+        kernels().fill_runs(compact, first, count, number)
     if not (compact != policy.UNKNOWN).any():
         return None
     versions = np.full(int(data.starts[-1]), policy.UNKNOWN, np.int32)
