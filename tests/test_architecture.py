@@ -32,6 +32,7 @@ LAYERS: list[list[str]] = [
         "tracedb.schema",
         "tracedb.synthetic",
         "tracedb.publish",
+        "tracedb.lazy",
     ],
     ["tracedb.graph", "tracedb.tables", "tracedb.migrations", "tracedb.sqlcheck", "tracedb.sqlvalues"],
     ["tracedb.runtime"],

@@ -8,10 +8,32 @@
   (:class:`Plan`), and the :class:`PackReport`;
 - :mod:`~tracedb.batches.files`: a step directory for trainers (``tracedb pack``) and
   :func:`read_micro_batches`.
+
+The names are imported when first used (:mod:`tracedb.lazy`): the database facade holds
+this package without an ingest paying for the trainer feed's modules.
 """
 
-from tracedb.batches.files import read_micro_batches, write_step
-from tracedb.batches.plan import MicroBatch, PackReport, Plan
-from tracedb.batches.run import micro_batches
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tracedb.lazy import exports
+
+if TYPE_CHECKING:
+    from tracedb.batches.files import read_micro_batches, write_step
+    from tracedb.batches.plan import MicroBatch, PackReport, Plan
+    from tracedb.batches.run import micro_batches
 
 __all__ = ["MicroBatch", "PackReport", "Plan", "micro_batches", "read_micro_batches", "write_step"]
+
+__getattr__, __dir__ = exports(
+    __name__,
+    {
+        "MicroBatch": "tracedb.batches.plan:MicroBatch",
+        "PackReport": "tracedb.batches.plan:PackReport",
+        "Plan": "tracedb.batches.plan:Plan",
+        "micro_batches": "tracedb.batches.run:micro_batches",
+        "read_micro_batches": "tracedb.batches.files:read_micro_batches",
+        "write_step": "tracedb.batches.files:write_step",
+    },
+)

@@ -3,10 +3,11 @@ and printing results (JSON for scripts, a table for people)."""
 
 from __future__ import annotations
 
+import importlib.abc
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -14,9 +15,10 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-import tracedb
-from tracedb import runtime
 from tracedb.errors import TraceDBError
+
+if TYPE_CHECKING:  # the library is imported by the commands that use it: the CLI starts without it
+    from tracedb.database import Database
 
 out = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
@@ -35,10 +37,42 @@ MemoryLimitOption = Annotated[
 ]
 
 
+class _WithoutPandas(importlib.abc.MetaPathFinder):
+    """An import of pandas fails: see :func:`hide_pandas`."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if name == "pandas" or name.startswith("pandas."):
+            raise ModuleNotFoundError(f"{name} is not imported by the tracedb command", name=name)
+        return None
+
+
+_WITHOUT_PANDAS = _WithoutPandas()
+
+
+def hide_pandas() -> None:
+    """Make pandas look not installed in this process (the ``tracedb`` command's own).
+
+    Where pandas is installed, pyarrow imports it the first time it converts Python or
+    numpy values (to ask whether they are pandas objects), and the import takes ~0.25 s:
+    a third of a small ingest's process. No command but the lake's (Ray Data, see
+    :func:`show_pandas`) uses pandas, so the command hides it; pyarrow then converts
+    without asking. The library never does this: a user's process keeps its pandas."""
+    if "pandas" not in sys.modules and _WITHOUT_PANDAS not in sys.meta_path:
+        sys.meta_path.insert(0, _WITHOUT_PANDAS)
+
+
+def show_pandas() -> None:
+    """Undo :func:`hide_pandas` (a command that needs pandas)."""
+    if _WITHOUT_PANDAS in sys.meta_path:
+        sys.meta_path.remove(_WITHOUT_PANDAS)
+
+
 def memory_limit(value: str | None) -> None:
     """Apply ``--memory-limit`` (exit 2 on a size DuckDB cannot read)."""
     if value is None:
         return
+    from tracedb import runtime
+
     try:
         runtime.set_memory_limit(None if value.lower() == "none" else value)
     except ValueError as e:
@@ -73,12 +107,14 @@ def live_selection(
     return {"after": after, "complete_groups": complete_groups, "through": through, "tags": tags}
 
 
-def open_db(db: Path, read_only: bool = False) -> tracedb.Database:
+def open_db(db: Path, read_only: bool = False) -> Database:
     """Open the database or exit 2 with the reason."""
+    from tracedb.database import connect
+
     if read_only and not db.exists():
         raise fail(f"no database at {db}", 2)
     try:
-        return tracedb.connect(db, read_only=read_only)
+        return connect(db, read_only=read_only)
     except (TraceDBError, ValueError) as e:  # ValueError: a setting from the environment
         raise fail(e, 2) from None
 

@@ -32,6 +32,7 @@ from tracedb.cli.common import (
     live_selection,
     out,
     report_pack,
+    show_pandas,
     write_pack,
 )
 from tracedb.errors import SqlRefused, TraceDBError
@@ -66,6 +67,7 @@ LakeOption = Annotated[
 @app.callback()
 def _lake_commands(ctx: typer.Context) -> None:
     """The same store as Apache Iceberg tables (needs the lake extra: pip install 'tracedb[lake]')."""
+    show_pandas()  # Ray Data needs it
     ctx.with_resource(_quiet_libraries())
 
 

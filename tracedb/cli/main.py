@@ -1,4 +1,8 @@
-"""The ``tracedb`` command: a thin shell over the library, one library call per command."""
+"""The ``tracedb`` command: a thin shell over the library, one library call per command.
+
+Each command imports the library it calls when it runs: the command line starts (and
+``tracedb --help`` answers) without DuckDB, Arrow, Polars or numba, and an ingest imports
+the ingest, not the views, credit or lake modules."""
 
 from __future__ import annotations
 
@@ -7,7 +11,6 @@ import sys
 from pathlib import Path
 from typing import Annotated
 
-import pyarrow.compute as pc
 import typer
 
 from tracedb import credit as credit_lib
@@ -26,6 +29,7 @@ from tracedb.cli.common import (
     emit_sql_rows,
     err,
     fail,
+    hide_pandas,
     key_value,
     live_selection,
     memory_limit,
@@ -36,9 +40,7 @@ from tracedb.cli.common import (
     report_storage,
     write_pack,
 )
-from tracedb.cli.follow import follow as run_follower
 from tracedb.cli.lake import app as lake_app
-from tracedb.credit import dose as dose_lib
 from tracedb.errors import SqlRefused, TraceDBError
 
 app = typer.Typer(
@@ -100,6 +102,8 @@ def ingest(
     memory_limit(memory_limit_)
     tags = tag or []
     if follow:
+        from tracedb.cli.follow import follow as run_follower
+
         if strict:
             raise fail("--strict and --follow do not go together: a follower keeps going past bad lines", 2)
         missing = [str(p) for p in paths if not p.exists()]
@@ -417,6 +421,8 @@ def credit_compare(
     """Dose-matched comparison of credit sets: per set, tokens assigned and credited, coverage,
     sum A, sum |A|, sum A^2 and concentration; per pair, the tokens both assign, their sign
     agreement and correlation."""
+    from tracedb.credit import dose as dose_lib
+
     with open_db(db, read_only=True) as database:
         try:
             result = dose_lib.compare(database, sets, per_trace=per_trace)
@@ -587,6 +593,8 @@ def demo(
     tokens: Annotated[int, typer.Option(help="Tokens per trace.")] = 30_000,
 ) -> None:
     """The main job end to end on generated sample data: ingest, views, SQL, export."""
+    import pyarrow.compute as pc
+
     from tracedb.synthetic import write_sample
 
     if not data.exists():
@@ -617,5 +625,8 @@ app.add_typer(cec_app, name="cec")
 app.add_typer(lake_app, name="lake")
 
 
-def main() -> None:  # pragma: no cover - console entry point
-    app()
+def main() -> None:
+    """The ``tracedb`` console script and ``python -m tracedb``: the command in a process
+    of its own (pandas hidden: :func:`tracedb.cli.common.hide_pandas`)."""
+    hide_pandas()
+    app(prog_name="tracedb")

@@ -15,13 +15,12 @@ import importlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
+if TYPE_CHECKING:  # imported where used: the registry is read at the command line's start
+    import pyarrow as pa
 
-from tracedb import credit_sets, writeback
-from tracedb.credit import dose
-from tracedb.handle import Handle, HandleOf, handle_of
+    from tracedb.handle import Handle, HandleOf
 
 
 @dataclass(frozen=True)
@@ -87,12 +86,16 @@ def compute(db: HandleOf, algorithm: str, *, matched_to: str | None = None, **pa
     """Run an algorithm on ``db`` (a :class:`tracedb.Database` or its handle) without
     writing anything; returns its credit table. ``matched_to=SET`` rescales it per trace
     to the ``sum |A|`` that set gives the trace (:func:`tracedb.credit.dose.match`)."""
+    from tracedb.handle import handle_of
+
     return _credit(handle_of(db), _lookup(algorithm), matched_to, params)[0]
 
 
 def _credit(
     handle: Handle, algo: Algorithm, matched_to: str | None, params: dict[str, Any], *, stamping: bool = False
 ) -> tuple[pa.Table, Any]:
+    from tracedb.credit import dose
+
     table = (algo.stamp_func if stamping else algo.func)(handle, **params)
     if matched_to is None:
         return table, None
@@ -117,6 +120,9 @@ def run(
     the output per trace to the ``sum |A|`` over tokens that set gives the trace, leaving a
     trace where either is 0 as it is; the result's ``matched`` counts both kinds
     (:func:`tracedb.credit.dose.match`)."""
+    from tracedb import credit_sets, writeback
+    from tracedb.handle import handle_of
+
     handle = handle_of(db)
     algo = _lookup(algorithm)
     name = credit_sets.check_name(algorithm if name is None else name)  # before the work, not after it

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -166,15 +167,12 @@ class IngestRun:
         self.batch = Batch(self.numbering, self.tags)
         self.writer = Writer(self.handle.con, self.knobs.write_alignment_rows)
         self.bar = _progress(files) if progress else None
-        compiled = jitcache.is_compiled(SCANNER_SOURCE)
-        mode = self.knobs.scanner
-        size = sum(_size(p) for p in files) if mode == "auto" and not compiled else 0
-        if mode == "always" or (mode == "auto" and (compiled or size >= self.knobs.scanner_min_bytes)):
+        if uses_scanner(self.knobs, files):
             # The scanner is numba: imported by the first ingest that uses it, not with tracedb.
             from tracedb.ingest import scanned
 
             self.scan, self.scanner = scanned.scan_chunk, scanned.Scanner()
-            if not compiled:
+            if not jitcache.is_compiled(SCANNER_SOURCE):
                 self.compiling = True
                 self.notice(
                     "compiling the ingest scanner (numba, once per install: ~20 s on 2 cores); later ingests load it"
@@ -387,6 +385,25 @@ class _Bar:
 
     def stop(self) -> None:
         self.progress.stop()
+
+
+def uses_scanner(knobs: runtime.Settings, files: Sequence[Path | ByteRange]) -> bool:
+    """Whether an ingest of ``files`` reads them with the compiled scanner (the ``scanner``
+    setting; with ``auto``: loaded in this process already, or an input large enough
+    that loading or compiling it pays)."""
+    if knobs.scanner != "auto":
+        return knobs.scanner != "never"
+    if _scanner_loaded():
+        return True
+    threshold = knobs.scanner_load_bytes if jitcache.is_compiled(SCANNER_SOURCE) else knobs.scanner_min_bytes
+    return sum(_size(p) for p in files) >= threshold
+
+
+def _scanner_loaded() -> bool:
+    """Whether this process has run the compiled scanner already (numba imported and the
+    kernel loaded: using it again costs nothing), told without importing it."""
+    kernel = sys.modules.get("tracedb.ingest._scan")
+    return kernel is not None and bool(kernel.scan.signatures)
 
 
 def _size(file: Path | ByteRange) -> int:
