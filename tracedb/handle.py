@@ -243,7 +243,11 @@ class Handle:
         name = quote_identifier(column)
         select = f"SELECT {name} FROM {quote_identifier(table)} WHERE {name} IN "
         if size <= INDEX_ROWS_PER_KEY * len(keys):
-            found = reader.execute(select + f"(SELECT unnest(?::{sql_type}[]))", [keys]).fetchall()
+            if len(keys) < 256:
+                found = reader.execute(select + f"(SELECT unnest(?::{sql_type}[]))", [keys]).fetchall()
+            else:  # as an Arrow column: binding 20,000 Python values as a list took ~35 ms, this ~4 ms
+                given = pa.Table.from_arrays([pa.array(keys, _KEY_TYPES[sql_type])], names=["key"])
+                found = reader.from_arrow(given).query("keys", select + "(SELECT key FROM keys)").fetchall()
             return {r[0] for r in found}
         step = runtime.settings().segment_lookup
         out: set = set()
@@ -266,6 +270,9 @@ class Handle:
             except duckdb.Error:  # an aborted transaction refuses it; its ROLLBACK drops it
                 pass
 
+
+_KEY_TYPES = {"VARCHAR": pa.string(), "BLOB": pa.binary()}
+"""The Arrow type of each SQL type :meth:`Handle.existing` looks keys up by."""
 
 INDEX_ROWS_PER_KEY = 500
 """:meth:`Handle.existing` probes keys through the key's index when the table holds more

@@ -16,6 +16,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -151,7 +152,8 @@ class IngestRun:
         self.knobs = runtime.settings()
         self.parser = simdjson.Parser()
         self.scan: Any = None  # the compiled scanner's scan_chunk, when this ingest uses it
-        self.scanner: Any = None
+        self.scanners: tuple[Any, Any] = (None, None)  # two sets of its buffers: one scan runs ahead
+        self.turn = 0
         self.compiling = False
         self.rejects: list[tuple[Reject, bytes | Raw]] = []
         self.seen = _Seen()
@@ -171,7 +173,7 @@ class IngestRun:
             # The scanner is numba: imported by the first ingest that uses it, not with tracedb.
             from tracedb.ingest import scanned
 
-            self.scan, self.scanner = scanned.scan_chunk, scanned.Scanner()
+            self.scan, self.scanners = scanned.scan_chunk, (scanned.Scanner(), scanned.Scanner())
             if not jitcache.is_compiled(SCANNER_SOURCE):
                 self.compiling = True
                 self.notice(
@@ -194,40 +196,72 @@ class IngestRun:
         self.read(str(part.path), read_range(part, self.knobs.chunk_bytes))
 
     def read(self, source: str, chunks: Iterable[Chunk | LongLine]) -> None:
-        """The lines of ``chunks`` (of the file ``source``) into the batch."""
-        limit = self.knobs.max_line_bytes
-        for chunk in chunks:
+        """The lines of ``chunks`` (of the file ``source``) into the batch, in order. With
+        the scanner, the next chunk is scanned on a thread of its own (the kernel runs
+        without the GIL) while this one's lines go into the batch and batches are flushed:
+        the scan, the rows and the writer's INSERTs use both cores."""
+        ahead: tuple[Chunk, Future[Any]] | None = None  # the chunk being scanned meanwhile
+        iterator = iter(chunks)
+        while True:
+            try:
+                chunk = next(iterator)
+            except StopIteration:
+                break
+            except Exception:  # a file damaged further on: the lines before it are kept
+                if ahead is not None:
+                    self.take(source, *ahead)
+                raise
             if isinstance(chunk, LongLine):
+                if ahead is not None:
+                    self.take(source, *ahead)
+                    ahead = None
                 self.long_line(source, chunk)
                 continue
             if self.bar is not None:
                 self.bar.advance(len(chunk.data))
             if self.scan is None:
-                lines: list[Any] = [None] * len(chunk.starts)
-            else:
-                _, lines = self.scan(chunk, self.scanner, allow_ragged=self.allow_ragged)
-                if self.compiling:
-                    self.compiling = False
-                    jitcache.mark_compiled(SCANNER_SOURCE)
-            long = np.flatnonzero(chunk.ends - chunk.starts > limit)  # within one block, over the limit all the same
-            for k, line in enumerate(lines):
-                number = int(chunk.numbers[k])
-                if len(long) and k in long:
-                    raw = chunk.raw(k)
-                    self.long_line(source, LongLine(number, len(raw), b""), raw)
+                self.take(source, chunk, None)
+                continue
+            self.turn ^= 1  # the buffers of the chunk before are in use until its scan is taken
+            scanning = runtime.threads().submit(
+                self.scan, chunk, self.scanners[self.turn], allow_ragged=self.allow_ragged
+            )
+            if ahead is not None:
+                self.take(source, *ahead)
+            ahead = (chunk, scanning)
+        if ahead is not None:
+            self.take(source, *ahead)
+
+    def take(self, source: str, chunk: Chunk, scanning: Future[Any] | None) -> None:
+        """The lines of one chunk into the batch (``scanning``: its scan, else the parser
+        reads every line); a full batch is flushed at the chunk's end."""
+        limit = self.knobs.max_line_bytes
+        if scanning is None:
+            lines: list[Any] = [None] * len(chunk.starts)
+        else:
+            _, lines = scanning.result()
+            if self.compiling:
+                self.compiling = False
+                jitcache.mark_compiled(SCANNER_SOURCE)
+        long = np.flatnonzero(chunk.ends - chunk.starts > limit)  # within one block, over the limit all the same
+        for k, line in enumerate(lines):
+            number = int(chunk.numbers[k])
+            if len(long) and k in long:
+                raw = chunk.raw(k)
+                self.long_line(source, LongLine(number, len(raw), b""), raw)
+                continue
+            if line is None:  # not taken by the scanner (or blank)
+                raw = chunk.raw(k)
+                if not raw.strip():
                     continue
-                if line is None:  # not taken by the scanner (or blank)
-                    raw = chunk.raw(k)
-                    if not raw.strip():
-                        continue
-                    line = self.parse(raw, source, number)
-                    if line is None:
-                        continue
-                self.report.lines += 1
-                self.batch.pending.append((line, source, number))
-                self.batch.tokens += sum(t.n_tokens for t in line.traces)
-            if self.batch.tokens >= self.knobs.batch_tokens:  # at a chunk's end: a scan goes whole into one batch
-                self.flush()
+                line = self.parse(raw, source, number)
+                if line is None:
+                    continue
+            self.report.lines += 1
+            self.batch.pending.append((line, source, number))
+            self.batch.tokens += sum(t.n_tokens for t in line.traces)
+        if self.batch.tokens >= self.knobs.batch_tokens:  # at a chunk's end: a scan goes whole into one batch
+            self.flush()
 
     def parse(self, raw: bytes, source: str, number: int) -> ParsedLine | None:
         """One line the scanner did not take; None when it is rejected (and recorded)."""
@@ -403,7 +437,7 @@ def _scanner_loaded() -> bool:
     """Whether this process has run the compiled scanner already (numba imported and the
     kernel loaded: using it again costs nothing), told without importing it."""
     kernel = sys.modules.get("tracedb.ingest._scan")
-    return kernel is not None and bool(kernel.scan.signatures)
+    return kernel is not None and bool(getattr(kernel.scan, "signatures", ()))
 
 
 def _size(file: Path | ByteRange) -> int:
