@@ -23,7 +23,7 @@ from tracedb.ingest import _scan as S
 from tracedb.ingest.columns import list_array, segment_keys
 from tracedb.ingest.files import Chunk
 from tracedb.ingest.parse import ParsedLine, ParsedTrace
-from tracedb.records import COMPACT_STREAMS, Episode, Trace
+from tracedb.records import COMPACT_STREAMS, NUMBERS_CHECKED, Episode, Trace
 
 # --------------------------------------------------------------------------- scanning
 
@@ -307,14 +307,14 @@ def _line(
             episode = _meta(data, start, end, line[S.L_TRACES_LO], line[S.L_TRACES_HI])
             if type(episode) is not dict or type(episode.get("id")) is not str:
                 return None
-            Episode.model_validate({**episode, "traces": []})
+            Episode.model_validate({**episode, "traces": []}, context=NUMBERS_CHECKED)  # the scan read every number
         out = []
         for t in range(lo, hi):
             row = traces[t]
             meta = _meta(data, row[S.T_LO], row[S.T_HI], row[S.T_NODES_LO], row[S.T_NODES_HI])
             if type(meta) is not dict or type(meta.get("id")) is not str:
                 return None
-            Trace.model_validate({**meta, "nodes": []})
+            Trace.model_validate({**meta, "nodes": []}, context=NUMBERS_CHECKED)
             parsed = ParsedTrace(meta["id"], None if episode is None else episode["id"], t - lo, meta)
             parsed.block, parsed.rows = block, (int(row[S.T_NODE_LO]), int(row[S.T_NODE_HI]))
             for r in np.flatnonzero((block.nulls[parsed.rows[0] : parsed.rows[1]] & S.NULL_EXTRA) == 0).tolist():
