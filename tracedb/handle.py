@@ -225,21 +225,18 @@ class Handle:
         keys: Iterable[str] | Iterable[bytes],
         con: Any = None,
         sql_type: str = "VARCHAR",
+        rows: int | None = None,
     ) -> set:
         """Which of ``keys`` (of SQL type ``sql_type``) ``table.column`` holds, read on
         ``con`` (default: this handle's connection; an ingest passes the reader that sees
         the database as committed before it). A large table is probed through the key's
-        index, a small one scanned (see :data:`INDEX_ROWS_PER_KEY`)."""
+        index, a small one scanned (see :data:`INDEX_ROWS_PER_KEY`); ``rows`` is the
+        table's size when the caller knows it (:meth:`table_rows`; it only picks the way)."""
         keys = list(keys)
         if not keys:
             return set()
         reader = con or self.con
-        rows = reader.execute(
-            "SELECT estimated_size FROM duckdb_tables() WHERE database_name = current_database() "
-            "AND schema_name = current_schema() AND table_name = ?",
-            [table],
-        ).fetchall()
-        size = rows[0][0] if rows else 0
+        size = self.table_rows(table, reader) if rows is None else rows
         name = quote_identifier(column)
         select = f"SELECT {name} FROM {quote_identifier(table)} WHERE {name} IN "
         if size <= INDEX_ROWS_PER_KEY * len(keys):
@@ -255,6 +252,20 @@ class Handle:
             part = keys[at : at + step]
             out.update(r[0] for r in reader.execute(select + f"({', '.join('?' * len(part))})", part).fetchall())
         return out
+
+    def table_rows(self, table: str, con: Any = None) -> int:
+        """DuckDB's estimate of ``table``'s rows, read on ``con`` (default: this handle's
+        connection); 0 for a table it does not hold."""
+        rows = (
+            (con or self.con)
+            .execute(
+                "SELECT estimated_size FROM duckdb_tables() WHERE database_name = current_database() "
+                "AND schema_name = current_schema() AND table_name = ?",
+                [table],
+            )
+            .fetchall()
+        )
+        return rows[0][0] if rows else 0
 
     @contextmanager
     def registered(self, name: str, table: pa.Table, con: Any = None) -> Iterator[str]:

@@ -78,6 +78,9 @@ class _Seen:
     traces: set[str] = field(default_factory=set)
     episodes: set[str] = field(default_factory=set)
     segments: set[bytes] = field(default_factory=set)
+    rows: dict[str, int] = field(default_factory=dict)
+    """The reader's size of each table looked up (read once: only an ingest, which holds
+    the writing lock, adds to them)."""
 
 
 def _resolve(handle: Handle, reader: Any, batch: Batch, report: IngestReport, seen: _Seen) -> None:
@@ -88,8 +91,11 @@ def _resolve(handle: Handle, reader: Any, batch: Batch, report: IngestReport, se
     ingest has added so far."""
     ids = [t.trace_id for line, _, _ in batch.pending for t in line.traces]
     episode_ids = [line.episode["id"] for line, _, _ in batch.pending if line.episode is not None]
-    known = handle.existing("traces", "trace_id", ids, con=reader) | (seen.traces & set(ids))
-    known_episodes = handle.existing("episodes", "episode_id", episode_ids, con=reader) | (
+    for table in ("traces", "episodes", "segments"):
+        if table not in seen.rows:
+            seen.rows[table] = handle.table_rows(table, reader)
+    known = handle.existing("traces", "trace_id", ids, con=reader, rows=seen.rows["traces"]) | (seen.traces & set(ids))
+    known_episodes = handle.existing("episodes", "episode_id", episode_ids, con=reader, rows=seen.rows["episodes"]) | (
         seen.episodes & set(episode_ids)
     )
     for line, source, number in batch.pending:
@@ -121,7 +127,7 @@ def _resolve(handle: Handle, reader: Any, batch: Batch, report: IngestReport, se
     seen.traces.update(known)
     segments = batch.segments
     new = [k for k in segments if k not in seen.segments]
-    stored = handle.existing("segments", "segment_id", new, con=reader, sql_type="BLOB")
+    stored = handle.existing("segments", "segment_id", new, con=reader, sql_type="BLOB", rows=seen.rows["segments"])
     for key in list(segments):
         if key in seen.segments or key in stored:
             del segments[key]
@@ -151,7 +157,8 @@ class IngestRun:
         self.bar: _Bar | None = None
         self.knobs = runtime.settings()
         self.parser = simdjson.Parser()
-        self.scan: Any = None  # the compiled scanner's scan_chunk, when this ingest uses it
+        self.scan: Any = None  # the compiled scanner (scan_only, then collect), when this ingest uses it
+        self.collect: Any = None
         self.scanners: tuple[Any, Any] = (None, None)  # two sets of its buffers: one scan runs ahead
         self.turn = 0
         self.compiling = False
@@ -173,7 +180,8 @@ class IngestRun:
             # The scanner is numba: imported by the first ingest that uses it, not with tracedb.
             from tracedb.ingest import scanned
 
-            self.scan, self.scanners = scanned.scan_chunk, (scanned.Scanner(), scanned.Scanner())
+            self.scan, self.collect = scanned.scan_only, scanned.collect
+            self.scanners = (scanned.Scanner(), scanned.Scanner())
             if not jitcache.is_compiled(SCANNER_SOURCE):
                 self.compiling = True
                 self.notice(
@@ -200,7 +208,7 @@ class IngestRun:
         the scanner, the next chunk is scanned on a thread of its own (the kernel runs
         without the GIL) while this one's lines go into the batch and batches are flushed:
         the scan, the rows and the writer's INSERTs use both cores."""
-        ahead: tuple[Chunk, Future[Any]] | None = None  # the chunk being scanned meanwhile
+        ahead: tuple[Chunk, Future[Any], Any] | None = None  # the chunk being scanned meanwhile, its buffers
         iterator = iter(chunks)
         while True:
             try:
@@ -220,26 +228,29 @@ class IngestRun:
             if self.bar is not None:
                 self.bar.advance(len(chunk.data))
             if self.scan is None:
-                self.take(source, chunk, None)
+                self.take(source, chunk, None, None)
                 continue
-            self.turn ^= 1  # the buffers of the chunk before are in use until its scan is taken
-            scanning = runtime.threads().submit(
-                self.scan, chunk, self.scanners[self.turn], allow_ragged=self.allow_ragged
-            )
+            # The other thread runs only the kernel, which holds no GIL; the Python half
+            # (collect) runs here. Python on both threads made each DuckDB call and read of
+            # this one wait for the GIL behind the other's (a 5 ms switch interval each).
+            self.turn ^= 1  # the buffers of the chunk before are in use until it is taken
+            scanner = self.scanners[self.turn]
+            scanning = runtime.threads().submit(self.scan, chunk, scanner, allow_ragged=self.allow_ragged)
             if ahead is not None:
                 self.take(source, *ahead)
-            ahead = (chunk, scanning)
+            ahead = (chunk, scanning, scanner)
         if ahead is not None:
             self.take(source, *ahead)
 
-    def take(self, source: str, chunk: Chunk, scanning: Future[Any] | None) -> None:
-        """The lines of one chunk into the batch (``scanning``: its scan, else the parser
-        reads every line); a full batch is flushed at the chunk's end."""
+    def take(self, source: str, chunk: Chunk, scanning: Future[Any] | None, scanner: Any) -> None:
+        """The lines of one chunk into the batch (``scanning``: its scan into ``scanner``'s
+        buffers, else the parser reads every line); a full batch is flushed at the chunk's end."""
         limit = self.knobs.max_line_bytes
         if scanning is None:
             lines: list[Any] = [None] * len(chunk.starts)
         else:
-            _, lines = scanning.result()
+            scanning.result()
+            _, lines = self.collect(chunk, scanner)
             if self.compiling:
                 self.compiling = False
                 jitcache.mark_compiled(SCANNER_SOURCE)
