@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pydantic
 
 from tracedb import runtime, tables
@@ -98,6 +97,8 @@ class ScannedNodes:
         )
         # float32 streams round from these doubles; one beyond the double range is infinity,
         # which sends its line (only) the other way (see _unfit)
+        import pyarrow.compute as pc  # only here: an ingest without such floats does not import it
+
         values = pc.cast(text, pa.float64()).to_numpy()
         target, index = out["hard_target"][:h], out["hard_index"][:h]
         ts = target == S.HARD_TS
