@@ -6,17 +6,23 @@
     python3 dev.py bench   # benchmarks against verifiers, side by side
     python3 dev.py tracedb ARGS...   # the CLI inside the environment
 
-Each command first makes sure ``.venv`` exists with tracedb and its test dependencies
-installed (re-installing when pyproject.toml changed).
+Each command first makes sure ``.venv`` has what it needs, with pip's own progress shown:
+``demo`` and ``tracedb`` install tracedb alone (no test or lake extras: no Ray, pyiceberg
+or browser driver); ``test``, ``bench`` and ``setup`` add the ``test`` and ``lake`` extras.
+What is installed is remembered in ``.venv/.tracedb-installed`` and installed again when
+pyproject.toml changed. ``source .venv/bin/activate`` then puts ``tracedb`` on PATH.
 
 ``dev.py test ARGS...`` passes ARGS to pytest (``-k NAME``, a test path, ``-x``). The suite
 runs on ``min(2, cores)`` pytest-xdist workers; ``TRACEDB_TEST_WORKERS=N`` sets the count
-(``0`` or ``1``: one process, no workers), and so does an ``-n N`` among ARGS.
+(``0`` or ``1``: one process, no workers), and so does an ``-n N`` among ARGS. A line as each
+test module finishes says which, how many are done and the time so far (``--module-progress``,
+tests/support/progress.py).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -56,37 +62,82 @@ def test_workers(args: list[str]) -> list[str]:
     return ["-n", str(workers), "--dist", "loadfile", "--no-loadscope-reorder"] if workers >= 2 else []
 
 
-def setup() -> None:
+EXTRAS = {"demo": (), "tracedb": (), "test": ("test", "lake"), "bench": ("test", "lake"), "setup": ("test", "lake")}
+"""The pyproject extras each command needs in .venv (the demo: tracedb alone)."""
+ON_PATH = (
+    "tracedb is installed in .venv: `source .venv/bin/activate` puts `tracedb` on PATH "
+    "(or run it as `python3 dev.py tracedb ARGS...`)"
+)
+
+
+def read_stamp(stamp: str | None) -> tuple[str | None, tuple[str, ...]]:
+    """What ``.venv/.tracedb-installed`` says: the digest of the pyproject.toml installed
+    and its extras (the old form, the digest alone, was an install of test and lake)."""
+    if not stamp:
+        return None, ()
+    try:
+        found = json.loads(stamp)
+    except ValueError:
+        found = None
+    if not isinstance(found, dict):
+        return stamp.strip(), ("lake", "test")
+    return found.get("pyproject"), tuple(sorted(found.get("extras", ())))
+
+
+def install_plan(command: str, stamp: str | None, digest: str) -> tuple[str, ...] | None:
+    """The extras to install before ``command`` (``()``: tracedb alone), or None when .venv
+    has them for this pyproject.toml (``digest``) already. An install keeps the extras that
+    were there, so a demo after the tests does not take the test extras away."""
+    installed, extras = read_stamp(stamp)
+    want = set(EXTRAS[command])
+    if installed == digest and want <= set(extras):
+        return None
+    return tuple(sorted(want | set(extras)))
+
+
+def pip_install_args(extras: tuple[str, ...]) -> list[str]:
+    """pip's arguments for an editable install of tracedb with ``extras``; no --quiet, so
+    that pip shows what it downloads and builds."""
+    return ["install", "-e", f".[{','.join(extras)}]" if extras else "."]
+
+
+def setup(command: str = "setup") -> None:
     digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
-    if STAMP.exists() and STAMP.read_text() == digest:
+    stamp = STAMP.read_text() if STAMP.exists() else None
+    extras = install_plan(command, stamp, digest)
+    if extras is None:
         return
     if not (BIN / "python").exists():
         print("creating .venv", flush=True)
         venv.EnvBuilder(with_pip=True).create(VENV)
-    print("installing tracedb and its test dependencies into .venv", flush=True)
-    run(BIN / "python", "-m", "pip", "install", "--quiet", "--upgrade", "pip")
-    run(BIN / "python", "-m", "pip", "install", "--quiet", "-e", ".[test,lake]")
+        run(BIN / "python", "-m", "pip", "install", "--quiet", "--upgrade", "pip")
+    what = f"tracedb with the {' and '.join(extras)} extras" if extras else "tracedb (no test or lake extras)"
+    print(f"installing {what} into .venv (pip's output follows)", flush=True)
+    run(BIN / "python", "-m", "pip", *pip_install_args(extras))
     # An install of the old layout may leave an empty tracedb/ in site-packages, which
     # Python would take for a namespace package ahead of the editable install's finder.
     for leftover in VENV.glob("lib/python*/site-packages/tracedb"):
         if leftover.is_dir() and not any(leftover.iterdir()):
             leftover.rmdir()
-    STAMP.write_text(digest)
+    STAMP.write_text(json.dumps({"pyproject": digest, "extras": list(extras)}))
 
 
 def main(argv: list[str]) -> None:
     if not argv or argv[0] not in ("demo", "test", "bench", "tracedb", "setup"):
         print(__doc__)
         sys.exit(2)
-    setup()
     command, rest = argv[0], argv[1:]
+    setup(command)
     if command == "demo":
         run(BIN / "tracedb", "demo", "--db", "tracedb-demo.duckdb", *rest)
+        print(ON_PATH)
+    elif command == "setup":
+        print(ON_PATH)
     elif command == "test":
         workers = test_workers(rest)
         run(BIN / "ruff", "check", ".")
         run(BIN / "ruff", "format", "--check", ".")
-        run(BIN / "python", "-m", "pytest", "-q", *workers, *rest)
+        run(BIN / "python", "-m", "pytest", "-q", "--module-progress", *workers, *rest)
     elif command == "bench":
         run(BIN / "python", "-m", "benchmarks", *rest)
     elif command == "tracedb":

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -12,9 +12,10 @@ from fastapi.staticfiles import StaticFiles
 
 import tracedb
 
-from . import errors, security
+from . import errors, runsets, security
 from .backend import Backend
 from .routes import branches, groups, health, live, sql, traces, viewer, writes
+from .routes import runs as runs_routes
 
 MAX_BODY_BYTES = 256 * 1024 * 1024
 
@@ -54,6 +55,8 @@ def create_app(
     follow_tags: Iterable[str] = (),
     follow_allow_ragged: bool = False,
     follow_rotated: Iterable[str] = (),
+    name: str | None = None,
+    runs: Mapping[str, str | Path] | None = None,
 ) -> FastAPI:
     """The REST service and web viewer over the tracedb database at ``db_path``.
 
@@ -83,6 +86,9 @@ def create_app(
     glob patterns of rotated copies, ``--rotated``) in a background thread
     on a cursor of its own; ``/health`` shows how it is doing, and a failure there is
     reported, never fatal to the server.
+    ``name`` is the run's name (default: the file's stem) and ``runs`` other runs (name ->
+    database file) that ``/runs/compare`` shows beside it, each opened read-only for the
+    request that reads it; requests name runs, never files.
     Each server thread reads on its own cursor. The database is opened now and
     stays open for the app's life (test clients may run the lifespan once per request);
     ``app.state.backend.close()`` closes it, as ``tracedb serve`` does when uvicorn
@@ -92,6 +98,7 @@ def create_app(
         raise ValueError("an empty token would let anyone write; pass None to disable writes")
     if sql_needs_token and token is None:
         raise ValueError("sql_needs_token needs a token")
+    run_set = runsets.Runs(name or runsets.default_name(db_path), Path(db_path), runs)
     backend = Backend(
         db_path,
         allow_sql=allow_sql,
@@ -121,10 +128,11 @@ def create_app(
         redoc_url=None,
     )
     app.state.backend = backend
+    app.state.runs = run_set
     app.state.token = token
     app.state.sql_needs_token = sql_needs_token
     errors.install(app)
-    modules = (health, traces, branches, live, groups, writes, sql, viewer)
+    modules = (health, traces, branches, live, groups, writes, sql, viewer, runs_routes)
     routes = [route for module in modules for route in module.router.routes]  # the gate's: each route's body rules
     app.add_middleware(security.BodyGate, routes=routes, state=app.state, max_bytes=max_body_bytes)
     app.add_middleware(security.HostCheck, allowed=list(allowed_hosts or security.LOOPBACK_HOSTS))

@@ -98,7 +98,8 @@ def responses(*statuses: int, html: bool = False) -> dict[int | str, dict[str, A
         400: "Bad SQL, a query that ran past the time limit, or a body that is not JSON",
         401: "No bearer token",
         403: "Wrong token, writes not enabled, or SQL not enabled / not a read",
-        404: "Unknown trace, branch, node, group or credit set",
+        404: "Unknown trace, branch, node, group, credit set or run",
+        409: "A run named at server start cannot be read now (its file is gone, held or not a database)",
         413: "Request body larger than the server's limit",
         422: "Malformed parameters or body, or values the library refuses",
     }

@@ -113,6 +113,10 @@ class LiveTraceRow(TraceRow):
     source: str | None = Field(description="The file the trace was read from.")
     line: int | None
     ingested_at: str | None
+    dropped: str | None = Field(None, description="Why consumers leave the trace out (verifiers 0.4.1); null: kept.")
+    policy_min: int | None = Field(None, description="The lowest known policy version of its sampled tokens.")
+    policy_max: int | None = Field(None, description="The highest.")
+    work_type: str | None = Field(None, description="Its episode's work: train or eval.")
     tags: dict[str, Any] = Field(description="The trace's ingest tags.")
 
 
@@ -293,6 +297,23 @@ class CreditSetCreate(BaseModel):
     params: dict[str, Any] = Field(default_factory=dict)
     description: str | None = Field(None, max_length=10_000)
     replace: bool = False
+
+
+class PolicyVersionsWrite(BaseModel):
+    versions: dict[Annotated[str, Field(min_length=1, max_length=500)], Annotated[int, Field(ge=0, le=2**31 - 1)]] = (
+        Field(description="Weight label -> policy version (labels such as step_12 name their own).", max_length=10_000)
+    )
+
+
+class PolicyVersionsResult(BaseModel):
+    labels: int = Field(description="Labels mapped.")
+    traces: int = Field(description="Traces whose policy-version bounds were stored again.")
+
+
+class PolicyLabel(BaseModel):
+    label: str
+    version: int
+    set_at: str | None
 
 
 class AdvantagesWrite(BaseModel):

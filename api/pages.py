@@ -9,7 +9,9 @@ together here is chosen from fixed fragments.
 
 Zero variance and credit status are the library's rules, read through its macros
 (``group_rewards()``, ``tdb_zero_variance``, ``trace_credit_status()``): a group is
-zero-variance when it has scored members and all of them hold the same reward.
+zero-variance when it has scored members and all of them hold the same reward. So is the
+policy mismatch (``node_mismatch()``: tokens holding both ``logprobs`` and
+``trainer_logprobs``, k3, the ratio band), summed per trace and per bin in SQL.
 """
 
 from __future__ import annotations
@@ -50,28 +52,41 @@ CREDIT_COLUMNS = 12
 # --------------------------------------------------------------------------- axes
 
 
+WORK_STEP = "work_step"
+"""The x axis of the training step an episode was dispatched at (verifiers'
+``run.work.step``), offered when some trace's episode has one."""
+
+
 def axes(db: Database, mark: int) -> list[str]:
-    """The x axes on offer: ``seq`` and ``tag:NAME`` for each tag some trace holds a number in
-    (the ``AXIS_TAGS`` most common)."""
+    """The x axes on offer: ``seq``, ``work_step`` when some episode has one, and
+    ``tag:NAME`` for each tag some trace holds a number in (the ``AXIS_TAGS`` most common)."""
     rows = db.sql(
         "SELECT g.name FROM trace_tags g JOIN traces t USING (trace_id) "
         "WHERE g.number IS NOT NULL AND t.seq <= ? GROUP BY g.name ORDER BY count(*) DESC, g.name LIMIT ?",
         [mark, AXIS_TAGS],
     ).to_pylist()
-    return ["seq", *(f"tag:{r['name']}" for r in rows)]
+    stepped = db.scalar(
+        "SELECT EXISTS (SELECT 1 FROM traces t JOIN episodes e USING (episode_id) "
+        "WHERE t.seq <= ? AND e.work_step IS NOT NULL)",
+        [mark],
+    )
+    return ["seq", *([WORK_STEP] if stepped else []), *(f"tag:{r['name']}" for r in rows)]
 
 
 def resolve_axis(by: str, offered: list[str]) -> str:
-    """``auto`` is the ``step`` tag when traces hold one, else ``seq``; a named tag must be
-    one some trace holds a number in (else 422 naming ``by``)."""
+    """``auto`` is the ``step`` tag when traces hold one, else the episodes' training step
+    (``work_step``) when they have one, else ``seq``; a named tag must be one some trace
+    holds a number in (else 422 naming ``by``)."""
     if by == "auto":
-        return "tag:step" if "tag:step" in offered else "seq"
+        return next((a for a in ("tag:step", WORK_STEP) if a in offered), "seq")
     if by in offered:
         return by
+    if by == WORK_STEP:
+        raise invalid("by: no trace's episode has a training step (run.work.step)")
     if by.startswith("tag:"):
         tags = ", ".join(a[4:] for a in offered[1:]) or "none"
         raise invalid(f"by: no trace has a numeric tag {by[4:]!r} (numeric tags: {tags})")
-    raise invalid(f"by: expected auto, seq or tag:NAME, got {by!r}")
+    raise invalid(f"by: expected auto, seq, {WORK_STEP} or tag:NAME, got {by!r}")
 
 
 # --------------------------------------------------------------------------- the run page
@@ -85,6 +100,7 @@ def run_data(
     recent: int = 1000,
     hist_bins: int = 20,
     after: int | None = None,
+    mismatch_c: float = 2.0,
 ) -> dict[str, Any]:
     """The run page's aggregates as of the current watermark ``W``.
 
@@ -92,11 +108,20 @@ def run_data(
     only the watermark and the rejects come back (``changed`` false; rejects carry no
     sequence number, so they are always read). Otherwise: the headline numbers
     (``summary``), per-bin series over the x axis ``by`` (``seq``: bins of equal width
-    over 1..W; ``tag:NAME``: one bin per distinct value when there are at most ``bins``
-    of them, else ``bins`` equal-width ranges; traces without the tag are counted in
-    ``axis.untagged``), the reward histogram of the latest ``recent`` traces (0: all) in
-    ``hist_bins`` equal-width bins, and the latest groups. A group is counted in the bin
+    over 1..W; ``tag:NAME`` or ``work_step``, the episodes' training step: one bin per
+    distinct value when there are at most ``bins`` of them, else ``bins`` equal-width
+    ranges; traces without the tag or step are counted in ``axis.untagged``; each bin's
+    ``dropped`` traces and ``dropped_share``, verifiers' ``Trace.dropped``), the reward
+    histogram of the latest ``recent`` traces (0: all) in ``hist_bins`` equal-width bins,
+    and the latest groups. A group is counted in the bin
     of its newest member's x.
+
+    The policy mismatch, over the tokens holding both ``logprobs`` (the sampler's) and
+    ``trainer_logprobs`` (a recompute pass's): ``mismatch`` for the whole run and, per bin,
+    ``mismatch_traces`` (the bin's traces holding such tokens), ``mismatch_tokens``,
+    ``k3_mean`` (the mean over those tokens of k3, an estimate of KL(inference || trainer)),
+    ``ratio_mean``, ``ratio_max`` and ``outside_share`` (ratios exp(trainer - inference)
+    outside ``[1/mismatch_c, mismatch_c]``); null where no token holds both.
     """
     if not 1 <= bins <= MAX_BINS:
         raise invalid(f"bins: expected 1 to {MAX_BINS}, got {bins}")
@@ -104,17 +129,20 @@ def run_data(
         raise invalid(f"hist_bins: expected 1 to {MAX_HIST_BINS}, got {hist_bins}")
     if recent < 0:
         raise invalid(f"recent: expected 0 (all) or a count of traces, got {recent}")
+    if not (isinstance(mismatch_c, int | float) and math.isfinite(mismatch_c) and mismatch_c >= 1):
+        raise invalid(f"mismatch_c: expected a finite number of at least 1 (the band [1/c, c]), got {mismatch_c}")
     mark = db.watermark()
     state = {"watermark": mark, "rejects": rejects(db)}
     if after is not None and after == mark:
         return {**state, "changed": False}
     offered = axes(db, mark)
     axis = resolve_axis(by, offered)
-    series, layout = _bins(db, axis, bins, mark)
+    series, layout = _bins(db, axis, bins, mark, mismatch_c)
     return {
         **state,
         "changed": True,
         "summary": summary(db, mark),
+        "mismatch": mismatch_summary(db, mark, mismatch_c),
         "axes": offered,
         "axis": {"by": axis, "requested": by, "bins": bins, **layout},
         "bins": series,
@@ -145,7 +173,7 @@ def summary(db: Database, mark: int) -> dict[str, Any]:
         "SELECT count(*) AS traces, count(DISTINCT group_id) AS groups, count(reward) AS scored, "
         "  count(*) - count(reward) AS unscored, avg(reward) AS reward_mean, stddev_pop(reward) AS reward_std, "
         "  coalesce(sum(n_tokens), 0)::BIGINT AS tokens, coalesce(sum(n_sampled), 0)::BIGINT AS sampled, "
-        "  max(ingested_at) AS last_arrival, "
+        "  count(dropped) AS dropped, max(ingested_at) AS last_arrival, "
         "  date_diff('millisecond', max(ingested_at), current_timestamp::TIMESTAMP) / 1000.0 AS age_s "
         "FROM traces WHERE seq <= ?",
         [mark],
@@ -161,15 +189,20 @@ def summary(db: Database, mark: int) -> dict[str, Any]:
     row["groups_zero_variance"] = groups["zero_variance"]
     row["zero_variance_share"] = _share(groups["zero_variance"], groups["eligible"])
     row["sampled_share"] = _share(row["sampled"], row["tokens"])
+    row["dropped_share"] = _share(row["dropped"], row["traces"])
     return row
 
 
 # The traces of the run with their x value; one of these, by axis kind.
-_X_SEQ = "SELECT group_id, reward, n_tokens, n_sampled, seq AS x FROM traces WHERE seq <= $through"
+_X_SEQ = "SELECT trace_id, group_id, reward, n_tokens, n_sampled, dropped, seq AS x FROM traces WHERE seq <= $through"
 _X_TAG = (
-    "SELECT t.group_id, t.reward, t.n_tokens, t.n_sampled, g.number AS x FROM traces t "
+    "SELECT t.trace_id, t.group_id, t.reward, t.n_tokens, t.n_sampled, t.dropped, g.number AS x FROM traces t "
     "JOIN trace_tags g ON g.trace_id = t.trace_id AND g.name = $tag AND g.number IS NOT NULL "
     "WHERE t.seq <= $through"
+)
+_X_STEP = (
+    "SELECT t.trace_id, t.group_id, t.reward, t.n_tokens, t.n_sampled, t.dropped, e.work_step AS x FROM traces t "
+    "JOIN episodes e USING (episode_id) WHERE t.seq <= $through AND e.work_step IS NOT NULL"
 )
 # A row's bin from its x; one of these, by layout. Also applied to a group's x (its newest member's).
 _KEY_WIDTH = "CAST((x - 1) // $width AS BIGINT)"  # seq: bins of $width sequence numbers
@@ -182,7 +215,7 @@ b AS (
     SELECT {key} AS bin, count(*) AS traces, count(reward) AS scored, avg(reward) AS mean,
            stddev_pop(reward) AS std, min(reward) AS min, max(reward) AS max,
            quantile_cont(reward, 0.1) AS p10, quantile_cont(reward, 0.9) AS p90,
-           sum(n_tokens)::BIGINT AS tokens, sum(n_sampled)::BIGINT AS sampled,
+           sum(n_tokens)::BIGINT AS tokens, sum(n_sampled)::BIGINT AS sampled, count(dropped) AS dropped,
            min(x) AS x_min, max(x) AS x_max
     FROM t GROUP BY 1
 ),
@@ -202,7 +235,46 @@ FROM b LEFT JOIN gb USING (bin) ORDER BY bin
 """
 
 
-def _bins(db: Database, axis: str, bins: int, mark: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+# The policy mismatch per trace (node_mismatch() summed over its nodes), joined to the rows
+# of one axis and aggregated per bin over the tokens holding both streams.
+_MISMATCH_TRACES = """
+SELECT trace_id, sum(tokens) AS tokens, sum(k3_sum) AS k3_sum, sum(ratio_sum) AS ratio_sum,
+       max(ratio_max) AS ratio_max, sum(outside) AS outside
+FROM node_mismatch(c := $c) GROUP BY trace_id
+"""
+_MISMATCH_FIGURES = """
+count(*) AS mismatch_traces, sum(m.tokens)::BIGINT AS mismatch_tokens,
+sum(m.k3_sum) / sum(m.tokens) AS k3_mean, sum(m.ratio_sum) / sum(m.tokens) AS ratio_mean,
+max(m.ratio_max) AS ratio_max, sum(m.outside) / sum(m.tokens) AS outside_share
+"""
+_MISMATCH_BINS = (
+    "WITH t AS ({rows}), m AS (" + _MISMATCH_TRACES + ") "
+    "SELECT {key} AS bin, " + _MISMATCH_FIGURES + " FROM t JOIN m USING (trace_id) GROUP BY 1"
+)
+_MISMATCH_NONE = {
+    "mismatch_traces": 0,
+    "mismatch_tokens": 0,
+    "k3_mean": None,
+    "ratio_mean": None,
+    "ratio_max": None,
+    "outside_share": None,
+}
+
+
+def mismatch_summary(db: Database, mark: int, c: float) -> dict[str, Any]:
+    """The policy mismatch of the traces up to the watermark ``mark`` (see :func:`run_data`),
+    with the band's ``c``."""
+    row = db.sql(
+        "WITH m AS (" + _MISMATCH_TRACES + ") SELECT " + _MISMATCH_FIGURES + " FROM m "
+        "JOIN traces t USING (trace_id) WHERE t.seq <= $through",
+        {"c": c, "through": mark},
+    ).to_pylist()[0]
+    return {"c": c, **row, "mismatch_tokens": row["mismatch_tokens"] or 0}
+
+
+def _bins(
+    db: Database, axis: str, bins: int, mark: int, mismatch_c: float = 2.0
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Per-bin rows over ``axis`` and how the axis was cut (``layout``: width, values or range)."""
     params: dict[str, Any] = {"through": mark}
     if axis == "seq":
@@ -211,8 +283,9 @@ def _bins(db: Database, axis: str, bins: int, mark: int) -> tuple[list[dict[str,
         key, layout = _KEY_WIDTH, {"layout": "width", "width": width, "through": mark, "untagged": 0}
         params["width"] = width
     else:
-        rows = _X_TAG
-        params["tag"] = axis[4:]
+        rows = _X_STEP if axis == WORK_STEP else _X_TAG
+        if axis != WORK_STEP:
+            params["tag"] = axis[4:]
         stats = db.sql(
             f"SELECT count(DISTINCT x) AS n, min(x) AS lo, max(x) AS hi, count(*) AS tagged FROM ({rows})", params
         ).to_pylist()[0]
@@ -224,11 +297,15 @@ def _bins(db: Database, axis: str, bins: int, mark: int) -> tuple[list[dict[str,
             key, layout = _KEY_RANGE, {"layout": "range", "width": width, "lo": stats["lo"], "untagged": untagged}
             params.update(lo=stats["lo"], width=width, last=bins - 1)
     out = db.sql(_BINS.format(rows=rows, key=key), params).to_pylist()
+    found = db.sql(_MISMATCH_BINS.format(rows=rows, key=key), {**params, "c": mismatch_c}).to_pylist()
+    mismatch = {r.pop("bin"): r for r in found}
     for row in out:
+        row.update(mismatch.get(row["bin"], _MISMATCH_NONE))
         _edges(row, layout)
         row["tokens_mean"] = row["tokens"] / row["traces"]
         row["sampled_share"] = _share(row["sampled"], row["tokens"])
         row["zero_variance_share"] = _share(row["zero_variance"], row["groups_scored"])
+        row["dropped_share"] = _share(row["dropped"], row["traces"])
     return out, layout
 
 

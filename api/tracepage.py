@@ -75,8 +75,10 @@ def trace_page(
     branches_from: int,
     branch_limit: int,
     nodes_from: int,
+    only: set[int] | None = None,
 ) -> dict[str, Any]:
-    """One page of a trace: its ``meta``, the page's ``branches`` (each with ``path_text``),
+    """One page of a trace (``only``: of these nodes alone, e.g. the sampled ones): its
+    ``meta``, the page's ``branches`` (each with ``path_text``),
     its ``nodes`` (each with ``view``: the message as shown, ``on``: the page's branches
     holding it, ``n_branches``: all branches holding it, ``shown``/``cut``: its strip's
     tokens), the strips to embed (``strips``) and where the page sits (``window``)."""
@@ -90,7 +92,7 @@ def trace_page(
         b["path_text"] = path_text(b["path"])
         for n in b["path"]:
             on.setdefault(n, []).append(b["branch_index"])
-    listed = sorted(on)  # every node on the page's branches, in index order
+    listed = sorted(on if only is None else (n for n in on if n in only))  # the page's nodes, in index order
     if listed and nodes_from >= len(listed):
         raise not_found(
             f"the page's branches hold {len(listed)} nodes (0-{len(listed) - 1} of the page); no node {nodes_from}"

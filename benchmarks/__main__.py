@@ -8,7 +8,9 @@ trainer-feed suite (``benchmarks/batches.py``, ``db.micro_batches``, writing
 by ``tracedb serve --follow`` while a writer appends it and REST readers poll it
 (``benchmarks/live.py``, writing ``results-live.json``); ``--suite lake`` the lake beside the
 file store on Ray, and the 1M-rollout projection (``benchmarks/lake.py``, ``results-lake.json``);
-``--suite api`` REST branch lookup, JSON against Arrow, on its own workload
+``--suite async`` micro-batches under a staleness bound against the plain call, and the
+bytes policy-version spans add, on a versioned core run (``benchmarks/asyncfeed.py``,
+``results-async.json``); ``--suite api`` REST branch lookup, JSON against Arrow, on its own workload
 (``benchmarks/bench_api.py``, ``results-api.json``).
 ``--workload realistic`` runs any suite on the realistic workload (``benchmarks/realistic.py``:
 real text, a trained BPE, agent-shaped episodes) instead of the core one (the default); its
@@ -60,6 +62,7 @@ SUITES = {
         },
     ),
     "lake": Suite("benchmarks.lake", {"catalog": "catalog"}),
+    "async": Suite("benchmarks.asyncfeed", {"seq_len": "seq_len", "ranks": "ranks"}),
     "api": Suite(
         "benchmarks.bench_api",
         {"traces": "traces", "tokens": "tokens", "clients": "clients", "seconds": "seconds"},
@@ -93,8 +96,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="results file (default benchmarks/results.json; credit: results-credit.json; batches: "
         "results-batches.json; ...)",
     )
-    p.add_argument("--seq-len", type=int, default=32_768, help="batches suite: tokens per micro-batch (default 32768)")
-    p.add_argument("--ranks", type=int, default=8, help="batches suite: data-parallel ranks (default 8)")
+    p.add_argument(
+        "--seq-len", type=int, default=32_768, help="batches and async suites: tokens per micro-batch (default 32768)"
+    )
+    p.add_argument("--ranks", type=int, default=8, help="batches and async suites: data-parallel ranks (default 8)")
     p.add_argument("--rate", type=float, help="live suite: episodes/s in the fixed-rate phase (default 2)")
     p.add_argument(
         "--rate-traces",

@@ -39,6 +39,42 @@ CREATE OR REPLACE MACRO credit_advantages(credit_set) AS TABLE
     LEFT JOIN trace_credit t
            ON t.credit_set = credit_set AND t.trace_id = n.trace_id AND n.n_sampled > 0;
 
+-- A weight label's own policy version (tracedb/policy.py's rule): step_12, v3, 12,
+-- version-7 (any case) name their number; any other label none (NULL) until mapped.
+CREATE OR REPLACE MACRO tdb_label_number(label) AS
+    TRY_CAST(nullif(regexp_extract(label, '^(?:step|v|version)?[_-]?([0-9]+)$', 1, 'i'), '') AS INTEGER);
+
+-- An integer compact stream widened onto the node's tokens: values on the sampled
+-- positions in order, NULL elsewhere.
+CREATE OR REPLACE MACRO tdb_widen_int(vals, n_tokens, mask_prefix, mask_slots) AS
+    CASE WHEN mask_slots IS NULL
+         THEN list_concat(list_resize([]::INTEGER[], mask_prefix), vals)
+         ELSE list_transform(mask_slots, lambda k: CASE WHEN k = 0 THEN NULL::INTEGER ELSE vals[k] END)
+    END;
+
+-- Each node's sampled tokens' policy versions (compact): a token a span covers has its
+-- label's number (its own, else policy_labels'; NULL when neither), any other sampled
+-- token its episode's policy start, else its step.
+CREATE OR REPLACE MACRO node_policy_versions() AS TABLE
+    WITH spans AS (
+        SELECT n.trace_id, n.node_index,
+               list({'start': s.start, 'end': s."end",
+                     'v': coalesce(tdb_label_number(s.version), TRY_CAST(m.version AS INTEGER))}) AS sv
+        FROM nodes n, unnest(n.weight_versions) AS u(s)
+        LEFT JOIN policy_labels m ON m.label = s.version
+        WHERE n.weight_versions IS NOT NULL
+        GROUP BY ALL
+    )
+    SELECT n.trace_id, n.node_index,
+           list_transform(range(n.n_sampled), lambda k:
+               CASE WHEN len(list_filter(coalesce(sp.sv, []), lambda s: s.start <= k AND k < s."end")) > 0
+                    THEN list_filter(sp.sv, lambda s: s.start <= k AND k < s."end")[1].v
+                    ELSE TRY_CAST(coalesce(e.policy_start, e.work_step) AS INTEGER) END) AS versions
+    FROM nodes n
+    LEFT JOIN spans sp USING (trace_id, node_index)
+    LEFT JOIN traces t USING (trace_id)
+    LEFT JOIN episodes e ON e.episode_id = t.episode_id;
+
 -- One row per node with its tokens and every stream in full (per-token) layout.
 CREATE OR REPLACE MACRO node_tokens(credit := NULL) AS TABLE
     SELECT n.trace_id, n.node_index, n.parent, n.role, n.sampled,
@@ -54,9 +90,11 @@ CREATE OR REPLACE MACRO node_tokens(credit := NULL) AS TABLE
            tdb_widen(n.trainer_logprobs, n.n_tokens, n.n_sampled, n.mask_prefix, n.mask_slots) AS trainer_logprobs,
            n.entropies IS NOT NULL AS has_entropies,
            tdb_widen(n.entropies, n.n_tokens, n.n_sampled, n.mask_prefix, n.mask_slots) AS entropies,
-           n.loss_weights
+           n.loss_weights,
+           tdb_widen_int(pv.versions, n.n_tokens, n.mask_prefix, n.mask_slots) AS policy_version
     FROM nodes n JOIN segments s USING (segment_id)
-    JOIN credit_advantages(credit) a USING (trace_id, node_index);
+    JOIN credit_advantages(credit) a USING (trace_id, node_index)
+    JOIN node_policy_versions() pv USING (trace_id, node_index);
 
 -- One row per (branch, node on its path), pos = 1 at the root. first_branch is the
 -- first trainable branch holding the node (or the first branch, if none is trainable).
@@ -116,13 +154,15 @@ CREATE OR REPLACE MACRO branch_tokens(train_once := false, credit := NULL) AS TA
                CASE WHEN bool_or(has_trainer_logprobs)
                     THEN flatten(list(trainer_logprobs ORDER BY pos)) END AS trainer_logprobs,
                CASE WHEN bool_or(has_entropies)
-                    THEN flatten(list(entropies ORDER BY pos)) END AS entropies
+                    THEN flatten(list(entropies ORDER BY pos)) END AS entropies,
+               CASE WHEN bool_or(list_count(policy_version) > 0)
+                    THEN flatten(list(policy_version ORDER BY pos)) END AS policy_version
         FROM bn
         GROUP BY trace_id, branch_index
     )
     SELECT s.trace_id, s.branch_index, s.trainable, s.token_ids, s.sampled_mask, s.logprobs,
            s.advantages, s.reference_logprobs, s.trainer_logprobs, s.entropies,
-           coalesce(lw.loss_weights, MAP {}::MAP(VARCHAR, FLOAT[])) AS loss_weights
+           coalesce(lw.loss_weights, MAP {}::MAP(VARCHAR, FLOAT[])) AS loss_weights, s.policy_version
     FROM spread s LEFT JOIN lw USING (trace_id, branch_index)
     ORDER BY s.trace_id, s.branch_index;
 
@@ -130,11 +170,15 @@ CREATE OR REPLACE MACRO branch_tokens(train_once := false, credit := NULL) AS TA
 CREATE OR REPLACE MACRO branch_stats() AS TABLE
     SELECT b.trace_id, b.branch_index, b.trainable, b.n_tokens, b.n_sampled,
            CASE WHEN b.n_tokens > 0 THEN b.n_sampled / b.n_tokens END AS sampled_share,
-           len(b.path) AS n_nodes,
+           b.n_nodes,
            count(n.advantages) AS credited_nodes,
            count(*) FILTER (WHERE n.sampled) AS sampled_nodes
-    FROM branches b, unnest(b.path) AS u(node_index)
-    JOIN nodes n ON n.trace_id = b.trace_id AND n.node_index = u.node_index
+    -- The path unnested in a select list, not laterally: a filter on the trace id (or the
+    -- branch) then reaches the scans of branches and nodes (a lake reads only its traces).
+    FROM (SELECT trace_id, branch_index, trainable, n_tokens, n_sampled, len(path) AS n_nodes,
+                 unnest(path) AS node_index
+          FROM branches) b
+    JOIN nodes n ON n.trace_id = b.trace_id AND n.node_index = b.node_index
     GROUP BY ALL;
 
 -- Which nodes carry credit in a set, and how much (NULL = never assigned, not zero).
@@ -153,6 +197,30 @@ CREATE OR REPLACE MACRO credit_tokens(credit := NULL) AS TABLE
            CASE WHEN advantages IS NOT NULL
                 THEN list_transform(list_resize(advantages, n_sampled, 0.0::FLOAT), lambda x: x::DOUBLE) END AS a
     FROM credit_advantages(credit);
+
+-- Each node's absolute credit mass in one set, as credit_tokens spreads it (a compact
+-- list cut or zero-padded to the node's sampled tokens, a per-node or per-trace value on
+-- each of them), without building per-token lists for values: abs_sum (sum of |A| over
+-- its sampled tokens, DOUBLE) and n_sampled (the tokens assigned). Assigned nodes only.
+-- Replay ranks earlier groups by it (tracedb/batches/replay.py).
+CREATE OR REPLACE MACRO credit_abs_mass(credit := NULL) AS TABLE
+    WITH per AS (
+        SELECT n.trace_id, n.node_index, n.n_sampled,
+               CASE WHEN credit IS NULL OR credit = 'default' THEN n.advantages ELSE c.advantages END AS listed,
+               CASE WHEN credit IS NULL OR credit = 'default' THEN NULL
+                    ELSE coalesce(c.value, t.value)::FLOAT END AS scalar
+        FROM nodes n
+        LEFT JOIN credit c
+               ON c.credit_set = credit AND c.trace_id = n.trace_id AND c.node_index = n.node_index
+        LEFT JOIN trace_credit t
+               ON t.credit_set = credit AND t.trace_id = n.trace_id AND n.n_sampled > 0
+    )
+    SELECT trace_id, node_index, n_sampled,
+           CASE WHEN listed IS NOT NULL
+                THEN coalesce(list_sum(list_transform(listed[1:n_sampled], lambda x: abs(x::DOUBLE))), 0.0)
+                ELSE abs(scalar::DOUBLE) * n_sampled END AS abs_sum
+    FROM per
+    WHERE listed IS NOT NULL OR scalar IS NOT NULL;
 
 -- The dose of one credit set, per trace, over the trace's sampled tokens (each node once):
 -- tokens assigned and credited (nonzero), coverage (assigned / sampled), signed, absolute
@@ -278,3 +346,62 @@ CREATE OR REPLACE MACRO group_rewards(through := NULL) AS TABLE
            max(seq) AS last_seq
     FROM traces WHERE group_id IS NOT NULL AND (through IS NULL OR seq <= through)
     GROUP BY group_id;
+
+-- Off-policy mismatch between the policy that sampled a token (the node's `logprobs`, the
+-- inference engine's) and the trainer's policy (`trainer_logprobs`, written back by a
+-- recompute pass). A token holds both when it is one of the node's first
+-- least(n_sampled, len(logprobs), len(trainer_logprobs)) sampled tokens (a NULL or empty
+-- stream: none; values past the sampled tokens are not tokens). With the log ratio
+-- d = trainer - inference and the ratio exp(d), k3 = (exp(d) - 1) - d: its mean over tokens
+-- sampled from the inference policy estimates KL(inference || trainer) (Schulman's k3,
+-- unbiased and never negative). A ratio leaves [1/c, c] when exp(d) < 1/c or exp(d) > c.
+-- Per node holding at least one such token: the count and the sums the means are made of.
+CREATE OR REPLACE MACRO node_mismatch(c := 2.0) AS TABLE
+    WITH d AS (
+        SELECT trace_id, node_index,
+               list_transform(range(1, least(n_sampled, len(logprobs), len(trainer_logprobs)) + 1),
+                              lambda k: exp(trainer_logprobs[k]::DOUBLE - logprobs[k]::DOUBLE)) AS ratio,
+               list_transform(range(1, least(n_sampled, len(logprobs), len(trainer_logprobs)) + 1),
+                              lambda k: trainer_logprobs[k]::DOUBLE - logprobs[k]::DOUBLE) AS log_ratio
+        FROM nodes
+        WHERE n_sampled > 0 AND logprobs IS NOT NULL AND trainer_logprobs IS NOT NULL
+          AND len(logprobs) > 0 AND len(trainer_logprobs) > 0
+          AND (SELECT CASE WHEN c >= 1 THEN true
+                           ELSE error('policy_mismatch: c must be at least 1 (the ratio band is [1/c, c]), got ' || coalesce(c::VARCHAR, 'NULL')) END)
+    )
+    SELECT trace_id, node_index, len(ratio)::BIGINT AS tokens,
+           list_sum(list_transform(list_zip(ratio, log_ratio), lambda p: (p[1] - 1.0) - p[2])) AS k3_sum,
+           list_sum(ratio) AS ratio_sum,
+           list_max(ratio) AS ratio_max,
+           len(list_filter(ratio, lambda r: r < 1.0 / c OR r > c))::BIGINT AS outside
+    FROM d;
+
+-- The mismatch per trace (per := 'trace': one row per trace, node_index NULL, over its
+-- sampled tokens, each node once) or per turn (per := 'turn': one row per node with
+-- sampled tokens), over the tokens holding both streams (node_mismatch): how many
+-- (`tokens`), the mean of k3 (`k3_mean`, an estimate of KL(inference || trainer)), the
+-- mean and the largest ratio exp(trainer - inference), and the share of ratios outside
+-- [1/c, c]. A trace or turn without such a token has tokens = 0 and NULL figures.
+CREATE OR REPLACE MACRO policy_mismatch(c := 2.0, per := 'trace') AS TABLE
+    WITH m AS (SELECT * FROM node_mismatch(c := c)),
+    rows AS (
+        SELECT n.trace_id, n.node_index, coalesce(m.tokens, 0)::BIGINT AS tokens,
+               m.k3_sum, m.ratio_sum, m.ratio_max, coalesce(m.outside, 0)::BIGINT AS outside
+        FROM nodes n LEFT JOIN m USING (trace_id, node_index)
+        WHERE per = 'turn' AND n.n_sampled > 0
+        UNION ALL
+        SELECT t.trace_id, NULL::INTEGER, coalesce(sum(m.tokens), 0)::BIGINT,
+               sum(m.k3_sum), sum(m.ratio_sum), max(m.ratio_max), coalesce(sum(m.outside), 0)::BIGINT
+        FROM traces t LEFT JOIN m USING (trace_id)
+        WHERE per = 'trace'
+        GROUP BY t.trace_id
+    )
+    SELECT trace_id, node_index, tokens,
+           CASE WHEN tokens > 0 THEN k3_sum / tokens END AS k3_mean,
+           CASE WHEN tokens > 0 THEN ratio_sum / tokens END AS ratio_mean,
+           CASE WHEN tokens > 0 THEN ratio_max END AS ratio_max,
+           CASE WHEN tokens > 0 THEN outside / tokens END AS outside_share
+    FROM rows
+    WHERE (SELECT CASE WHEN per IN ('trace', 'turn') THEN true
+                       ELSE error('policy_mismatch: per must be ''trace'' or ''turn'', got ' || coalesce(per::VARCHAR, 'NULL')) END)
+    ORDER BY trace_id, node_index;

@@ -1,4 +1,4 @@
--- tracedb storage, schema version 4 (tracedb/migrations.py upgrades older files).
+-- tracedb storage, schema version 6 (tracedb/migrations.py upgrades older files).
 -- One row per episode, trace, node, branch; token ids live once per distinct content
 -- in `segments`. Columns that hold a record's fields keep them exactly: `record` holds
 -- the JSON of everything that has no column of its own.
@@ -16,7 +16,13 @@ CREATE TABLE IF NOT EXISTS episodes (
     record      JSON NOT NULL,     -- the episode without its traces
     source      VARCHAR,           -- file it was ingested from
     line        BIGINT,
-    ingested_at TIMESTAMP DEFAULT current_timestamp
+    ingested_at TIMESTAMP DEFAULT current_timestamp,
+    -- episode.run (verifiers): the work it was dispatched as ('train' or 'eval'; a run of
+    -- type 'eval' without work is 'eval'), the training step, the live policy span.
+    work_type    VARCHAR,
+    work_step    BIGINT,
+    policy_start BIGINT,
+    policy_end   BIGINT
 );
 
 CREATE TABLE IF NOT EXISTS traces (
@@ -37,7 +43,23 @@ CREATE TABLE IF NOT EXISTS traces (
     source         VARCHAR,
     line           BIGINT,
     ingested_at    TIMESTAMP DEFAULT current_timestamp,
-    seq            BIGINT          -- ingest sequence number: 1, 2, ... in commit order (the watermark)
+    seq            BIGINT,         -- ingest sequence number: 1, 2, ... in commit order (the watermark)
+    dropped        VARCHAR,        -- why consumers leave the trace out (verifiers 0.4.1); NULL: kept
+    -- Policy versions of the sampled tokens (tracedb/policy.py's rule): the lowest and
+    -- highest known, and how many sampled tokens have none (a label not mapped, no span
+    -- and no episode policy). Recomputed when a label is mapped (policy_labels).
+    policy_min     BIGINT,
+    policy_max     BIGINT,
+    policy_unknown BIGINT,
+    work_type      VARCHAR         -- its episode's work_type, kept here so selections and credit need no join
+);
+
+-- Weight labels mapped to policy versions (db.set_policy_versions): a label matching
+-- ^(step|v|version)?[_-]?(\d+)$ names its number itself and needs no row.
+CREATE TABLE IF NOT EXISTS policy_labels (
+    label   VARCHAR PRIMARY KEY,
+    version BIGINT NOT NULL,
+    set_at  TIMESTAMP DEFAULT current_timestamp
 );
 
 -- Typed tags on traces (`tracedb ingest --tag name=value` or `name=$.json.path`): one row
@@ -99,6 +121,9 @@ CREATE TABLE IF NOT EXISTS nodes (
     message            JSON,
     extra              JSON,       -- node fields tracedb has no column for
     present            INTEGER NOT NULL,  -- bit i: field i of records.NODE_KEYS was in the record
+    -- verifiers 0.4.1: sampled tokens [start, end) (among the node's sampled tokens) came
+    -- from the engine weights labelled version; NULL when the record holds none.
+    weight_versions    STRUCT("version" VARCHAR, "start" INTEGER, "end" INTEGER)[],
     PRIMARY KEY (trace_id, node_index)
 );
 

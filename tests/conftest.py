@@ -9,6 +9,8 @@ from tracedb import runtime
 
 from support import FIXTURES
 
+pytest_plugins = ("support.progress",)  # --module-progress (dev.py test)
+
 TESTS = Path(__file__).resolve().parent
 LONGEST_FIRST = (
     "lake/test_lake_ray.py",

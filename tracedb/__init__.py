@@ -8,15 +8,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tracedb.errors import IngestAborted, NotFound, RecordError, TraceDBError
+from tracedb.errors import IngestAborted, NotFound, RecordError, StepChanged, TraceDBError
 from tracedb.lazy import exports
 
 if TYPE_CHECKING:
     from tracedb import batches
-    from tracedb.batches import MicroBatch, Plan, read_micro_batches
+    from tracedb.batches import MicroBatch, Plan, Replay, read_micro_batches
     from tracedb.database import Database, connect
     from tracedb.migrations import SCHEMA_VERSION
-    from tracedb.selection import watermark_of
+    from tracedb.selection import Selection, watermark_of
     from tracedb.tables import BRANCH_SCHEMA
     from tracedb.views import to_polars
 
@@ -30,9 +30,12 @@ __all__ = [
     "RecordError",
     "IngestAborted",
     "NotFound",
+    "StepChanged",
     "SCHEMA_VERSION",
     "MicroBatch",
     "Plan",
+    "Replay",
+    "Selection",
     "read_micro_batches",
     "batches",
 ]
@@ -49,6 +52,8 @@ __getattr__, __dir__ = exports(
         "SCHEMA_VERSION": "tracedb.migrations:SCHEMA_VERSION",
         "MicroBatch": "tracedb.batches:MicroBatch",
         "Plan": "tracedb.batches:Plan",
+        "Replay": "tracedb.batches:Replay",
+        "Selection": "tracedb.selection:Selection",
         "read_micro_batches": "tracedb.batches:read_micro_batches",
         "batches": "tracedb.batches",
     },

@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 
-from tracedb.batches import MicroBatch
+from tracedb.batches import MicroBatch, Replay
 from tracedb.batches.plan import SAMPLES_SCHEMA
 from tracedb.errors import TraceDBError
 from tracedb.selection import Selection
@@ -84,6 +84,27 @@ def _params(**values: Any) -> list[tuple[str, str]]:
         items = [value] if isinstance(value, str | int | float | bool) else list(value)
         out += [(key, ("true" if v else "false") if isinstance(v, bool) else str(v)) for v in items]
     return out
+
+
+def _replay_params(replay: Any) -> dict[str, Any]:
+    """A :class:`tracedb.Replay` as ``/micro-batches``' ``replay*`` parameters. A use limit
+    is refused (one line): uses are counted from the step manifests a trainer writes under
+    its ``steps_root``, and a server writes none."""
+    if replay is None:
+        return {}
+    if not isinstance(replay, Replay):
+        raise ValueError(f"replay is a tracedb.Replay(...), not {type(replay).__name__} {replay!r}")
+    if replay.max_uses is not None or replay.steps_root is not None:
+        raise ValueError(
+            "replay over a server takes no max_uses or steps_root: uses are counted from step manifests, "
+            "which a server does not write (pack steps with db.micro_batches or tracedb pack for a use limit)"
+        )
+    return {
+        "replay": True,
+        "replay_max_staleness": replay.max_staleness,
+        "replay_priority": replay.priority,
+        "replay_seed": replay.seed,
+    }
 
 
 def _request(
@@ -142,6 +163,13 @@ def poll_traces(
     complete_groups: int | None = None,
     tags: Mapping[str, Any] | None = None,
     through: int | None = None,
+    policy: int | None = None,
+    max_staleness: int | None = None,
+    stale: str | None = None,
+    unknown: str | None = None,
+    include_dropped: bool | None = None,
+    include_eval: bool | None = None,
+    max_groups: int | None = None,
     limit: int | None = None,
 ) -> dict[str, Any]:
     """The traces committed after the watermark ``after``, in arrival order (the other
@@ -149,7 +177,7 @@ def poll_traces(
     for one when there is none yet. Returns the server's answer: ``traces`` (rows with
     ``seq``, ids, reward, counts, ``tags``), ``watermark`` (pass it as ``after`` next time)
     and ``more`` (``limit`` cut it short: call again)."""
-    selection = Selection(trace_ids, group, episode, after, complete_groups, tags, through)
+    selection = Selection.of(locals())
     params = _params(**_selected(selection), wait=wait, limit=limit)
     return _json(url, "/traces", params, timeout=TIMEOUT_S + wait)
 
@@ -164,6 +192,13 @@ def fetch_branches(
     complete_groups: int | None = None,
     tags: Mapping[str, Any] | None = None,
     through: int | None = None,
+    policy: int | None = None,
+    max_staleness: int | None = None,
+    stale: str | None = None,
+    unknown: str | None = None,
+    include_dropped: bool | None = None,
+    include_eval: bool | None = None,
+    max_groups: int | None = None,
     trainable: bool | None = None,
     branch_index: int | Sequence[int] | None = None,
     columns: Sequence[str] | None = None,
@@ -175,7 +210,7 @@ def fetch_branches(
     said of it: ``watermark``, ``tokens``, ``token_limit``, ``n_branches``,
     ``branch_limit``, ``truncated`` and ``truncated_by`` (which of the server's limits was
     reached, ``"tokens"`` or ``"branches"``: pass ``after=watermark`` for the rest)."""
-    selection = Selection(trace_ids, group, episode, after, complete_groups, tags, through)
+    selection = Selection.of(locals())
     params = _params(
         **_selected(selection),
         trainable=trainable,
@@ -201,7 +236,7 @@ def fetch_micro_batches(
     url: str,
     seq_len: int,
     *,
-    rank: int = 0,
+    rank: int,
     ranks: int = 1,
     part: str = "tokens",
     trace_ids: str | Sequence[str] | None = None,
@@ -211,16 +246,24 @@ def fetch_micro_batches(
     complete_groups: int | None = None,
     tags: Mapping[str, Any] | None = None,
     through: int | None = None,
+    policy: int | None = None,
+    max_staleness: int | None = None,
+    stale: str | None = None,
+    unknown: str | None = None,
+    include_dropped: bool | None = None,
+    include_eval: bool | None = None,
+    max_groups: int | None = None,
     **options: Any,
 ) -> tuple[pa.Table, dict[str, Any]]:
     """One file of one rank's micro-batches, as ``tracedb pack`` writes it: ``part="tokens"``
     (one record batch per micro-batch: ``table.to_batches()``) or ``"samples"`` (with a
     ``micro_batch`` column); and the plan's report (``report["watermark"]``: the next
     ``after``). The selection is :meth:`tracedb.Database.micro_batches`'; ``options`` its
-    packing arguments (``credit``, ``overflow``, ``cost``, ``share_prefixes`` ...;
-    ``trainable=None`` for every branch). Pass ``through`` to read several parts or ranks
-    of one step."""
-    selection = Selection(trace_ids, group, episode, after, complete_groups, tags, through)
+    packing arguments (``credit``, ``overflow``, ``cost``, ``share_prefixes``, ``importance``, ``clip`` ...;
+    ``trainable=None`` for every branch; ``replay=tracedb.Replay(...)`` without a use
+    limit, as the server takes it: ``report["replayed"]`` says what replaced what). Pass
+    ``through`` to read several parts or ranks of one step."""
+    selection = Selection.of(locals())
     extra = dict(options)
     if "cost" in extra:
         extra["cost_linear"], extra["cost_quadratic"] = extra.pop("cost")
@@ -229,6 +272,7 @@ def fetch_micro_batches(
         if trainable is not None and trainable is not True:
             raise ValueError("the server packs trainable branches (trainable=True) or every branch (None)")
         extra["all_branches"] = trainable is None
+    extra.update(_replay_params(extra.pop("replay", None)))
     params = _params(seq_len=seq_len, rank=rank, ranks=ranks, part=part, **_selected(selection), **extra)
     data, headers = _request(url, "/micro-batches", params, accept=ARROW_STREAM)
     return _arrow(data), json.loads(headers["X-Tracedb-Report"])
@@ -238,7 +282,7 @@ def micro_batches(
     url: str,
     seq_len: int,
     *,
-    rank: int = 0,
+    rank: int,
     ranks: int = 1,
     trace_ids: str | Sequence[str] | None = None,
     group: str | Sequence[str] | None = None,
@@ -247,11 +291,18 @@ def micro_batches(
     complete_groups: int | None = None,
     tags: Mapping[str, Any] | None = None,
     through: int | None = None,
+    policy: int | None = None,
+    max_staleness: int | None = None,
+    stale: str | None = None,
+    unknown: str | None = None,
+    include_dropped: bool | None = None,
+    include_eval: bool | None = None,
+    max_groups: int | None = None,
     **options: Any,
 ) -> tuple[list[MicroBatch], dict[str, Any]]:
     """One rank's micro-batches, the objects ``db.micro_batches(...)[rank]`` gives, and the
     plan's report: both files of the rank, the second read as of the first's watermark."""
-    selection = Selection(trace_ids, group, episode, after, complete_groups, tags, through)
+    selection = Selection.of(locals())
     chosen = selection.kwargs()
     tokens, report = fetch_micro_batches(url, seq_len, rank=rank, ranks=ranks, part="tokens", **chosen, **options)
     chosen["through"] = report["watermark"]

@@ -72,7 +72,7 @@ def resolve(handle: Handle, name: str | None) -> str | None:
     if stored_name(name) is None:
         return None
     if not exists(handle, name):
-        raise NotFound(f"credit set {name!r} does not exist; known sets: {names(handle)}")
+        raise missing(handle, name)
     return name
 
 
@@ -81,8 +81,16 @@ def layout(handle: Handle, name: str) -> str:
     there is no such set)."""
     found = handle.scalar("SELECT layout FROM credit_sets WHERE name = ?", [name])
     if found is None:
-        raise NotFound(f"credit set {name!r} does not exist; known sets: {names(handle)}")
+        raise missing(handle, name)
     return found
+
+
+def missing(handle: Handle, name: str) -> NotFound:
+    """The error for a set that is not there: the sets there are, and how to make it."""
+    return NotFound(
+        f"credit set {name!r} does not exist; known sets: {names(handle)}; make it with "
+        f"`tracedb credit ALGORITHM --name {name}` (`tracedb credit --list`: the algorithms; credit.run in Python)"
+    )
 
 
 def listing(handle: Handle) -> pa.Table:

@@ -26,7 +26,7 @@ from tracedb.ingest import IngestReport, ingest_files
 from tracedb.selection import Selection
 
 if TYPE_CHECKING:
-    from tracedb.batches import Plan
+    from tracedb.batches import Plan, Replay
     from tracedb.ingest.follow import Follower, FollowEvent
 
 
@@ -217,6 +217,13 @@ class Database:
         complete_groups: int | None = None,
         tags: Mapping[str, Any] | None = None,
         through: int | None = None,
+        policy: int | None = None,
+        max_staleness: int | None = None,
+        stale: str | None = None,
+        unknown: str | None = None,
+        include_dropped: bool | None = None,
+        include_eval: bool | None = None,
+        max_groups: int | None = None,
         limit: int | None = None,
     ) -> pa.Table:
         """The selected traces in arrival order, one row each (``seq``, ids, reward,
@@ -224,7 +231,7 @@ class Database:
         The table carries the watermark to pass as ``after`` next time
         (``tracedb.watermark_of``); with ``limit`` it is the last row's, so paging through
         a live run misses nothing and repeats nothing."""
-        selection = Selection(trace_ids, group, episode, after, complete_groups, tags, through)
+        selection = Selection.of(locals())
         from tracedb import readback
 
         return readback.trace_listing(self.handle, selection, limit)
@@ -260,6 +267,13 @@ class Database:
         complete_groups: int | None = None,
         tags: Mapping[str, Any] | None = None,
         through: int | None = None,
+        policy: int | None = None,
+        max_staleness: int | None = None,
+        stale: str | None = None,
+        unknown: str | None = None,
+        include_dropped: bool | None = None,
+        include_eval: bool | None = None,
+        max_groups: int | None = None,
         trainable: bool | None = None,
         branch_index: int | Sequence[int] | None = None,
         columns: Sequence[str] | None = None,
@@ -289,7 +303,7 @@ class Database:
 
         return views.branches(
             self.handle,
-            Selection(trace_ids, group, episode, after, complete_groups, tags, through),
+            Selection.of(locals()),
             trainable=trainable,
             branch_index=branch_index,
             columns=columns,
@@ -307,6 +321,13 @@ class Database:
         complete_groups: int | None = None,
         tags: Mapping[str, Any] | None = None,
         through: int | None = None,
+        policy: int | None = None,
+        max_staleness: int | None = None,
+        stale: str | None = None,
+        unknown: str | None = None,
+        include_dropped: bool | None = None,
+        include_eval: bool | None = None,
+        max_groups: int | None = None,
         trainable: bool | None = None,
         branch_index: int | Sequence[int] | None = None,
         columns: Sequence[str] | None = None,
@@ -321,7 +342,7 @@ class Database:
 
         return views.iter_branches(
             self.handle,
-            Selection(trace_ids, group, episode, after, complete_groups, tags, through),
+            Selection.of(locals()),
             trainable=trainable,
             branch_index=branch_index,
             columns=columns,
@@ -342,6 +363,13 @@ class Database:
         complete_groups: int | None = None,
         tags: Mapping[str, Any] | None = None,
         through: int | None = None,
+        policy: int | None = None,
+        max_staleness: int | None = None,
+        stale: str | None = None,
+        unknown: str | None = None,
+        include_dropped: bool | None = None,
+        include_eval: bool | None = None,
+        max_groups: int | None = None,
         trainable: bool | None = None,
         columns: Sequence[str] | None = None,
         train_once: bool = False,
@@ -358,7 +386,7 @@ class Database:
         return export(
             self.handle,
             path,
-            Selection(trace_ids, group, episode, after, complete_groups, tags, through),
+            Selection.of(locals()),
             format=format,
             trainable=trainable,
             columns=columns,
@@ -380,6 +408,13 @@ class Database:
         complete_groups: int | None = None,
         tags: Mapping[str, Any] | None = None,
         through: int | None = None,
+        policy: int | None = None,
+        max_staleness: int | None = None,
+        stale: str | None = None,
+        unknown: str | None = None,
+        include_dropped: bool | None = None,
+        include_eval: bool | None = None,
+        max_groups: int | None = None,
         trainable: bool | None = True,
         branch_index: int | Sequence[int] | None = None,
         credit: str | None = None,
@@ -390,6 +425,9 @@ class Database:
         pad_token_id: int = 0,
         share_prefixes: bool = False,
         drop_zero_advantages: bool = False,
+        importance: str | None = None,
+        clip: float | None = None,
+        replay: Replay | None = None,
     ) -> Plan:
         """Packed, rank-balanced micro-batches of the selected branches, for a trainer.
 
@@ -410,13 +448,24 @@ class Database:
         is rank r's micro-batches, ``plan.report`` what was packed and left out, and
         ``plan.report.watermark`` the watermark to pass as ``after`` for the next step
         (``complete_groups=N``: the groups completed since, each once; see :meth:`branches`).
+
+        ``importance="tis"`` adds the token column ``importance_weight``: on each loss token
+        holding both ``logprobs`` and ``trainer_logprobs`` (written back by a recompute pass
+        with ``write_nodes(rows, stream="trainer_logprobs")``) ``min(exp(trainer -
+        inference), clip)`` (``clip`` default 2.0), 1.0 on every other token; the report
+        counts the loss tokens weighted, defaulted to 1.0 and clipped
+        (:mod:`tracedb.batches.importance`).
+
+        ``replay=tracedb.Replay(...)`` replaces each zero-variance group of the selection by
+        an earlier complete group with signal, within a staleness bound and a use limit
+        (:mod:`tracedb.batches.replay`; ``plan.report.replayed`` says what replaced what).
         """
         from tracedb import batches
 
         return batches.micro_batches(
             self.handle,
             seq_len,
-            Selection(trace_ids, group, episode, after, complete_groups, tags, through),
+            Selection.of(locals()),
             ranks=ranks,
             trainable=trainable,
             branch_index=branch_index,
@@ -428,6 +477,9 @@ class Database:
             pad_token_id=pad_token_id,
             share_prefixes=share_prefixes,
             drop_zero_advantages=drop_zero_advantages,
+            importance=importance,
+            clip=clip,
+            replay=replay,
         )
 
     # ----------------------------------------------------------------- write-back
@@ -466,6 +518,54 @@ class Database:
         from tracedb import writeback
 
         return writeback.clear(self.handle, stream=stream, credit=credit, trace_ids=trace_ids, name=name)
+
+    # ----------------------------------------------------------------- policy versions
+
+    def set_policy_versions(self, mapping: Mapping[str, int]) -> int:
+        """Map weight labels that name no number of their own (a checkpoint name, a hash)
+        to policy versions (``{"ckpt-abc": 12}``); a label like ``step_12`` or ``v3`` needs
+        none. The traces using them get their policy-version bounds again; returns how
+        many. See :mod:`tracedb.policy` for the rule."""
+        from tracedb import policy_labels
+
+        return policy_labels.set_versions(self.handle, mapping)
+
+    def policy_versions(self) -> pa.Table:
+        """The mapped weight labels: label, version, set_at."""
+        from tracedb import policy_labels
+
+        return policy_labels.listing(self.handle)
+
+    def policy_mismatch(
+        self,
+        *,
+        per: str = "trace",
+        c: float = 2.0,
+        trace_ids: Sequence[str] | None = None,
+        group: str | Sequence[str] | None = None,
+        episode: str | Sequence[str] | None = None,
+        after: int | None = None,
+        complete_groups: int | None = None,
+        tags: Mapping[str, Any] | None = None,
+        through: int | None = None,
+        policy: int | None = None,
+        max_staleness: int | None = None,
+        stale: str | None = None,
+        unknown: str | None = None,
+        include_dropped: bool | None = None,
+        include_eval: bool | None = None,
+        max_groups: int | None = None,
+    ) -> pa.Table:
+        """How far the trainer's policy (``trainer_logprobs``) is from the one that sampled
+        (``logprobs``), per trace or per turn (``per="turn"``) of the selected traces (filters
+        as in :meth:`branches`), over the tokens holding both: ``tokens``, ``k3_mean``
+        (estimates KL(inference || trainer)), ``ratio_mean`` and ``ratio_max`` of
+        exp(trainer - inference), ``outside_share`` of ``[1/c, c]``; see
+        :mod:`tracedb.offpolicy` (the ``policy_mismatch()`` macro in SQL)."""
+        selection = Selection.of(locals())
+        from tracedb import offpolicy
+
+        return offpolicy.mismatch(self.handle, per=per, c=c, selection=selection)
 
     # ----------------------------------------------------------------- credit sets
 
@@ -524,11 +624,22 @@ class Database:
 def migrate(path: str | Path) -> dict[str, Any]:
     """Upgrade a database file written by an older tracedb to this one's schema, in place
     (one transaction: a failure leaves the file as it was). Returns the path, the version
-    the file held before (None: none) and after, and this tracedb's."""
+    the file held before (None: none) and after, and this tracedb's; then rewrites a file
+    in another DuckDB storage format into tracedb's, one DuckDB 1.5 reads (atomically:
+    :func:`tracedb.dbfile.rewrite_storage`), saying the format before and after."""
     before = migrations.stored_version(Path(path))
     with Database(path) as db:  # a read-write open upgrades
         after = db.schema_version
-    return {"path": str(path), "from_version": before, "to_version": after, "current": migrations.SCHEMA_VERSION}
+    from tracedb.dbfile import rewrite_storage
+
+    rewritten = rewrite_storage(path)
+    return {
+        "path": str(path),
+        "from_version": before,
+        "to_version": after,
+        "current": migrations.SCHEMA_VERSION,
+        **{k: rewritten[k] for k in ("from_storage", "to_storage")},
+    }
 
 
 def connect(path: str | Path = ":memory:", *, read_only: bool = False, isolated: bool = False) -> Database:

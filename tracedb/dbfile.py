@@ -22,7 +22,7 @@ from tracedb import migrations, publish, runtime
 from tracedb.errors import DatabaseError, DatabaseLocked, SchemaVersionError
 from tracedb.handle import Handle
 from tracedb.migrations import SCHEMA_VERSION
-from tracedb.sqltext import load_sql, quote_identifier
+from tracedb.sqltext import load_sql, quote_identifier, quote_literal
 
 TRACE_FILE_SUFFIXES = (".jsonl", ".json", ".zst", ".ndjson")
 """A database path ending so names a trace file: almost always swapped arguments."""
@@ -242,20 +242,113 @@ def create_whole(path: str) -> None:
                 os.unlink(leftover)
 
 
+def storage_version(con: duckdb.DuckDBPyConnection, catalog: str) -> str | None:
+    """The storage format of attached database ``catalog`` (DuckDB's ``v1.5.0+``, ``v2.0.0+``)."""
+    row = con.execute("SELECT tags FROM duckdb_databases() WHERE database_name = ?", [catalog]).fetchone()
+    return None if row is None else dict(row[0] or {}).get("storage_version")
+
+
+def rewrite_storage(path: str | Path) -> dict[str, str | bool | None]:
+    """Rewrite the database file ``path`` into :data:`tracedb.runtime.STORAGE_VERSION`
+    (a file DuckDB 1.5 reads) unless it is in it: every table, constraint and macro copied
+    (``COPY FROM DATABASE``) into a new file beside it, which is fsynced and renamed over
+    ``path`` (mode kept), the directory fsynced. The file is held read-only meanwhile, so
+    no writer changes it under the copy; a failure or a crash leaves ``path`` as it was
+    (at most a hidden ``.NAME.*.rewriting`` beside it). Refused (:class:`DatabaseError`)
+    with a WAL beside it: a read-write open checkpoints that first (``tracedb migrate``
+    does). Returns the format before and after, and whether it was rewritten."""
+    text = str(path)
+    check_path(text)
+    if not os.path.exists(text):
+        raise DatabaseError(f"no database at {text}")
+    if os.path.exists(text + ".wal"):
+        raise DatabaseError(f"{text} has a write-ahead log beside it: open it read-write once to checkpoint it first")
+    target = runtime.STORAGE_VERSION + "+"
+    con = duckdb.connect()  # an instance of its own: the copy's settings touch nothing else
+    folder, name = os.path.split(os.path.abspath(text))
+    tmp = os.path.join(folder, f".{name}.{os.getpid()}.{os.urandom(4).hex()}.rewriting")
+    try:
+        try:
+            con.execute(f"ATTACH {quote_literal(text)} AS src (READ_ONLY)")
+        except duckdb.IOException as e:
+            raise _refusal(text, e, True) from None
+        before = storage_version(con, "src")
+        if before == target:
+            return {"path": text, "from_storage": before, "to_storage": before, "rewritten": False}
+        con.execute(
+            f"ATTACH {quote_literal(tmp)} AS dst (ROW_GROUP_SIZE {runtime.ROW_GROUP_ROWS}"
+            f"{runtime.creation_options(tmp)})"
+        )
+        con.execute("COPY FROM DATABASE src TO dst")
+        after = storage_version(con, "dst")
+        con.execute("DETACH dst")  # checkpointed: the file is whole, no WAL
+        os.chmod(tmp, os.stat(text).st_mode & 0o7777)
+        publish.sync_file(Path(tmp))
+        os.replace(tmp, text)  # while src is still held: no writer got in between
+        publish.sync_dir(Path(folder))
+        return {"path": text, "from_storage": before, "to_storage": after, "rewritten": True}
+    finally:
+        con.close()
+        for leftover in (tmp, tmp + ".wal"):
+            if os.path.lexists(leftover):
+                os.unlink(leftover)
+
+
 def _refusal(path: str, error: duckdb.IOException, read_only: bool) -> DatabaseError:
-    """DuckDB's lock conflict as one line: the file, the holder, what to do."""
+    """DuckDB's lock conflict as one line: the file, the holder (what it runs, when it can
+    be told), what to do."""
     found = _LOCK.search(str(error))
     if found is None:
         return DatabaseError(f"{path}: {error}")
     pid = int(found["pid"])
+    command = holder_command(pid)
+    holder = f"PID {pid}, {_shortened(command) if command else found['program']}"
     if read_only:
-        what = (
-            f"{path} is open for writing in another process (PID {pid}, {found['program']}): stop it, "
-            "or query it through the server that holds it (its REST API)"
-        )
+        what = f"{path} is open for writing in another process ({holder}): {_what_to_do(command)}"
     else:
         what = (
-            f"{path} is open in another process (PID {pid}, {found['program']}), so it cannot be opened for "
+            f"{path} is open in another process ({holder}), so it cannot be opened for "
             "writing here: stop that process, or open the file read-only"
         )
     return DatabaseLocked(what, pid)
+
+
+def holder_command(pid: int) -> str | None:
+    """The command line of process ``pid`` (``tracedb ingest --follow ...``), from
+    ``/proc``; None where it cannot be read (another OS, another user's process)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+    except OSError:
+        return None
+    words = [os.fsdecode(a) for a in argv if a]
+    for i, word in enumerate(words):  # python -m tracedb ... / .venv/bin/tracedb ...
+        if os.path.basename(word) == "tracedb" or (word == "-m" and words[i + 1 : i + 2] == ["tracedb"]):
+            start = i + 1 if word != "-m" else i + 2
+            return _one_line(["tracedb", *words[start:]])
+    return _one_line(words) or None
+
+
+def _one_line(words: list[str]) -> str:
+    """A command line on one line (an argument holding line breaks, a ``python -c``
+    program, is folded)."""
+    return " ".join(" ".join(word.split()) for word in words)
+
+
+def _shortened(command: str, limit: int = 600) -> str:
+    """A holder's command line as an error shows it: whole unless it is very long (a
+    ``python -c`` program); what to do is decided from the whole line, not this."""
+    return command if len(command) <= limit else command[: limit - 1] + "…"
+
+
+def _what_to_do(command: str | None) -> str:
+    """What a reader can do about a file another process writes, by what that process is."""
+    words = (command or "").split()
+    if words[:2] == ["tracedb", "serve"]:
+        return "read it through that server (--url, or its REST API)"
+    if words[:2] == ["tracedb", "ingest"] and "--follow" in words:
+        return (
+            "a follower holds the file while it runs; to read a run while it is followed, follow it with "
+            "`tracedb serve --follow RUN --db FILE` instead and read through the server (--url), "
+            "or stop the follower (Ctrl-C) and read the file"
+        )
+    return "stop it (or let it finish), then read the file"

@@ -104,3 +104,14 @@ class InputError(TraceDBError):
         """The bytes of the line the damage cut, as far as they were read."""
         where = file if line is None else f"{file}:{line}"
         super().__init__(f"{where}: {reason}")
+
+
+class StepChanged(TraceDBError):
+    """A step rebuilt from its manifest would not be the step: the selection, the credit or
+    a replayed group differs in the database now (the message names what)."""
+
+
+class CreditWarning(UserWarning):
+    """A credit run whose output is another algorithm's by construction (anchor with no
+    state shared by two turns equals grpo, ...): legal, and almost never what was meant.
+    :func:`tracedb.credit.run` collects them into its result's ``warnings``."""

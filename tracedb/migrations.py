@@ -16,9 +16,10 @@ from pathlib import Path
 
 import duckdb
 
+from tracedb import policy
 from tracedb.sqltext import WATERMARK_KEY
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """The stored layout this tracedb reads and writes."""
 
 
@@ -107,11 +108,53 @@ def _v4_to_v5(con: duckdb.DuckDBPyConnection) -> None:
     con.execute("ALTER TABLE follow_positions ADD COLUMN rotated_from VARCHAR")
 
 
+def _v5_to_v6(con: duckdb.DuckDBPyConnection) -> None:
+    """Asynchronous RL (verifiers 0.4.1): ``nodes.weight_versions`` (the spans an older
+    tracedb kept among a node's unknown fields, copied out of them; the unknown fields keep
+    them too, so records read back as before), ``traces.dropped`` from the records,
+    ``episodes`` work type, step and policy span from ``episode.run``, the
+    ``policy_labels`` table, and every trace's policy-version bounds."""
+    con.execute(
+        'ALTER TABLE nodes ADD COLUMN weight_versions STRUCT("version" VARCHAR, "start" INTEGER, "end" INTEGER)[]'
+    )
+    con.execute(
+        "UPDATE nodes SET weight_versions = TRY_CAST(json_extract(extra, '$.weight_versions') "
+        'AS STRUCT("version" VARCHAR, "start" INTEGER, "end" INTEGER)[]) '
+        "WHERE extra IS NOT NULL AND json_exists(extra, '$.weight_versions')"
+    )
+    con.execute("ALTER TABLE traces ADD COLUMN dropped VARCHAR")
+    for column in ("policy_min", "policy_max", "policy_unknown"):
+        con.execute(f"ALTER TABLE traces ADD COLUMN {column} BIGINT")
+    con.execute("UPDATE traces SET dropped = record->>'$.dropped' WHERE json_type(record, '$.dropped') = 'VARCHAR'")
+    con.execute("ALTER TABLE episodes ADD COLUMN work_type VARCHAR")
+    for column in ("work_step", "policy_start", "policy_end"):
+        con.execute(f"ALTER TABLE episodes ADD COLUMN {column} BIGINT")
+    con.execute(
+        "UPDATE episodes SET "
+        "work_type = coalesce(record->>'$.run.work.type', CASE WHEN record->>'$.run.type' = 'eval' THEN 'eval' END), "
+        "work_step = TRY_CAST(record->>'$.run.work.step' AS BIGINT), "
+        "policy_start = TRY_CAST(record->>'$.run.work.policy.start' AS BIGINT), "
+        "policy_end = TRY_CAST(record->>'$.run.work.policy.end' AS BIGINT) "
+        "WHERE json_exists(record, '$.run')"
+    )
+    con.execute(
+        "CREATE TABLE policy_labels (label VARCHAR PRIMARY KEY, version BIGINT NOT NULL, "
+        "set_at TIMESTAMP DEFAULT current_timestamp)"
+    )
+    con.execute("ALTER TABLE traces ADD COLUMN work_type VARCHAR")
+    con.execute(
+        "UPDATE traces SET work_type = e.work_type FROM episodes e "
+        "WHERE traces.episode_id = e.episode_id AND e.work_type IS NOT NULL"
+    )
+    policy.recompute_bounds(con)
+
+
 MIGRATIONS: dict[int, Callable[[duckdb.DuckDBPyConnection], None]] = {
     1: _v1_to_v2,
     2: _v2_to_v3,
     3: _v3_to_v4,
     4: _v4_to_v5,
+    5: _v5_to_v6,
 }
 """``MIGRATIONS[n]`` upgrades a file of version ``n`` to ``n + 1``."""
 

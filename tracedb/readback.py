@@ -15,7 +15,7 @@ from tracedb import credit_sets
 from tracedb.errors import NotFound
 from tracedb.handle import Handle
 from tracedb.migrations import SCHEMA_VERSION
-from tracedb.records import BIT, COMPACT_STREAMS
+from tracedb.records import BIT, COMPACT_STREAMS, WEIGHT_VERSIONS_BIT
 from tracedb.selection import Selection, completions, resolve, with_watermark
 
 
@@ -96,8 +96,12 @@ TRACE_LISTING = (
     "source",
     "line",
     "ingested_at",
+    "dropped",
+    "policy_min",
+    "policy_max",
 )
-"""The columns of :func:`trace_listing` (then ``tags``, a JSON object of the trace's tags)."""
+"""The columns of :func:`trace_listing` (then ``work_type``, the episode's, and ``tags``, a
+JSON object of the trace's tags)."""
 
 
 def trace_listing(handle: Handle, selection: Selection, limit: int | None = None) -> pa.Table:
@@ -114,8 +118,8 @@ def trace_listing(handle: Handle, selection: Selection, limit: int | None = None
     columns = ", ".join(f"t.{c}" for c in TRACE_LISTING)
     with handle.registered("_tdb_listing", pa.table({"trace_id": pa.array(ids, pa.string())})):
         table = handle.sql(
-            f"SELECT {columns}, (SELECT json_group_object(g.name, g.value) FROM trace_tags g "
-            "WHERE g.trace_id = t.trace_id) AS tags FROM traces t "
+            f"SELECT {columns}, e.work_type, (SELECT json_group_object(g.name, g.value) FROM trace_tags g "
+            "WHERE g.trace_id = t.trace_id) AS tags FROM traces t LEFT JOIN episodes e USING (episode_id) "
             "WHERE t.trace_id IN (SELECT trace_id FROM _tdb_listing) ORDER BY t.seq"
         )
     mark = selected.watermark
@@ -205,7 +209,9 @@ def _node_record(row: dict[str, pa.Scalar], named_credit: bool = False) -> dict[
         node["loss_weights"] = (
             None if not lw.is_valid else {k: shortest(np.asarray(v, np.float32)) for k, v in lw.as_py()}
         )
+    if present & WEIGHT_VERSIONS_BIT:
+        node["weight_versions"] = row["weight_versions"].as_py()
     extra = row["extra"].as_py()
     if extra:
-        node.update(json.loads(extra))
+        node.update(json.loads(extra))  # spans with keys of their own are here, whole
     return node

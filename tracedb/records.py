@@ -38,6 +38,10 @@ NODE_KEYS = (
 was in the record (so an absent key and an explicit null read back as they were written)."""
 BIT = {k: 1 << i for i, k in enumerate(NODE_KEYS)}
 """``present`` bit of each of :data:`NODE_KEYS`."""
+WEIGHT_VERSIONS_BIT = 1 << len(NODE_KEYS)
+"""``present`` bit: the record held ``weight_versions`` (its spans in ``nodes.weight_versions``,
+a null for an explicit null). Not in :data:`BIT`: the parsers keep the key with the unknown
+fields, and ingest moves it into its column (:func:`tracedb.ingest.rows.split_weight_versions`)."""
 
 
 def trace_reward(rewards: Mapping[str, Any] | None) -> float | None:
@@ -133,6 +137,16 @@ class ParentLink(_Open):
     """The edge type, e.g. ``compaction``; unknown types are kept as they are."""
 
 
+class WeightVersionSpan(_Open):
+    """Completion tokens ``[start, end)`` of a node (positions among its sampled tokens,
+    as its compact ``logprobs``) were sampled by the engine weights labelled ``version``
+    (verifiers 0.4.1)."""
+
+    version: str
+    start: int = Field(ge=0)
+    end: int = Field(ge=0)
+
+
 class MessageNode(_Open):
     """One distinct message and the tokens it adds to the running sequence."""
 
@@ -164,6 +178,9 @@ class MessageNode(_Open):
     """Compact trainer entropies, or None."""
     loss_weights: dict[str, list[float]] | None = None
     """Named per-token weight streams, aligned to ``token_ids``."""
+    weight_versions: list[WeightVersionSpan] | None = None
+    """Which engine weights sampled which of the node's sampled tokens (verifiers 0.4.1);
+    None when the engine labels none. Stored in ``nodes.weight_versions``."""
 
     @property
     def n_sampled(self) -> int:
@@ -192,6 +209,9 @@ class Trace(_Open):
     is_completed: bool = False
     stop_condition: str | None = None
     is_timeout: bool = False
+    dropped: str | None = None
+    """Why consumers leave this trace out of reward means and training batches (verifiers
+    0.4.1; independent of ``ok``); None when it is kept."""
 
     @property
     def reward(self) -> float | None:
@@ -203,10 +223,42 @@ class GroupInfo(_Open):
     id: str
 
 
+class PolicySpan(_Open):
+    """The span of live policy versions while an episode was generated."""
+
+    start: int
+    end: int
+
+    @model_validator(mode="after")
+    def _ordered(self) -> PolicySpan:
+        if self.end < self.start:
+            raise ValueError(f"policy.end ({self.end}) is below policy.start ({self.start})")
+        return self
+
+
+class WorkInfo(_Open):
+    """What a training run dispatched the episode as: ``train`` or ``eval`` work at ``step``."""
+
+    type: str
+    step: int
+    policy: PolicySpan | None = None
+
+
+class RunInfo(_Open):
+    """The run an episode belongs to (``type`` ``train``: with its ``work``; ``eval``: none)."""
+
+    type: str
+    id: str
+    name: str | None = None
+    work: WorkInfo | None = None
+
+
 class Episode(_Open):
     """One line of ``traces.jsonl``: a run's traces for one task."""
 
     id: str
     group: GroupInfo | None = None
+    run: RunInfo | None = None
+    """verifiers' ``Episode.run``: the training step and live policy span of the episode."""
     ok: bool = False
     traces: list[Trace] = Field(default_factory=list)

@@ -77,6 +77,19 @@ grows ~3% and reads are as fast (measured on the benchmark database). The size b
 the attachment: a file written by another client keeps the row groups it has. DuckDB
 takes multiples of its vector size (2,048) only."""
 
+STORAGE_VERSION = "v1.5.0"
+"""The DuckDB storage format of files tracedb creates: the last stable 1.x line's (DuckDB
+1.5 reads it: the ``duckdb`` CLI a user installs, ``pip install duckdb-cli``), where
+DuckDB 2.0's own default is a format no 1.x reads. On the core benchmark workload the two
+files hold the same bytes and every column segment the same compression (measured,
+docs/performance.md), so nothing is paid for it. A file keeps the format it was made with;
+``tracedb migrate`` rewrites an older file into this one (:func:`tracedb.dbfile.rewrite_storage`)."""
+
+
+def creation_options(path: str) -> str:
+    """ATTACH options for ``path`` if attaching it creates it (the storage format), else ''."""
+    return "" if os.path.exists(path) else f", STORAGE_VERSION {quote_literal(STORAGE_VERSION)}"
+
 
 def _pool_bytes_from_env() -> int:
     return int(os.environ.get("TRACEDB_BUFFER_POOL_MB", "1024")) << 20
@@ -505,7 +518,7 @@ def attach(path: str, *, read_only: bool) -> tuple[duckdb.DuckDBPyConnection, st
                 if read_only:
                     options = " (READ_ONLY)"
                 elif target != ":memory:":
-                    options = f" (ROW_GROUP_SIZE {ROW_GROUP_ROWS})"
+                    options = f" (ROW_GROUP_SIZE {ROW_GROUP_ROWS}{creation_options(target)})"
                 else:
                     options = ""
                 inst.root.execute(f"ATTACH {quote_literal(target)} AS {quote_identifier(alias)}{options}")

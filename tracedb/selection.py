@@ -69,11 +69,53 @@ class Selection:
     """Read as of this watermark (default: the current one): nothing above it is taken,
     so two calls with the same ``after`` and ``through`` select the same traces, however
     much arrived in between (a watermark above the current one is the current one)."""
+    policy: int | None = None
+    """The trainer's policy version ``V`` that staleness is measured from (with
+    ``max_staleness``)."""
+    max_staleness: int | None = None
+    """``K``: a group (traces sharing a group id; a trace without one is its own group) is
+    stale when its oldest member's ``policy_min`` is below ``V - K``; a stale group is left
+    out whole (``stale="drop"``, prime-rl's rule) or kept with its tokens older than
+    ``V - K`` out of the loss (``stale="mask"``)."""
+    stale: str | None = None
+    """``"drop"`` (default) or ``"mask"``: what a staleness bound does to a stale group."""
+    unknown: str | None = None
+    """Under a staleness bound, a trace with a sampled token of unknown policy version is
+    refused (default, naming it and how to map its labels), or ``"keep"`` (its known
+    tokens decide) or ``"drop"`` (left out)."""
+    include_dropped: bool | None = None
+    """Dropped traces (verifiers' ``Trace.dropped``): None is the output's own default
+    (training outputs leave them out, analysis outputs keep them), True keeps, False leaves out."""
+    include_eval: bool | None = None
+    """Traces of ``work_type="eval"`` episodes, as ``include_dropped``."""
+    max_groups: int | None = None
+    """At most this many groups, oldest first (by completion: the ``complete_groups``-th
+    member's sequence number, else the newest member's); the watermark is then the last
+    group's, so the next call's ``after`` takes the rest (a trainer's fixed batch)."""
 
     FIELDS: ClassVar[tuple[str, ...]] = ()
     """The field names, in order: every facade method that selects takes each of them."""
-    LIVE: ClassVar[tuple[str, ...]] = ("after", "complete_groups", "through", "tags")
-    """The fields a consumer of a live run narrows a selection with."""
+    LIVE: ClassVar[tuple[str, ...]] = (
+        *("after", "complete_groups", "through", "tags", "policy", "max_staleness", "stale", "unknown"),
+        *("include_dropped", "include_eval", "max_groups"),
+    )
+    """The fields that narrow a selection beyond its ids (a live run's consumer's)."""
+    STALE: ClassVar[tuple[str, ...]] = ("drop", "mask")
+    UNKNOWN: ClassVar[tuple[str, ...]] = ("refuse", "keep", "drop")
+
+    def for_training(self) -> Selection:
+        """The selection a training output (micro-batches, a pack, a trainable-only export,
+        group credit) takes: dropped traces and eval episodes left out unless asked for."""
+        return dataclasses.replace(
+            self,
+            include_dropped=False if self.include_dropped is None else self.include_dropped,
+            include_eval=False if self.include_eval is None else self.include_eval,
+        )
+
+    @property
+    def bound(self) -> int | None:
+        """``V - K``: the oldest policy version a loss token may have (None: no bound)."""
+        return None if self.policy is None else self.policy - (self.max_staleness or 0)
 
     @property
     def everything(self) -> bool:
@@ -82,7 +124,8 @@ class Selection:
 
     @property
     def is_live(self) -> bool:
-        """True when a live-run field (``after``, ``complete_groups``, ``through``, ``tags``) is set."""
+        """True when a field beyond the id filters is set (``after``, ``complete_groups``,
+        ``through``, ``tags``, the staleness and group-count fields)."""
         return any(getattr(self, name) is not None for name in self.LIVE)
 
     def pinned(self, mark: int) -> Selection:
@@ -90,6 +133,29 @@ class Selection:
         lower): every call made with it selects the same traces, whatever arrives after."""
         through = mark if self.through is None else min(self.through, mark)
         return dataclasses.replace(self, through=through)
+
+    def check(self) -> Selection:
+        """This selection, once every field holds a value of its kind (watermarks,
+        group sizes, tag filters, the staleness and group-count fields); ValueError naming
+        the field otherwise. What needs the data (which traces exist) is for
+        :func:`resolve_at`: a shell checks what was typed before it opens anything."""
+        for name in ("after", "through"):
+            if getattr(self, name) is not None:
+                check_watermark(name, getattr(self, name))
+        if self.complete_groups is not None:
+            _group_size(self.complete_groups)
+        for name, want in (self.tags or {}).items():
+            _tag_filter(name, want)
+        _check_async(self)
+        return self
+
+    @classmethod
+    def of(cls, arguments: Mapping[str, Any]) -> Selection:
+        """The selection a facade method was called with, from its arguments by name
+        (``Selection.of(locals())`` first thing in the method): every facade method spells
+        each field in its signature (``tests/test_architecture.py``), and the value is
+        built here by name, never by position."""
+        return cls(**{name: arguments[name] for name in cls.FIELDS})
 
     def kwargs(self) -> dict[str, Any]:
         """The fields as the keyword arguments of a facade method (``db.traces(**s.kwargs())``)."""
@@ -121,6 +187,13 @@ class Selected:
     watermark: int
     """The highest sequence number committed when the selection was made: none of the
     selected traces is above it; pass it as ``after`` next time."""
+    report: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """What the selection left out and why: ``dropped``, ``eval`` (traces), ``stale_groups``,
+    ``stale_traces``, ``unknown`` (traces of unknown version left out), ``groups_over``
+    (groups past ``max_groups``); with a staleness bound, ``policy``, ``bound`` and the
+    selected traces' ``staleness`` (``V - policy_min``: ``mean``, ``max``)."""
+    policy_min: dict[str, int | None] = dataclasses.field(default_factory=dict)
+    """Each selected trace's lowest known policy version, when a staleness bound was given."""
 
     @property
     def trace_ids(self) -> list[str]:
@@ -283,8 +356,141 @@ def resolve_at(con: duckdb.DuckDBPyConnection, selection: Selection, watermark: 
         clause, values = _tag_filter(name, want)
         where.append(clause)
         params += values
-    query = "SELECT trace_id, n_tokens FROM traces WHERE " + " AND ".join(where) + " ORDER BY trace_id"
-    return Selected([(r[0], r[1]) for r in con.execute(query, params).fetchall()], mark)
+    _check_async(selection)
+    if not _narrowed(selection):
+        query = "SELECT trace_id, n_tokens FROM traces WHERE " + " AND ".join(where) + " ORDER BY trace_id"
+        return Selected([(r[0], r[1]) for r in con.execute(query, params).fetchall()], mark)
+    columns = ["trace_id", "n_tokens", "seq", "group_id"]
+    columns.append("dropped IS NOT NULL AS is_dropped" if selection.include_dropped is False else "false")
+    if selection.include_eval is False:
+        columns.append("work_type IS NOT DISTINCT FROM 'eval' AS is_eval")
+    else:
+        columns.append("false")
+    if selection.policy is not None:
+        columns += ["policy_min", "coalesce(policy_unknown, 0)"]
+    else:
+        columns += ["NULL", "0"]
+    query = f"SELECT {', '.join(columns)} FROM traces WHERE " + " AND ".join(where) + " ORDER BY trace_id"
+    # A trace without a group is its own group: its unit is (None, trace id).
+    rows = [
+        (r[0], r[1], r[2], (r[3], None) if r[3] is not None else (None, r[0]), *r[4:])
+        for r in con.execute(query, params).fetchall()
+    ]
+    return _narrow(con, selection, rows, mark)
+
+
+def _check_async(selection: Selection) -> None:
+    """Refuse a bad staleness, unknown-version or group-count argument, naming it."""
+    policy, k = selection.policy, selection.max_staleness
+    for name, value in (("policy", policy), ("max_staleness", k)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ValueError(f"{name} is a policy version count (an int), not {value!r}")
+    if (policy is None) != (k is None):
+        given, missing = ("policy", "max_staleness") if k is None else ("max_staleness", "policy")
+        raise ValueError(f"{given} needs {missing} too: a staleness bound is policy=V, max_staleness=K")
+    if k is not None and k < 0:
+        raise ValueError(f"max_staleness is a number of policy versions (an int >= 0), not {k!r}")
+    if selection.stale is not None and selection.stale not in Selection.STALE:
+        raise ValueError(f"stale is one of {list(Selection.STALE)}, not {selection.stale!r}")
+    if selection.unknown is not None and selection.unknown not in Selection.UNKNOWN:
+        raise ValueError(f"unknown is one of {list(Selection.UNKNOWN)}, not {selection.unknown!r}")
+    if (selection.stale is not None or selection.unknown is not None) and policy is None:
+        raise ValueError("stale and unknown say what a staleness bound does: give policy and max_staleness too")
+    for name in ("include_dropped", "include_eval"):
+        value = getattr(selection, name)
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"{name} is True or False (or None: the output's default), not {value!r}")
+    size = selection.max_groups
+    if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+        raise ValueError(f"max_groups is a number of groups (an int >= 1), not {size!r}")
+
+
+def _narrowed(selection: Selection) -> bool:
+    return (
+        selection.policy is not None
+        or selection.include_dropped is False
+        or selection.include_eval is False
+        or selection.max_groups is not None
+    )
+
+
+UNKNOWN_ADVICE = (
+    "map its weight labels to policy versions (db.set_policy_versions({'LABEL': N}), "
+    "tracedb policy-versions --set LABEL=N), or pass unknown='keep' or 'drop' (--unknown keep|drop)"
+)
+
+
+def _narrow(con: duckdb.DuckDBPyConnection, selection: Selection, rows: list[tuple], mark: int) -> Selected:
+    """Apply the training rules to the candidate rows ``(trace_id, n_tokens, seq, unit,
+    is_dropped, is_eval, policy_min, unknown tokens)``: dropped and eval traces, the
+    staleness bound per group, the group count."""
+    report: dict[str, Any] = {"dropped": 0, "eval": 0}
+    kept = []
+    for row in rows:
+        if row[4]:
+            report["dropped"] += 1
+        elif row[5]:
+            report["eval"] += 1
+        else:
+            kept.append(row)
+    policy_min: dict[str, int | None] = {}
+    bound = selection.bound
+    if bound is not None:
+        unknown = selection.unknown or "refuse"
+        report.update(policy=selection.policy, bound=bound, unknown=0, stale_groups=0, stale_traces=0)
+        if unknown == "refuse":
+            for row in kept:
+                if row[7]:
+                    raise ValueError(
+                        f"trace {row[0]!r} has {row[7]} sampled tokens of unknown policy version, so its staleness "
+                        f"cannot be told: {UNKNOWN_ADVICE}"
+                    )
+        elif unknown == "drop":
+            report["unknown"] = sum(1 for row in kept if row[7])
+            kept = [row for row in kept if not row[7]]
+        oldest: dict[Any, int] = {}
+        for row in kept:
+            if row[6] is not None:
+                oldest[row[3]] = min(oldest.get(row[3], row[6]), row[6])
+        stale = {unit for unit, low in oldest.items() if low < bound}
+        report["stale_groups"] = len(stale)
+        if (selection.stale or "drop") == "drop":
+            report["stale_traces"] = sum(1 for row in kept if row[3] in stale)
+            kept = [row for row in kept if row[3] not in stale]
+        else:
+            report["stale_traces"] = sum(1 for row in kept if row[3] in stale)
+        policy_min = {row[0]: row[6] for row in kept}
+    if selection.max_groups is not None:
+        kept, mark, report["groups_over"] = _first_groups(con, selection, kept, mark)
+    if bound is not None:
+        ages = [selection.policy - low for low in (policy_min.get(row[0]) for row in kept) if low is not None]
+        report["staleness"] = {
+            "mean": sum(ages) / len(ages) if ages else None,
+            "max": max(ages) if ages else None,
+        }
+        policy_min = {row[0]: policy_min.get(row[0]) for row in kept}
+    return Selected([(row[0], row[1]) for row in kept], mark, report, policy_min)
+
+
+def _first_groups(
+    con: duckdb.DuckDBPyConnection, selection: Selection, rows: list[tuple], mark: int
+) -> tuple[list[tuple], int, int]:
+    """The rows of the ``max_groups`` oldest groups (by completion), the watermark that
+    ends at the last of them, and how many groups were past it."""
+    done: dict[tuple[str | None, str | None], int] = {}
+    for row in rows:
+        done[row[3]] = max(done.get(row[3], 0), row[2])  # the newest member
+    if selection.complete_groups is not None:
+        ids = [u[0] for u in done if u[0] is not None]
+        found = completions_at(con, ids, selection.complete_groups, mark)
+        done.update({(g, None): seq for g, seq in found.items()})
+    order = sorted(done, key=lambda u: (done[u], str(u)))
+    size = selection.max_groups
+    assert size is not None
+    if len(order) <= size:
+        return rows, mark, 0
+    taken = set(order[:size])
+    return [row for row in rows if row[3] in taken], done[order[size - 1]], len(order) - size
 
 
 def resolve(handle: Handle, selection: Selection) -> Selected:
@@ -296,14 +502,17 @@ def resolve(handle: Handle, selection: Selection) -> Selected:
 def completions(handle: Handle, groups: Sequence[str], size: int, mark: int) -> dict[str, int]:
     """The sequence number at which each of ``groups`` completed: its ``size``-th member's
     among all the traces committed up to ``mark`` (groups not complete there are left out)."""
-    table = pa.table({"group_id": pa.array(sorted(set(groups)), pa.string())})
-    with handle.registered("_tdb_listed_groups", table):
-        rows = handle.con.execute(
-            "SELECT group_id, seq FROM (SELECT group_id, seq, row_number() OVER (PARTITION BY group_id "
-            "ORDER BY seq) AS k FROM traces WHERE seq <= ? AND group_id IN "
-            "(SELECT group_id FROM _tdb_listed_groups)) WHERE k = ?",
-            [mark, _group_size(size)],
-        ).fetchall()
+    return completions_at(handle.con, groups, size, mark)
+
+
+def completions_at(con: duckdb.DuckDBPyConnection, groups: Sequence[str], size: int, mark: int) -> dict[str, int]:
+    """:func:`completions` over any connection holding ``traces``."""
+    rows = con.execute(
+        "SELECT group_id, seq FROM (SELECT group_id, seq, row_number() OVER (PARTITION BY group_id "
+        "ORDER BY seq) AS k FROM traces WHERE seq <= ? AND group_id IN "
+        "(SELECT unnest(?::VARCHAR[]))) WHERE k = ?",
+        [mark, sorted(set(groups)), _group_size(size)],
+    ).fetchall()
     return {r[0]: r[1] for r in rows}
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -195,6 +195,72 @@ def generate_episodes(
                 "num_output_tokens": 0,
                 "num_total_tokens": 0,
             }
+
+
+def versioned(
+    episodes: Iterable[dict[str, Any]],
+    *,
+    step: int = 10,
+    groups_per_step: int = 4,
+    stale_share: float = 0.2,
+    zero_variance_share: float = 0.25,
+    dropped_share: float = 0.0,
+    seed: int = 0,
+    first_step: int = 1,
+) -> Iterator[dict[str, Any]]:
+    """The episodes of :func:`generate_episodes` as an asynchronous trainer's rollouts
+    (verifiers 0.4.1's fields): each group is dispatched at a training step (groups fill
+    steps 1, 2, ... ``groups_per_step`` at a time, up to ``step``), generated while policy
+    versions ``[dispatch - 1, dispatch]`` were live (``run.work``), and every assistant node
+    carries 1-3 weight-version spans ``step_N`` tiling its sampled tokens (a weight swap
+    mid-turn). A ``stale_share`` of the groups were sampled two versions further back; a
+    ``zero_variance_share`` of the groups get one reward for all members (their
+    advantages 0); a ``dropped_share`` of the traces are dropped (``Trace.dropped``).
+    ``first_step``: the step the first groups are dispatched at (later ones count on from it)."""
+    rng = np.random.default_rng(seed + 7_777)
+    by_group: dict[str, list[dict[str, Any]]] = {}
+    order: list[str] = []
+    for ep in episodes:
+        gid = (ep.get("group") or {}).get("id", ep["id"])
+        if gid not in by_group:
+            order.append(gid)
+            by_group[gid] = []
+        by_group[gid].append(ep)
+    for k, gid in enumerate(order):
+        dispatch = min(step, first_step + k // max(1, groups_per_step))
+        lag = 2 if rng.random() < stale_share else 0
+        low, high = max(0, dispatch - 1 - lag), max(0, dispatch - lag)
+        flat = rng.random() < zero_variance_share
+        for ep in by_group[gid]:
+            ep["run"] = {
+                "type": "train",
+                "id": "run-async",
+                "name": "async",
+                "work": {"type": "train", "step": dispatch, "policy": {"start": low, "end": high}},
+            }
+            for trace in ep["traces"]:
+                if flat:
+                    trace["rewards"] = {"resolved": {"score": 1.0, "weight": 1.0}}
+                    for node in trace["nodes"]:
+                        if node.get("advantages") is not None:
+                            node["advantages"] = [0.0] * len(node["advantages"])
+                if dropped_share and rng.random() < dropped_share:
+                    trace["dropped"] = "judge: task_defect=yes"
+                for node in trace["nodes"]:
+                    if not node.get("sampled"):
+                        continue
+                    n = sum(node["mask"])
+                    if not n:
+                        continue
+                    cuts = sorted(rng.choice(np.arange(1, n), size=min(n - 1, int(rng.integers(0, 3))), replace=False))
+                    edges = [0, *(int(c) for c in cuts), n]
+                    versions = np.linspace(low, high, len(edges) - 1).round().astype(int)
+                    node["weight_versions"] = [
+                        {"version": f"step_{int(v)}", "start": a, "end": b}
+                        for v, a, b in zip(versions, edges[:-1], edges[1:], strict=True)
+                        if b > a
+                    ]
+            yield ep
 
 
 def write_sample(path: str | Path, **kwargs: Any) -> Path:

@@ -52,6 +52,8 @@ def table_from(schema: pa.Schema, columns: Mapping[str, pa.Array | pa.ChunkedArr
 FLOATS = pa.list_(pa.float32())
 LOSS_WEIGHTS = pa.map_(pa.string(), FLOATS)
 LINKS = pa.list_(pa.struct([("node", pa.int32()), ("type", pa.string())]))
+WEIGHT_VERSIONS = pa.list_(pa.struct([("version", pa.string()), ("start", pa.int32()), ("end", pa.int32())]))
+"""A node's weight-version spans (verifiers 0.4.1 ``MessageNode.weight_versions``)."""
 
 META = pa.schema([_col("key", pa.string(), required=True), _col("value", pa.string())])
 
@@ -65,6 +67,10 @@ EPISODES = pa.schema(
         _col("source", pa.string()),
         _col("line", pa.int64()),
         _col("ingested_at", pa.timestamp("us"), default=NOW),
+        _col("work_type", pa.string()),
+        _col("work_step", pa.int64()),
+        _col("policy_start", pa.int64()),
+        _col("policy_end", pa.int64()),
     ]
 )
 
@@ -88,6 +94,19 @@ TRACES = pa.schema(
         _col("line", pa.int64()),
         _col("ingested_at", pa.timestamp("us"), default=NOW),
         _col("seq", pa.int64()),
+        _col("dropped", pa.string()),
+        _col("policy_min", pa.int64()),
+        _col("policy_max", pa.int64()),
+        _col("policy_unknown", pa.int64()),
+        _col("work_type", pa.string()),
+    ]
+)
+
+POLICY_LABELS = pa.schema(
+    [
+        _col("label", pa.string(), required=True),
+        _col("version", pa.int64(), required=True),
+        _col("set_at", pa.timestamp("us"), default=NOW),
     ]
 )
 
@@ -144,6 +163,7 @@ NODES = pa.schema(
         _col("message", pa.string()),
         _col("extra", pa.string()),
         _col("present", pa.int32(), required=True),
+        _col("weight_versions", WEIGHT_VERSIONS),
     ]
 )
 
@@ -287,6 +307,7 @@ STORED: dict[str, pa.Schema] = {
     "traces": TRACES,
     "trace_tags": TRACE_TAGS,
     "follow_positions": FOLLOW_POSITIONS,
+    "policy_labels": POLICY_LABELS,
     "segments": SEGMENTS,
     "nodes": NODES,
     "branches": BRANCHES,
@@ -308,7 +329,7 @@ CEC_STORED: dict[str, pa.Schema] = {
 
 KEY_COLUMNS = ("trace_id", "branch_index", "trainable")
 """The columns every branch view has, whatever ``columns=`` asks for."""
-TOKEN_COLUMNS = ("token_ids", "sampled_mask", *COMPACT_STREAMS, "loss_weights")
+TOKEN_COLUMNS = ("token_ids", "sampled_mask", *COMPACT_STREAMS, "loss_weights", "policy_version")
 """A branch view's per-token columns, in view order."""
 NULLABLE_TOKEN_COLUMNS = OPTIONAL_STREAMS
 """Token columns that are null on a branch where no node holds the stream (never
@@ -324,6 +345,9 @@ BRANCH_SCHEMA = pa.schema(
         pa.field("logprobs", FLOATS, nullable=False),
         *(pa.field(name, FLOATS) for name in NULLABLE_TOKEN_COLUMNS),
         pa.field("loss_weights", LOSS_WEIGHTS, nullable=False),
+        # The policy version of each token (tracedb/policy.py): null off-sample and where
+        # unknown; None for a branch none of whose tokens has a known version.
+        pa.field("policy_version", pa.list_(pa.int32())),
     ]
 )
 """A branch view (``db.branches()``, exports, the REST routes): one row per branch."""

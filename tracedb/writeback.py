@@ -388,18 +388,33 @@ def stamp(
     one row each), ``(trace_id, node_index, value)`` (a constant per node) or ``(trace_id,
     node_index, values)`` (compact lists; lists that repeat one number are stored as that
     number, the rest through the checked writer); these two make a set stored per node."""
-    columns = set(table.column_names)
-    layout = "node" if "node_index" in columns else "trace"
+    layout = stamp_layout(table)
     with db.transaction():
         credit_sets.create(
             db, name, algorithm=algorithm, params=params, description=description, replace=replace, layout=layout
         )
-        if layout == "trace" or "values" not in columns:
-            return stamp_fresh(db, name, table, layout, created=True)
+        return stamp_into(db, name, table, created=True)
+
+
+def stamp_layout(table: pa.Table) -> str:
+    """How a set holding a credit algorithm's output ``table`` is stored: ``"node"`` when
+    it has ``node_index``, else ``"trace"``."""
+    return "node" if "node_index" in table.column_names else "trace"
+
+
+def stamp_into(db: Handle, name: str, table: pa.Table, *, created: bool = False) -> int:
+    """Write a credit algorithm's output (as :func:`stamp` takes it) into the existing set
+    ``name``, whose rows for these traces the caller has removed (a stamp on a selection:
+    :mod:`tracedb.credit.selected`); ``created=True``: the caller created the set in the
+    open transaction with :func:`stamp_layout`'s layout. Returns the nodes written."""
+    layout = stamp_layout(table)
+    with db.transaction():
+        if layout == "trace" or "values" not in table.column_names:
+            return stamp_fresh(db, name, table, layout, created=created)
         scalars = constant_rows(table) if table.num_rows else None
-        if scalars is None:
+        if scalars is None:  # write_nodes refuses a set stored per trace
             return write_nodes(db, table, credit=name)
-        return stamp_fresh(db, name, scalars, "node", created=True)
+        return stamp_fresh(db, name, scalars, "node", created=created)
 
 
 # --------------------------------------------------------------------------- traces

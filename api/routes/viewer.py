@@ -14,7 +14,7 @@ from fastapi.templating import Jinja2Templates
 
 from tracedb.database import Database
 
-from .. import pages, queries, tracepage
+from .. import pages, queries, tracepage, turns
 from ..deps import CreditQuery, Reader, credit_of
 from ..errors import ApiError, JSONBody, dumps, invalid, not_found, responses
 from .traces import TraceId
@@ -126,24 +126,33 @@ def view(
     branch: Annotated[
         int | None, Query(ge=0, le=2**31 - 1, description="Show only this branch's nodes (its page opens).")
     ] = None,
+    sampled: Annotated[
+        bool, Query(description="Only the sampled nodes (the model's turns): no prompts, no tool results.")
+    ] = False,
 ) -> Any:
-    """One trace: its message graph as branches, a page of branches at a time, each node's
-    tokens as a heat strip; with ``compare``, its credit in two sets and their difference
-    (a page of sampled nodes at a time)."""
+    """One trace: a summary of its turns' advantages, then its message graph as branches, a
+    page of branches at a time, each node's tokens as a heat strip (``sampled``: the sampled
+    nodes only); with ``compare``, its credit in two sets and their difference (a page of
+    sampled nodes at a time)."""
     meta = queries.trace_meta(db, trace_id)
     name, label = credit_of(db, credit)
     if compare is not None:
         return _compare_page(request, db, meta, (name, label), credit_of(db, compare), color, nodes_from)
     start = tracepage.page_from(branch, branches_from, branch_limit)
+    keep = turns.sampled_nodes(db, trace_id) if sampled else None
     page = tracepage.trace_page(
-        db, trace_id, name, branches_from=start, branch_limit=branch_limit, nodes_from=nodes_from
+        db, trace_id, name, branches_from=start, branch_limit=branch_limit, nodes_from=nodes_from, only=keep
     )
+    summary = turns.turn_summary(db, trace_id, name)
+    shown = {n["node_index"] for n in page["nodes"]}
+    for turn in summary["turns"]:
+        turn["on_page"] = turn["node_index"] in shown
     tokenizer = request.app.state.backend.tokenizer
     if tokenizer is not None:
         for strip in page["strips"]:
             strip["pieces"] = _pieces(tokenizer, strip["token_ids"])
     window = page["window"]
-    kept = {"credit": label, "color": color, "branch_limit": branch_limit}
+    kept = {"credit": label, "color": color, "branch_limit": branch_limit, "sampled": "true" if sampled else None}
 
     def link(**changes: Any) -> str:
         params = {**kept, "branches_from": start, **changes}
@@ -159,11 +168,18 @@ def view(
         "nodes": page["strips"],
         "branches_from": start,
         "branch_limit": branch_limit,
+        "turns": summary,
     }
     return templates.TemplateResponse(
         request,
         "view.html",
         {
+            "turns": summary,
+            "sampled": sampled,
+            "show_links": {
+                "all": link(sampled=None, nodes_from=None),
+                "sampled": link(sampled="true", nodes_from=None),
+            },
             "meta": page["meta"],
             "credit": label,
             "color": color,
@@ -181,6 +197,21 @@ def view(
             "payload": _embed(payload),
         },
     )
+
+
+@router.get("/traces/{trace_id}/turns", response_class=JSONBody, responses=responses(404, 422), tags=["traces"])
+def trace_turns(
+    db: Reader,
+    trace_id: TraceId,
+    credit: CreditQuery = None,
+    turns_from: Annotated[int, Query(ge=0, le=2**31 - 1, description="The first turn listed (0-based).")] = 0,
+    limit: Annotated[int, Query(ge=1, le=turns.TURNS, description="Turns listed at most.")] = turns.TURNS,
+) -> Any:
+    """The trace's turns (its sampled nodes, in node order), each with its advantages' mean,
+    min, max and sum in the credit set (null when the set leaves it unassigned), and the
+    trace's totals: what ``/view/{id}``'s turn summary shows."""
+    name, _ = credit_of(db, credit)
+    return JSONBody(turns.turn_summary(db, trace_id, name, turns_from=turns_from, limit=limit))
 
 
 def _compare_page(
@@ -238,11 +269,22 @@ By = Annotated[
     str,
     Query(
         max_length=200,
-        description="The x axis: seq (ingest sequence), tag:NAME (a numeric ingest tag, e.g. tag:step) "
-        "or auto (tag:step when traces have it, else seq).",
+        description="The x axis: seq (ingest sequence), work_step (the episodes' training step, run.work.step), "
+        "tag:NAME (a numeric ingest tag, e.g. tag:step) or auto (tag:step when traces have it, else work_step "
+        "when episodes have it, else seq).",
     ),
 ]
 Bins = Annotated[int, Query(ge=1, le=pages.MAX_BINS, description="Bins over the x axis, at most.")]
+MismatchC = Annotated[
+    float,
+    Query(
+        ge=1,
+        le=1e6,
+        allow_inf_nan=False,
+        description="The policy-mismatch band [1/c, c]: the share of ratios exp(trainer_logprobs - logprobs) "
+        "outside it is plotted per bin.",
+    ),
+]
 
 
 @router.get("/run", responses={**_HTML, **responses(422, html=True)})
@@ -252,11 +294,13 @@ def run_page(
     by: By = "auto",
     bins: Bins = 100,
     refresh: Annotated[float, Query(ge=0.25, le=600, description="Seconds between polls.")] = 2.0,
+    mismatch_c: MismatchC = 2.0,
 ) -> Any:
-    """The run as it is ingested: reward, its distribution, zero-variance groups, tokens and
-    the sampled share over the ingest sequence or a tag, the rejects; redrawn as traces arrive."""
+    """The run as it is ingested: reward, its distribution, zero-variance groups, tokens, the
+    sampled share and the policy mismatch (where trainer_logprobs were written back) over the
+    ingest sequence or a tag, the rejects; redrawn as traces arrive."""
     pages.resolve_axis(by, pages.axes(db, db.watermark()))  # a bad axis is a 422 here, not a blank page
-    config = {"by": by, "bins": bins, "max_bins": pages.MAX_BINS, "refresh_s": refresh}
+    config = {"by": by, "bins": bins, "max_bins": pages.MAX_BINS, "refresh_s": refresh, "mismatch_c": mismatch_c}
     return templates.TemplateResponse(request, "run.html", {"config": _embed(config), **config})
 
 
@@ -277,11 +321,14 @@ def run_json(
         int, Query(ge=0, le=10_000_000, description="The reward histogram's window: the latest traces (0: all).")
     ] = 1000,
     hist_bins: Annotated[int, Query(ge=1, le=pages.MAX_HIST_BINS, description="Bins of the reward histogram.")] = 20,
+    mismatch_c: MismatchC = 2.0,
 ) -> Any:
     """The run page's data, aggregated in the database as of one watermark: headline numbers,
     per-bin reward (mean, std, p10, p90), zero-variance groups, tokens, sampled share, the
-    reward histogram, the rejects and the latest groups."""
-    return JSONBody(pages.run_data(db, by=by, bins=bins, after=after, recent=recent, hist_bins=hist_bins))
+    policy mismatch (k3, the ratios, the share outside [1/c, c]), the reward histogram, the
+    rejects and the latest groups."""
+    data = pages.run_data(db, by=by, bins=bins, after=after, recent=recent, hist_bins=hist_bins, mismatch_c=mismatch_c)
+    return JSONBody(data)
 
 
 @router.get("/view/group/{group_id}", responses={**_HTML, **responses(404, 422, html=True)})

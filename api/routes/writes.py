@@ -18,7 +18,16 @@ from .. import queries
 from ..backend import Backend
 from ..deps import Authorized, BackendDep, CreditQuery, Reader, backend
 from ..errors import JSONBody, invalid, responses
-from ..models import AdvantagesWrite, CreditSet, CreditSetCreate, IngestResult, WriteResult
+from ..models import (
+    AdvantagesWrite,
+    CreditSet,
+    CreditSetCreate,
+    IngestResult,
+    PolicyLabel,
+    PolicyVersionsResult,
+    PolicyVersionsWrite,
+    WriteResult,
+)
 from .traces import TraceId
 
 router = APIRouter(tags=["writes"], default_response_class=JSONBody)
@@ -122,3 +131,27 @@ def create_credit_set(backend: BackendDep, body: CreditSetCreate) -> Any:
         )
         created = next(s for s in queries.credit_sets(db) if s["name"] == body.name)
     return JSONBody(created, status_code=201)
+
+
+@router.get("/policy-versions", response_model=list[PolicyLabel], tags=["policy"])
+def list_policy_versions(db: Reader) -> Any:
+    """The weight labels mapped to policy versions (a label such as ``step_12`` names its own)."""
+    rows = db.policy_versions().to_pylist()
+    for row in rows:
+        row["set_at"] = None if row["set_at"] is None else row["set_at"].isoformat()
+    return JSONBody(rows)
+
+
+@router.put(
+    "/policy-versions",
+    response_model=PolicyVersionsResult,
+    dependencies=[Authorized],
+    responses=responses(400, 401, 403, 413, 422),
+    tags=["policy"],
+)
+def put_policy_versions(backend: BackendDep, body: PolicyVersionsWrite) -> Any:
+    """Map weight labels with no number of their own (a checkpoint name, a hash) to policy
+    versions; the traces using them get their policy-version bounds again."""
+    with backend.writer() as db:
+        updated = db.set_policy_versions(body.versions)
+    return JSONBody({"labels": len(body.versions), "traces": updated})

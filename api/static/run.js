@@ -76,9 +76,9 @@ function empty(svg, text) {
 
 // A line through points [{x, y, title}] (null y breaks it), an optional band
 // [{x, lo, hi}] behind it; y range yr (default: the data's).
-function lineChart(svg, points, { band = null, yr = null, xlabel = "", ylabel = "", cls = "" } = {}) {
+function lineChart(svg, points, { band = null, yr = null, xlabel = "", ylabel = "", cls = "", none = "no data yet" } = {}) {
   const shown = points.filter((p) => p.y !== null && p.y !== undefined);
-  if (!shown.length) return empty(svg, "no data yet");
+  if (!shown.length) return empty(svg, none);
   const xs = points.map((p) => p.x);
   const ys = shown.map((p) => p.y).concat(band ? band.flatMap((b) => [b.lo, b.hi]) : []);
   const range = yr || [Math.min(...ys), Math.max(...ys)];
@@ -122,8 +122,12 @@ function histChart(svg, bars, xlabel) {
   svg.dataset.points = String(bars.length);
 }
 
+function axisName(by) {
+  return by === "seq" ? "seq" : by === "work_step" ? "step" : by.slice(4);
+}
+
 function binLabel(b, axis) {
-  const name = axis.by === "seq" ? "seq" : axis.by.slice(4);
+  const name = axisName(axis.by);
   return b.lo === b.hi ? `${name} ${fmt(b.lo)}` : `${name} ${fmt(b.lo)}–${fmt(b.hi)}`;
 }
 
@@ -135,7 +139,7 @@ const BANDS = {
 
 function draw(data, state) {
   const { bins, axis } = data;
-  const xlabel = axis.by === "seq" ? "ingest sequence" : axis.by.slice(4);
+  const xlabel = axis.by === "seq" ? "ingest sequence" : axis.by === "work_step" ? "training step" : axis.by.slice(4);
   const at = (b, y, text) => ({ x: b.x, y, title: `${binLabel(b, axis)}: ${text}` });
   const [bandName, bandOf] = BANDS[state.band];
   document.getElementById("band-name").textContent = bandName;
@@ -159,6 +163,22 @@ function draw(data, state) {
   lineChart(document.getElementById("plot-sampled"),
     bins.map((b) => at(b, b.sampled_share, `${pct(b.sampled_share)} sampled (${fmt(b.sampled)} tokens)`)),
     { yr: [0, 1], xlabel, ylabel: "share", cls: "sampled" });
+  const mismatchAt = (b, y) => at(b, y, b.mismatch_tokens
+    ? `k3 ${fmt(b.k3_mean)}, ratio mean ${fmt(b.ratio_mean)}, max ${fmt(b.ratio_max)}, ` +
+      `${pct(b.outside_share)} outside [1/${fmt(data.mismatch.c)}, ${fmt(data.mismatch.c)}] ` +
+      `(${fmt(b.mismatch_tokens)} tokens of ${b.mismatch_traces} traces)`
+    : "no token holds both logprobs and trainer_logprobs");
+  const none = "no trainer_logprobs written back yet";
+  lineChart(document.getElementById("plot-k3"), bins.map((b) => mismatchAt(b, b.k3_mean)),
+    { yr: [0, Math.max(...bins.map((b) => b.k3_mean || 0), 1e-3)], xlabel, ylabel: "k3", cls: "k3", none });
+  lineChart(document.getElementById("plot-outside"), bins.map((b) => mismatchAt(b, b.outside_share)),
+    { yr: [0, 1], xlabel, ylabel: "share", cls: "outside", none });
+  const m = data.mismatch;
+  document.getElementById("mismatch-note").textContent = m.mismatch_tokens
+    ? `(${fmt(m.mismatch_tokens)} tokens of ${fmt(m.mismatch_traces)} traces hold both)` : "";
+  lineChart(document.getElementById("plot-dropped"),
+    bins.map((b) => at(b, b.dropped_share, `${pct(b.dropped_share)} dropped (${fmt(b.dropped)} of ${fmt(b.traces)} traces)`)),
+    { yr: [0, 1], xlabel, ylabel: "share", cls: "dropped" });
   lineChart(document.getElementById("plot-traces"),
     bins.map((b) => at(b, b.traces, `${b.traces} traces, ${b.groups} groups completed here`)),
     { yr: [0, Math.max(...bins.map((b) => b.traces), 1)], xlabel, ylabel: "traces", cls: "traces" });
@@ -173,6 +193,8 @@ function draw(data, state) {
   stat("zero_variance", s.groups_scored ? `${fmt(s.groups_zero_variance)} (${pct(s.zero_variance_share)})` : "—");
   stat("tokens", fmt(s.tokens));
   stat("sampled_share", pct(s.sampled_share));
+  stat("mismatch", m.mismatch_tokens ? `${fmt(m.k3_mean)} (${pct(m.outside_share)} outside)` : "—");
+  stat("dropped", s.dropped ? `${fmt(s.dropped)} (${pct(s.dropped_share)})` : "0");
   state.age = s.age_s === null ? null : { base: s.age_s, at: performance.now() };
 
   const note = [];
@@ -232,8 +254,8 @@ function showAge(state) {
 
 function main() {
   const config = JSON.parse(document.getElementById("run-config").textContent);
-  const state = { by: config.by, bins: config.bins, band: "p10-p90", drawn: null, last: null, age: null,
-                  timer: null, busy: false, again: false };
+  const state = { by: config.by, bins: config.bins, c: config.mismatch_c, band: "p10-p90", drawn: null, last: null,
+                  age: null, timer: null, busy: false, again: false };
   const status = document.getElementById("status");
   const body = document.body;
   body.dataset.draws = "0";
@@ -243,6 +265,7 @@ function main() {
     const url = new URL(window.location);
     url.searchParams.set("by", state.by);
     url.searchParams.set("bins", state.bins);
+    url.searchParams.set("mismatch_c", state.c);
     history.replaceState(null, "", url);
   };
 
@@ -250,7 +273,7 @@ function main() {
     if (state.busy) { state.again = true; return; }
     state.busy = true;
     clearTimeout(state.timer);
-    const params = new URLSearchParams({ by: state.by, bins: state.bins });
+    const params = new URLSearchParams({ by: state.by, bins: state.bins, mismatch_c: state.c });
     if (state.drawn !== null) params.set("after", state.drawn);
     try {
       const response = await fetch(`/api/run?${params}`);
@@ -287,6 +310,12 @@ function main() {
     const n = Math.round(Number(e.target.value));
     if (!(n >= 1 && n <= config.max_bins)) { e.target.value = state.bins; return; }
     state.bins = n;
+    redraw();
+  });
+  document.getElementById("mismatch-c").addEventListener("change", (e) => {
+    const c = Number(e.target.value);
+    if (!(Number.isFinite(c) && c >= 1)) { e.target.value = state.c; return; }
+    state.c = c;
     redraw();
   });
   document.getElementById("band").addEventListener("change", (e) => {

@@ -133,6 +133,48 @@ async function switchCredit(data, credit, mode) {
   status.textContent = "";
 }
 
+// The turn summary's chips: each sampled node's mean advantage on the summary's own scale.
+function paintTurns(summary) {
+  const chips = document.getElementById("turn-chips");
+  if (!chips || !summary) return;
+  const scale = summary.scale || 1;
+  const byNode = new Map(summary.turns.map((u) => [u.node_index, u]));
+  for (const chip of chips.querySelectorAll(".turn")) {
+    const u = byNode.get(Number(chip.dataset.node));
+    chip.classList.remove("null", "dark");
+    chip.style.backgroundColor = "";
+    if (!u || u.mean === null) {
+      chip.classList.add("null");
+      chip.title = `turn ${chip.dataset.turn} · node ${chip.dataset.node} · unassigned`;
+      chip.dataset.value = "null";
+      continue;
+    }
+    chip.style.backgroundColor = colorOf("advantage", u.mean, scale);
+    if (Math.abs(u.mean) / scale > 0.55) chip.classList.add("dark");
+    chip.dataset.value = String(u.mean);
+    chip.title = `turn ${u.turn} · node ${u.node_index} · ${u.n_sampled} sampled tokens · mean ${fmt(u.mean)}` +
+      ` · min ${fmt(u.min)} · max ${fmt(u.max)} · sum ${fmt(u.sum)}`;
+  }
+  for (const row of document.querySelectorAll("#turn-table tbody tr")) {
+    const u = byNode.get(Number(row.dataset.node));
+    if (!u) continue;
+    for (const key of ["mean", "min", "max", "sum"]) {
+      const cell = row.querySelector(`[data-figure="${key}"]`);
+      cell.textContent = key === "mean" && !u.assigned ? "unassigned" : u[key] === null ? "—" : fmt(u[key]);
+    }
+  }
+  document.body.dataset.turns = summary.credit || "";
+}
+
+async function switchTurns(data, credit) {
+  if (!document.getElementById("turn-chips")) return;
+  const id = encodeURIComponent(data.trace_id);
+  const summary = await fetch(`/traces/${id}/turns?credit=${encodeURIComponent(credit)}`).then((r) => r.json());
+  summary.credit = credit;
+  for (const el of document.querySelectorAll(".turn-set")) el.textContent = credit;
+  paintTurns(summary);
+}
+
 function showBranch(value) {
   for (const node of document.querySelectorAll("article.node")) {
     const on = value === "all" || node.dataset.branches.split(",").includes(value);
@@ -158,7 +200,7 @@ function traceMain() {
       target.searchParams.set("compare", other);
       link.href = target.pathname + target.search;
     }
-    for (const pager of document.querySelectorAll(".pager a")) {  // other pages keep the set and colour shown
+    for (const pager of document.querySelectorAll(".pager a, #node-filter a")) {  // other pages keep the set and colour shown
       const target = new URL(pager.href);
       target.searchParams.set("color", color.value);
       target.searchParams.set("credit", credit.value);
@@ -167,8 +209,12 @@ function traceMain() {
   };
   build(data);
   paint(data, color.value);
+  data.turns.credit = data.credit;
+  paintTurns(data.turns);
   color.addEventListener("change", () => { paint(data, color.value); sync(); });
-  credit.addEventListener("change", () => switchCredit(data, credit.value, color.value).then(sync));
+  credit.addEventListener("change", () => Promise.all([
+    switchCredit(data, credit.value, color.value), switchTurns(data, credit.value),
+  ]).then(sync));
   branch.addEventListener("change", () => showBranch(branch.value));
   const wanted = new URL(window.location).searchParams.get("branch");  // links from the group page
   if (wanted !== null && Array.from(branch.options).some((o) => o.value === wanted)) {

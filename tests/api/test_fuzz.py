@@ -38,17 +38,29 @@ OPERATIONS = [
     ("GET", "/credit-sets"),
     ("POST", "/credit-sets"),
     ("POST", "/sql"),
+    ("GET", "/policy-versions"),
+    ("PUT", "/policy-versions"),
     ("GET", "/"),
     ("GET", "/view/{trace_id}"),
     ("GET", "/run"),
     ("GET", "/api/run"),
     ("GET", "/view/group/{group_id}"),
+    ("GET", "/traces/{trace_id}/turns"),
+    ("GET", "/runs"),
+    ("GET", "/api/runs/compare"),
+    ("GET", "/runs/compare"),
 ]
 STRING_LISTS = ("trace_id", "group", "episode")
 """Repeatable query parameters of strings: whatever the fuzzer puts there (a number, a
 boolean, a list of them) is a list of strings on the wire, hence valid, though it counts
 it as a violation; negative cases keep only what the wire can carry as invalid there."""
-NO_INPUT = {("GET", "/health"), ("GET", "/credit-sets"), ("GET", "/stats")}  # nothing to make invalid
+NO_INPUT = {
+    ("GET", "/health"),
+    ("GET", "/credit-sets"),
+    ("GET", "/stats"),
+    ("GET", "/policy-versions"),
+    ("GET", "/runs"),
+}  # nothing to make invalid
 
 
 @pytest.fixture(scope="module")

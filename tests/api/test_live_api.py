@@ -22,6 +22,7 @@ import pyarrow.ipc as ipc
 import pytest
 
 import tracedb
+from tracedb import client
 from tracedb.api import create_app
 from tracedb.batches import write_step
 from tracedb.synthetic import generate_episodes
@@ -337,6 +338,28 @@ def test_micro_batches_over_rest_equal_the_library(static, tmp_path: Path, share
                 assert reader.schema.equals(got[0].schema)
 
 
+def test_importance_weights_over_rest_and_the_client_equal_the_library(static) -> None:
+    """``importance`` and ``clip`` reach ``db.micro_batches`` from the route and from the
+    client's pass-through options; the fixtures hold trainer_logprobs to weight."""
+    from tracedb import client
+
+    base, app = static
+    with app.state.backend.reader() as db:
+        plan = db.micro_batches(2048, ranks=2, importance="tis", clip=1.5)
+    assert plan.report.importance_tokens > 0 and plan.report.importance_defaulted > 0
+    params = {"seq_len": 2048, "ranks": 2, "importance": "tis", "clip": 1.5}
+    with httpx.Client(base_url=base, timeout=60) as http:
+        for rank in range(2):
+            tokens = http.get("/micro-batches", params={**params, "rank": rank})
+            assert json.loads(tokens.headers["x-tracedb-report"]) == plan.report.to_dict()
+            got = arrow(tokens).to_batches()
+            assert all(a.equals(b.tokens) for a, b in zip(got, plan[rank], strict=True))
+            assert "importance_weight" in got[0].schema.names
+            batches, report = client.micro_batches(base, 2048, rank=rank, ranks=2, importance="tis", clip=1.5)
+            assert report == plan.report.to_dict()
+            assert all(a.tokens.equals(b.tokens) for a, b in zip(batches, plan[rank], strict=True))
+
+
 def test_two_calls_with_the_same_through_answer_the_same_plan(follower) -> None:
     base, app, run = follower
     (run / "traces.jsonl").write_bytes(b"".join(episode_lines(2, 4, seed=11)))
@@ -393,12 +416,17 @@ def test_concurrent_long_polls_and_reads_get_no_error(static) -> None:
         ("/branches?fields=bogus", ["fields"]),
         ("/branches?branch_index=-1", ["branch_index"]),
         ("/micro-batches", ["seq_len"]),
-        ("/micro-batches?seq_len=0", ["seq_len"]),
+        ("/micro-batches?seq_len=64", ["rank"]),  # required: leaving it off never silently answers rank 0
+        ("/micro-batches?seq_len=0&rank=0", ["seq_len"]),
         ("/micro-batches?seq_len=64&ranks=2&rank=2", ["rank", "0-1"]),
-        ("/micro-batches?seq_len=64&part=both", ["part"]),
-        ("/micro-batches?seq_len=64&overflow=error", ["seq_len 64", "overflow"]),
-        ("/micro-batches?seq_len=64&share_prefixes=true&train_once=false", ["share_prefixes", "train_once"]),
-        ("/micro-batches?seq_len=64&cost_linear=-1", ["cost_linear"]),
+        ("/micro-batches?seq_len=64&rank=0&part=both", ["part"]),
+        ("/micro-batches?seq_len=64&rank=0&overflow=error", ["seq_len 64", "overflow"]),
+        ("/micro-batches?seq_len=64&rank=0&share_prefixes=true&train_once=false", ["share_prefixes", "train_once"]),
+        ("/micro-batches?seq_len=64&rank=0&cost_linear=-1", ["cost_linear"]),
+        ("/micro-batches?seq_len=64&rank=0&importance=is", ["importance", "tis"]),
+        ("/micro-batches?seq_len=64&rank=0&importance=tis&clip=0", ["clip"]),
+        ("/micro-batches?seq_len=64&rank=0&importance=tis&clip=nan", ["clip"]),
+        ("/micro-batches?seq_len=64&rank=0&clip=2", ["clip", "needs importance"]),
     ],
 )
 def test_bad_parameters_are_named(static, url: str, words: list[str]) -> None:
@@ -408,5 +436,15 @@ def test_bad_parameters_are_named(static, url: str, words: list[str]) -> None:
 
 def test_unknown_credit_set_is_404(static) -> None:
     base, _ = static
-    error(httpx.get(f"{base}/micro-batches", params={"seq_len": 64, "credit": "nope"}, timeout=30), 404, "nope")
+    error(
+        httpx.get(f"{base}/micro-batches", params={"seq_len": 64, "rank": 0, "credit": "nope"}, timeout=30), 404, "nope"
+    )
     error(httpx.get(f"{base}/branches", params={"credit": "nope"}, timeout=30), 404, "nope")
+
+
+def test_the_client_asks_for_a_rank(static) -> None:
+    base, _ = static
+    with pytest.raises(TypeError, match="rank"):
+        client.micro_batches(base, 64)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="rank"):
+        client.fetch_micro_batches(base, 64)  # type: ignore[call-arg]

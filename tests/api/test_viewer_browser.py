@@ -33,7 +33,7 @@ from tracedb.api import create_app
 
 from support import FIXTURES, REPO
 from support.run_db import build as build_run
-from support.run_db import write_late
+from support.run_db import write_late, write_trainer_logprobs
 from support.tokenizers import make_tokenizer
 from support.wide import wide_episode, write_wide
 
@@ -160,6 +160,8 @@ def test_index_page_loads_clean(page: Page, base: str) -> None:
     page.wait_for_url("**sort=reward**")
     rewards = [r for r in page.locator("td.reward").all_inner_texts() if r != "—"]
     assert [float(r) for r in rewards] == sorted(float(r) for r in rewards)
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "index.png"), full_page=False)
     assert page.problems == []
 
 
@@ -247,6 +249,7 @@ def run_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
         db.create_credit_set("zeros")
         zeros = [{"trace_id": top, "node_index": n["node_index"], "values": [0.0] * n["n_sampled"]} for n in nodes]
         db.write_nodes(zeros, credit="zeros")
+        write_trainer_logprobs(db, expected, whole={0.0, 2.0}, first={1.0})  # a mismatch to plot, not everywhere
     app = create_app(path, token="browser-test")
     for url in serve(app):
         yield {"base": url, "app": app, "expected": expected, "tmp": tmp, "zeroed": top}
@@ -280,10 +283,17 @@ def assert_drawn(page: Page, answer: dict[str, Any]) -> None:
     zero = drawn(page, "plot-zero", "circle.pt", ("data-y",))
     shares = [b["zero_variance_share"] for b in bins if b["zero_variance_share"] is not None]
     assert [float(p["data-y"]) for p in zero] == pytest.approx(shares)
-    for svg, key in (("plot-tokens", "tokens_mean"), ("plot-sampled", "sampled_share"), ("plot-traces", "traces")):
+    for svg, key in (("plot-tokens", "tokens_mean"), ("plot-sampled", "sampled_share"), ("plot-traces", "traces")) + (
+        ("plot-dropped", "dropped_share"),
+    ):
         values = [float(p["data-y"]) for p in drawn(page, svg, "circle.pt", ("data-y",))]
         assert values == pytest.approx([b[key] for b in bins]), svg
+    for svg, key in (("plot-k3", "k3_mean"), ("plot-outside", "outside_share")):
+        values = [float(p["data-y"]) for p in drawn(page, svg, "circle.pt", ("data-y",))]
+        shown = [b[key] for b in bins if b[key] is not None]
+        assert values == pytest.approx(shown) and 0 < len(shown) < len(bins), svg  # bins without: no point
     stat = lambda key: page.locator(f'[data-stat="{key}"]').inner_text()  # noqa: E731
+    assert stat("mismatch").endswith("outside)") and answer["mismatch"]["mismatch_tokens"] > 0
     assert stat("traces") == str(answer["summary"]["traces"]) and stat("watermark") == str(answer["watermark"])
     assert stat("groups") == str(answer["summary"]["groups"])
     rows = page.locator("#groups tbody tr")
@@ -361,7 +371,7 @@ def test_group_page_strips(page: Page, run_server: dict[str, Any]) -> None:
     page.wait_for_selector('body[data-painted="advantage:zeros"]')
     assert "credit=zeros" in page.url
     zeroed = run_server["zeroed"]
-    assert page.locator(f'#members tr[data-trace="{zeroed}"] td[data-set="zeros"]').inner_text() == "zero"
+    assert page.locator(f'#members tr[data-trace="{zeroed}"] [data-set="zeros"]').inner_text() == "zero"
     data = page.evaluate("JSON.parse(document.getElementById('group-data').textContent)")
     owner = page.locator("article.member").evaluate_all(
         "arts => arts.flatMap(a => Array.from(a.querySelectorAll('.strip')).map(() => a.dataset.trace))"
@@ -457,4 +467,101 @@ def test_paging_a_wide_trace(page: Page, wide_server: dict[str, Any]) -> None:
     assert page.locator("#branch-table tbody tr").count() == 20 and page.locator("#next-branches").count() == 0
     page.click("#previous-branches")
     page.wait_for_url("**branches_from=50**")
+    assert page.problems == []
+
+
+# --------------------------------------------------------------------------- turns, nine credit sets, runs compared
+
+
+def no_horizontal_scroll(page: Page) -> None:
+    widths = page.evaluate(
+        "({doc: document.documentElement.scrollWidth, body: document.body.scrollWidth, view: window.innerWidth})"
+    )
+    assert widths["doc"] <= widths["view"] and widths["body"] <= widths["view"], widths
+
+
+def test_turn_summary_and_sampled_nodes_only(page: Page, run_server: dict[str, Any]) -> None:
+    base, zeroed, expected = run_server["base"], run_server["zeroed"], run_server["expected"]
+    with run_server["app"].state.backend.reader() as db:
+        sampled = db.sql("SELECT node_index FROM nodes WHERE trace_id = ? AND sampled ORDER BY 1", [zeroed])
+    sampled_nodes = sampled.column("node_index").to_pylist()
+    page.goto(f"{base}/view/{zeroed}")
+    page.wait_for_selector('body[data-painted="advantage:default"][data-turns="default"]')
+    chips = page.eval_on_selector_all(
+        "#turn-chips .turn",
+        "els => els.map(e => ({node: Number(e.dataset.node), bg: getComputedStyle(e).backgroundColor}))",
+    )
+    assert [c["node"] for c in chips] == sampled_nodes
+    value = expected.advantage[zeroed]  # the same on every turn: the summary's scale is its size
+    assert {c["bg"] for c in chips} == {advantage_color(value, abs(value))} == {"rgb(178, 24, 43)"}
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.locator("#turns").screenshot(path=str(ARTIFACTS / "viewer-turns.png"))
+    page.select_option("#credit", "zeros")  # the summary follows the credit set
+    page.wait_for_selector('body[data-painted="advantage:zeros"][data-turns="zeros"]')
+    chips = page.eval_on_selector_all("#turn-chips .turn", "els => els.map(e => getComputedStyle(e).backgroundColor)")
+    assert set(chips) == {"rgb(255, 255, 255)"}
+    assert set(page.locator('#turn-table [data-figure="mean"]').all_text_contents()) == {"0"}  # in a closed <details>
+    page.click("#show-sampled")
+    page.wait_for_url("**sampled=true**")
+    page.wait_for_selector('body[data-painted="advantage:zeros"]')  # the credit set shown is kept
+    shown = page.locator("article.node").evaluate_all("els => els.map(e => Number(e.dataset.node))")
+    assert shown == sampled_nodes
+    assert page.locator("#show-all").count() == 1
+    assert page.problems == []
+
+
+@pytest.fixture(scope="module")
+def runs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """Two runs behind one server (``a``, with nine credit sets, and ``b``, moved on by the
+    late group), for the group page at 1280 px and the runs page."""
+    tmp = tmp_path_factory.mktemp("runs-browser")
+    (tmp / "a").mkdir()
+    (tmp / "b").mkdir()
+    a_path, _ = build_run(tmp / "a")
+    b_path, expected = build_run(tmp / "b")
+    late, tags = write_late(tmp / "b", expected)
+    with tracedb.connect(b_path) as db:
+        db.ingest(late, tags=tags)
+    sets = ["grpo", "grpo-std", "rloo", "grpo-eps-0.1", "rloo-again", "grpo-by-group", "grpo-scaled", "rloo-3"]
+    with tracedb.connect(a_path) as db:
+        for name in sets:
+            params = {"scale_std": True} if "std" in name or "scaled" in name else {}
+            tracedb.credit.run(db, "rloo" if name.startswith("rloo") else "grpo", name, **params)
+    app = create_app(a_path, name="a", runs={"b": b_path})
+    for url in serve(app):
+        yield {"base": url, "sets": ["default", *sets]}
+
+
+def test_group_page_fits_1280_px_with_nine_credit_sets(page: Page, runs_server: dict[str, Any]) -> None:
+    page.goto(f"{runs_server['base']}/view/group/group-0?credit=grpo&compare=rloo")
+    page.wait_for_selector('body[data-painted="advantage:grpo"]')
+    assert len(runs_server["sets"]) == 9
+    no_horizontal_scroll(page)
+    row = page.locator("#members tbody tr").first
+    assert set(row.locator(".set-name").all_inner_texts()) == set(runs_server["sets"])  # a status per set
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "group-nine-sets.png"), full_page=False)
+    assert page.problems == []
+
+
+def test_runs_side_by_side(page: Page, runs_server: dict[str, Any]) -> None:
+    base = runs_server["base"]
+    page.goto(f"{base}/")
+    page.click("#nav-compare")
+    page.wait_for_url("**/runs/compare")
+    assert page.locator("#run-figures thead .run-name").all_inner_texts() == ["a", "b"]
+    answer = httpx.get(f"{base}/api/runs/compare").json()
+    cells = page.locator('#run-figures tr[data-figure="traces"] td').all_inner_texts()
+    assert cells == [str(r["traces"]) for r in answer["runs"]]
+    rows = page.locator("#run-steps tbody tr").evaluate_all("rs => rs.map(r => r.dataset.key)")
+    assert rows == ["0", "1", "2", "3", "4"]
+    step4 = page.locator('#run-steps tr[data-key="4"] td[data-run="b"][data-figure="reward_mean"]').inner_text()
+    assert float(step4) == pytest.approx(next(r for r in answer["rows"] if r["key"] == 4)["runs"]["b"]["reward_mean"])
+    no_horizontal_scroll(page)
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "runs-compare.png"), full_page=True)
+    page.uncheck('input[name="run"][value="a"]')  # the form names runs, as the query does
+    page.click("#compare-runs")
+    page.wait_for_url("**run=b**")
+    assert page.locator("#run-figures thead .run-name").all_inner_texts() == ["b"]
     assert page.problems == []

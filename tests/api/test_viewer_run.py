@@ -22,7 +22,7 @@ from tracedb.api import create_app
 from tracedb.credit import dose
 
 from support import REPO
-from support.run_db import Expected, build, write_late
+from support.run_db import Expected, build, write_late, write_trainer_logprobs
 
 STATIC = REPO / "api" / "static"
 TEMPLATES = REPO / "api" / "templates"
@@ -131,6 +131,7 @@ def assert_bins(got: list[dict[str, Any]], want: dict[Any, dict[str, Any]], keys
             assert (row[name] is None) == (ref[name] is None), (key, name)
             if ref[name] is not None:
                 assert row[name] == pytest.approx(ref[name], abs=1e-12), (key, name)
+        assert row["dropped"] == 0 and row["dropped_share"] == 0.0  # this run drops nothing
         assert row["tokens_mean"] == pytest.approx(ref["tokens"] / ref["traces"])
         assert row["sampled_share"] == pytest.approx(ref["sampled"] / ref["tokens"])
         share = ref["zero_variance"] / ref["groups_scored"] if ref["groups_scored"] else None
@@ -157,6 +158,44 @@ def test_summary_matches_the_written_run(client: TestClient, run: Run) -> None:
     assert s["age_s"] >= 0 and s["last_arrival"]
     assert data["rejects"]["total"] == 1 and data["rejects"]["recent"] == 1
     assert data["rejects"]["last_source"].endswith("bad.jsonl") and data["rejects"]["last_reason"]
+
+
+def test_dropped_share_per_training_step(tmp_path: Path, client: TestClient) -> None:
+    """An asynchronous run (verifiers 0.4.1's fields): the episodes' training step is an x
+    axis (auto picks it without a step tag), and each step's dropped traces and their share
+    are counted from the records as written, as is the headline figure."""
+    from tracedb.synthetic import generate_episodes, versioned
+
+    eps = generate_episodes(
+        groups=8, group_size=3, tokens_per_trace=300, system_tokens=20, task_tokens=8, turn_tokens=(8, 30), seed=4
+    )
+    episodes = list(versioned(eps, step=4, groups_per_step=2, dropped_share=0.3, seed=4))
+    path = tmp_path / "async.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in episodes))
+    want: dict[int, list[int]] = {}
+    for ep in episodes:
+        counts = want.setdefault(ep["run"]["work"]["step"], [0, 0])
+        for trace in ep["traces"]:
+            counts[0] += 1
+            counts[1] += trace.get("dropped") is not None
+    assert len(want) == 4 and 0 < sum(d for _, d in want.values()) < len(episodes)
+    with tracedb.connect(tmp_path / "async.duckdb") as db:
+        db.ingest(path)
+    with TestClient(create_app(tmp_path / "async.duckdb"), base_url="http://127.0.0.1") as c:
+        data = get_run(c)
+        assert data["axis"]["by"] == "work_step" and "work_step" in data["axes"]
+        assert data["axis"]["layout"] == "values" and data["axis"]["untagged"] == 0
+        got = {row["lo"]: (row["traces"], row["dropped"], row["dropped_share"]) for row in data["bins"]}
+        assert got == {step: (n, d, pytest.approx(d / n)) for step, (n, d) in want.items()}
+        total, dropped = len(episodes), sum(d for _, d in want.values())
+        assert data["summary"]["dropped"] == dropped and data["summary"]["dropped_share"] == pytest.approx(
+            dropped / total
+        )
+        by_seq = get_run(c, by="seq", bins=1)["bins"]
+        assert by_seq[0]["dropped"] == dropped
+    response = client.get("/api/run", params={"by": "work_step"})  # a run without training steps
+    assert response.status_code == 422 and "training step" in response.json()["detail"]
+    assert "work_step" not in get_run(client)["axes"]
 
 
 @pytest.mark.parametrize("bins", [1, 3, 7, 100])
@@ -291,6 +330,9 @@ def test_the_run_goes_on(tmp_path: Path) -> None:
         ("recent=-1", "recent"),
         ("hist_bins=0", "hist_bins"),
         ("hist_bins=101", "hist_bins"),
+        ("mismatch_c=0.9", "mismatch_c"),
+        ("mismatch_c=nan", "mismatch_c"),
+        ("mismatch_c=x", "mismatch_c"),
     ],
 )
 def test_bad_parameters_are_422_naming_them(client: TestClient, query: str, name: str) -> None:
@@ -302,7 +344,13 @@ def test_bad_parameters_are_422_naming_them(client: TestClient, query: str, name
 def test_library_refuses_out_of_range_directly() -> None:
     pages = pages_module()
     with tracedb.connect(":memory:") as db:
-        for kwargs, name in [({"bins": 0}, "bins"), ({"hist_bins": 1000}, "hist_bins"), ({"recent": -2}, "recent")]:
+        for kwargs, name in [
+            ({"bins": 0}, "bins"),
+            ({"hist_bins": 1000}, "hist_bins"),
+            ({"recent": -2}, "recent"),
+            ({"mismatch_c": 0.5}, "mismatch_c"),
+            ({"mismatch_c": float("inf")}, "mismatch_c"),
+        ]:
             with pytest.raises(Exception, match=name):
                 pages.run_data(db, **kwargs)
 
@@ -314,16 +362,35 @@ def test_run_page_renders(client: TestClient) -> None:
     response = client.get("/run?by=seq&bins=40&refresh=0.5")
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/html")
     html = response.text
-    for element in ("plot-reward", "plot-hist", "plot-zero", "plot-tokens", "plot-sampled", "headline", "groups"):
+    for element in (
+        "plot-reward",
+        "plot-hist",
+        "plot-zero",
+        "plot-tokens",
+        "plot-sampled",
+        "plot-k3",
+        "plot-outside",
+        "plot-dropped",
+        "mismatch-c",
+        "headline",
+        "groups",
+    ):
         assert f'id="{element}"' in html, element
     config = json.loads(re.search(r'<script type="application/json" id="run-config">(.*?)</script>', html).group(1))
-    assert config == {"by": "seq", "bins": 40, "max_bins": 500, "refresh_s": 0.5}
+    assert config == {"by": "seq", "bins": 40, "max_bins": 500, "refresh_s": 0.5, "mismatch_c": 2.0}
     assert '<script src="/static/run.js"></script>' in html and 'href="/run"' in client.get("/").text
 
 
 @pytest.mark.parametrize(
     ("query", "status"),
-    [("by=nope", 422), ("by=tag:nope", 422), ("bins=0", 422), ("refresh=0", 422), ("refresh=x", 422)],
+    [
+        ("by=nope", 422),
+        ("by=tag:nope", 422),
+        ("bins=0", 422),
+        ("refresh=0", 422),
+        ("refresh=x", 422),
+        ("mismatch_c=0.5", 422),
+    ],
 )
 def test_run_page_bad_parameters(client: TestClient, query: str, status: int) -> None:
     response = client.get(f"/run?{query}")
@@ -395,7 +462,8 @@ def test_group_page_in_another_credit_set(client: TestClient, run: Run) -> None:
     html = client.get("/view/group/group-0?credit=some&color=logprob").text
     data = group_payload(html)
     assert data["credit"] == "some" and data["color"] == "logprob"
-    assert re.findall(r'<th class="credit-col"[^>]*>(\w+)</th>', html) == ["some", "default", "zeros"]
+    row = re.search(r"<tr data-trace=.*?</tr>", html, re.S).group(0)  # each member: a status per set, in order
+    assert re.findall(r'<span class="set-name">(\w+)</span>', row) == ["some", "default", "zeros"]
     assert sum(s["advantages"] is not None for s in data["nodes"]) >= 1
     assert sum(s["advantages"] is None for s in data["nodes"]) >= 3
 
@@ -584,3 +652,90 @@ def test_compare_errors_and_links(client: TestClient, run: Run) -> None:
     html = client.get(f"/view/{tid}?compare=zeros").text
     assert not re.search(r"\sstyle\s*=|<style\b|\son[a-z]+\s*=", html, re.I)
     assert '<select id="compare" name="compare" data-submit>' in html
+
+
+# --------------------------------------------------------------------------- policy mismatch
+
+
+@pytest.fixture(scope="module")
+def recomputed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Expected, dict[str, list[np.ndarray]]]:
+    """The run with ``trainer_logprobs`` written back on some traces: every sampled node of
+    the step-0 and step-2 traces, one node of each step-1 trace, none elsewhere. Per trace
+    the log ratios (trainer - inference) of its tokens holding both, by numpy."""
+    tmp = tmp_path_factory.mktemp("recomputed")
+    path, expected = build(tmp)
+    with tracedb.connect(path) as db:
+        ratios = write_trainer_logprobs(db, expected, whole={0.0, 2.0}, first={1.0})
+    return path, expected, ratios
+
+
+def mismatch_reference(ratios: dict[str, list[np.ndarray]], ids: list[str], c: float) -> dict[str, Any]:
+    """The figures over every token of ``ids`` holding both streams, by numpy."""
+    held = [t for t in ids if t in ratios]
+    if not held:
+        return {"mismatch_traces": 0, "mismatch_tokens": 0, "k3_mean": None, "outside_share": None}
+    d = np.concatenate([x for t in held for x in ratios[t]])
+    r = np.exp(d)
+    return {
+        "mismatch_traces": len(held),
+        "mismatch_tokens": len(d),
+        "k3_mean": float(np.mean(r - 1 - d)),
+        "ratio_mean": float(np.mean(r)),
+        "ratio_max": float(np.max(r)),
+        "outside_share": float(np.mean((r < 1 / c) | (r > c))),
+    }
+
+
+def assert_mismatch(row: dict[str, Any], want: dict[str, Any], key: Any) -> None:
+    assert row["mismatch_traces"] == want["mismatch_traces"] and row["mismatch_tokens"] == want["mismatch_tokens"], key
+    for name in ("k3_mean", "ratio_mean", "ratio_max", "outside_share"):
+        if want.get(name) is None:
+            assert row[name] is None, (key, name)
+        else:
+            assert row[name] == pytest.approx(want[name], rel=1e-9), (key, name)
+
+
+@pytest.mark.parametrize("c", [2.0, 1.5])
+def test_mismatch_per_step_matches_numpy(recomputed, c: float) -> None:
+    path, expected, ratios = recomputed
+    with TestClient(create_app(path), base_url="http://127.0.0.1") as client:
+        data = get_run(client, mismatch_c=c)  # auto: the step tag
+        by_seq = get_run(client, by="seq", bins=5, mismatch_c=c)
+        with tracedb.connect(path, read_only=True) as db:
+            seqs = {r["trace_id"]: r["seq"] for r in db.traces().to_pylist()}
+    steps = sorted(set(expected.step.values()))
+    assert [b["x"] for b in data["bins"]] == steps
+    for row, step in zip(data["bins"], steps, strict=True):
+        ids = [t for t, s in expected.step.items() if s == step]
+        assert_mismatch(row, mismatch_reference(ratios, ids, c), step)
+    assert [b["mismatch_traces"] for b in data["bins"]] == [8, 8, 2, 0]
+    assert data["bins"][3]["k3_mean"] is None
+    for row in by_seq["bins"]:
+        ids = [t for t, s in seqs.items() if row["lo"] <= s <= row["hi"]]
+        assert_mismatch(row, mismatch_reference(ratios, ids, c), row["lo"])
+    summary = data["mismatch"]
+    assert summary["c"] == c
+    assert_mismatch(summary, mismatch_reference(ratios, list(seqs), c), "summary")
+    assert 0 < summary["outside_share"] < 1 and summary["k3_mean"] > 0
+    # the library's per-trace figures agree with the page's
+    with tracedb.connect(path, read_only=True) as db:
+        per_trace = {r["trace_id"]: r for r in db.policy_mismatch(c=c).to_pylist()}
+    for tid in expected.reward:
+        want = mismatch_reference(ratios, [tid], c)
+        assert per_trace[tid]["tokens"] == want["mismatch_tokens"]
+        if want["mismatch_tokens"]:
+            assert per_trace[tid]["k3_mean"] == pytest.approx(want["k3_mean"], rel=1e-9)
+
+
+def test_a_run_without_trainer_logprobs_shows_no_mismatch(client: TestClient) -> None:
+    data = get_run(client)
+    assert data["mismatch"] == {
+        "c": 2.0,
+        "mismatch_traces": 0,
+        "mismatch_tokens": 0,
+        "k3_mean": None,
+        "ratio_mean": None,
+        "ratio_max": None,
+        "outside_share": None,
+    }
+    assert all(b["mismatch_traces"] == 0 and b["k3_mean"] is None for b in data["bins"])

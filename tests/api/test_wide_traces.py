@@ -80,8 +80,12 @@ ROUTES = [
     ("GET", "/groups/{g}", "json"),
     ("GET", "/traces?trace_id={t}", "json"),
     ("GET", "/traces?trace_id={t}&after=0", "json"),
-    ("GET", "/micro-batches?trace_id={t}&seq_len=4096&pad_token_id={run}", "arrow"),
-    ("GET", "/micro-batches?trace_id={t}&seq_len=4096&part=samples&all_branches=true&pad_token_id={run}", "arrow"),
+    ("GET", "/micro-batches?trace_id={t}&seq_len=4096&rank=0&pad_token_id={run}", "arrow"),
+    (
+        "GET",
+        "/micro-batches?trace_id={t}&seq_len=4096&rank=0&part=samples&all_branches=true&pad_token_id={run}",
+        "arrow",
+    ),  # noqa: E501
     ("GET", "/stats", "json"),
     ("GET", "/api/run", "json"),
     ("GET", "/view/{t}", "html"),

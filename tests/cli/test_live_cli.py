@@ -69,7 +69,7 @@ def test_pack_complete_groups_after_a_watermark_matches_the_library(tmp_path, tw
     with tracedb.connect(db, read_only=True) as database:
         plan = database.micro_batches(65536, complete_groups=2)
         later = database.micro_batches(65536, complete_groups=2, after=len(first))
-    manifest = json.loads(result.output)
+    manifest = json.loads(result.stdout)  # stdout: the manifest; stderr: the pack's warnings
     assert manifest["report"]["samples"] == plan.report.samples > 0
     assert manifest["report"]["watermark"] == plan.report.watermark == len(first) + len(second)
     result = invoke(

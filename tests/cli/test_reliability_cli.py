@@ -91,6 +91,8 @@ def test_migrate_upgrades_an_older_file_and_prints_both_versions(tmp_path):
         "from_version": 1,
         "to_version": tracedb.SCHEMA_VERSION,
         "current": tracedb.SCHEMA_VERSION,
+        "from_storage": "v2.0.0+",  # and rewritten into the format DuckDB 1.5 reads
+        "to_storage": "v1.5.0+",
     }
     assert stored_version(old) == str(tracedb.SCHEMA_VERSION)
     assert traces_in(old) == 1

@@ -17,9 +17,12 @@ import tracedb.credit
 from tracedb.credit import returns as R
 from tracedb.credit.layouts import NODE_CREDIT
 
-from support import FIXTURES
+from support import FIXTURES, FIXTURES_041
 
-LIMITS = ("max_turns", "max_input_tokens", "max_output_tokens", "max_total_tokens", "compaction_failed")
+LIMITS = (
+    *("max_turns", "max_input_tokens", "max_output_tokens", "max_total_tokens"),
+    *("max_turn_tokens", "compaction_failed"),
+)
 
 
 def _fixture(name: str) -> dict[str, Any]:
@@ -312,6 +315,31 @@ def test_terminated_vs_truncated_bootstrap(tmp_path):
     assert out[("done", 8)] == pytest.approx(g * 0.75 - 2.0)
 
 
+def test_a_response_cut_at_max_turn_tokens_is_truncated(tmp_path):
+    """verifiers 0.4.1's new stop condition: the trace its fixture stopped by the per-turn
+    cap bootstraps from its last turn's value, as every other limit does; its kept
+    neighbours, which completed, do not."""
+    episodes = [json.loads(line) for line in (FIXTURES_041 / "dropped_group.traces.jsonl").read_text().splitlines()]
+    stops = {}
+    for ep in episodes:
+        for trace in ep["traces"]:
+            stops[trace["id"]] = trace.get("stop_condition")
+            for node in trace["nodes"]:
+                if node.get("sampled"):
+                    node["value"] = 0.5
+    assert "max_turn_tokens" in stops.values()
+    db = _db(tmp_path, episodes)
+    out = _result(R.returns(db, gamma=1.0, value_field="value", reward="correct"))
+    rewards = {r["trace_id"]: r["reward"] for r in R.trace_rewards(db, reward="correct").to_dicts()}
+    last = {}
+    for (tid, node), value in sorted(out.items()):
+        last[tid] = (node, value)
+    cut = next(t for t, s in stops.items() if s == "max_turn_tokens")
+    assert last[cut][1] == pytest.approx(rewards[cut] + 0.5)  # V_T := V_{T-1}
+    done = [t for t, s in stops.items() if s == "agent_completed" and t in last]
+    assert done and all(last[t][1] == pytest.approx(rewards[t]) for t in done)  # V_T = 0
+
+
 def test_compaction_attempts_are_truncated(tmp_path):
     # compaction: branch 0 = turns 2, 4, 6, 8 ending in a compaction attempt that node 10 resumes;
     # branch 1 = turns 10, 12 after the compaction.
@@ -518,3 +546,13 @@ def test_run_writes_a_set_the_view_spreads(random_db):
         np.testing.assert_allclose(row["advantages"], expected, rtol=1e-5, atol=1e-5)
         assigned += 1
     assert assigned >= 30
+
+
+def test_rows_come_by_trace_id_whatever_the_ingest_order(tmp_path):
+    """The credit table is ordered by trace id then node index, as documented, also when
+    traces were ingested in another order (node rows follow the ingest order)."""
+    episodes = [_episode(trace_id=t) for t in ("t9", "t10", "a", "t2")]
+    db = _db(tmp_path, episodes)
+    for table in (R.returns(db), R.gae(db), R.returns_per_node(db), R.gae_per_node(db)):
+        keys = [(r["trace_id"], r["node_index"]) for r in table.to_pylist()]
+        assert keys == sorted(keys) and {k[0] for k in keys} == {"t9", "t10", "a", "t2"}

@@ -17,7 +17,7 @@ pytest.importorskip("pyiceberg_core", reason="the lake extra is not installed (p
 
 import tracedb.lake as lakes  # noqa: E402
 from tracedb import tables  # noqa: E402
-from tracedb.lake import catalog, read, write  # noqa: E402
+from tracedb.lake import catalog, files, read, write  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -47,18 +47,42 @@ def test_init_makes_the_stored_tables(tmp_path):
     for name, schema in expected.items():
         arrow = lake.table(name).schema().as_arrow()
         names = [*schema.names, *([catalog.BATCH] if catalog.batched(name, schema) else [])]
+        names += [catalog.SEGMENT_HOME] if name == "segments" else []
         assert arrow.names == names, name
+        assert catalog.lake_columns(name) == names[len(schema.names) :], name
     read_back = lake.tables()
     for name, schema in expected.items():  # what readers get: the stored schema (nullable)
         want = pa.schema([f.with_nullable(True) for f in schema]).remove_metadata()
         assert read_back[name].schema.remove_metadata() == want, name
     spec = lake.table("nodes").spec()
-    assert [(f.name, str(f.transform)) for f in spec.fields] == [("trace_id_bucket", "bucket[16]")]
-    assert [f.name for f in lake.table("segments").spec().fields] == ["segment_id_bucket"]
+    buckets = f"bucket[{catalog.DEFAULT_BUCKETS}]"
+    assert [(f.name, str(f.transform)) for f in spec.fields] == [("trace_id_bucket", buckets)]
+    assert [(f.name, str(f.transform)) for f in lake.table("segments").spec().fields] == [
+        ("lake_trace_bucket", buckets)
+    ]
     meta = lake.table("tracedb_meta").scan().to_arrow().to_pylist()
-    assert meta == [{"key": "lake_schema_version", "value": str(lakes.LAKE_SCHEMA_VERSION)}]
+    assert meta == [
+        {"key": "lake_schema_version", "value": str(lakes.LAKE_SCHEMA_VERSION)},
+        {"key": "buckets", "value": str(catalog.DEFAULT_BUCKETS)},
+    ]
+    assert lake.buckets == catalog.DEFAULT_BUCKETS
     again = lakes.init(tmp_path / "L")  # idempotent
-    assert again.table("tracedb_meta").scan().to_arrow().num_rows == 1
+    assert again.table("tracedb_meta").scan().to_arrow().num_rows == 2
+
+
+def test_the_bucket_count_is_chosen_at_init_and_kept(tmp_path, store):
+    lake = lakes.init(tmp_path / "L", buckets=4)
+    assert lake.buckets == 4 and lakes.init(tmp_path / "L").buckets == 4
+    for name in ("traces", "nodes", "segments", "episodes"):
+        assert [str(f.transform) for f in lake.table(name).spec().fields] == ["bucket[4]"], name
+    with pytest.raises(lakes.LakeError, match="it has 4 buckets, fixed when it was made \\(not 8\\)"):
+        lakes.init(tmp_path / "L", buckets=8)
+    for bad in (0, -1, 5000, True, 2.5):
+        with pytest.raises(ValueError, match="buckets is an int from 1 to 4096"):
+            lakes.init(tmp_path / "M", buckets=bad)
+    lake.push(store)
+    partitions = {f.partition for f in files.live_files(lake.table("nodes"))}
+    assert partitions <= {(b,) for b in range(4)} and len(partitions) == 4
 
 
 def test_open_refuses_what_is_not_a_lake(tmp_path):

@@ -61,23 +61,24 @@ def test_a_lake_is_made_written_and_read_alike_on_each_catalog(new_lake, golden_
 
 
 def test_a_commit_conflict_is_retried_and_counted(new_lake, golden_store):
-    """Another writer's whole write lands just after this write loaded ``nodes``: its
-    nodes append conflicts once (pyiceberg's retry gets past it), and the report counts
-    that retry, as the catalog saw it."""
+    """Another writer's whole write lands just after this write loaded ``nodes`` to commit
+    its files (the second load: the first wrote them): its nodes commit conflicts once
+    (pyiceberg's retry gets past it), and the report counts that retry, as the catalog saw it."""
     lake = lakes.init(new_lake())
     other = lakes.open(lake.where)  # a second writer: its own catalog connection
     mine, theirs = _store_rows(golden_store, 0, 6), _store_rows(golden_store, 6, 4)
 
     class Interleaved:
         def __init__(self) -> None:
-            self.landed = False
+            self.loads = 0
             self.commits = lake.commits
 
         def table(self, name: str):
             table = lake.table(name)
-            if name == "nodes" and not self.landed:
-                self.landed = True
-                assert other.append(theirs).traces == 4
+            if name == "nodes":
+                self.loads += 1
+                if self.loads == 2:
+                    assert other.append(theirs).traces == 4
             return table
 
     report = write.append(Interleaved(), mine)

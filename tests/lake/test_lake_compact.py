@@ -20,7 +20,7 @@ pytest.importorskip("pyiceberg_core", reason="the lake extra is not installed (p
 
 import tracedb.lake as lakes  # noqa: E402
 from tracedb.cli.main import app  # noqa: E402
-from tracedb.lake import compact, read, write  # noqa: E402
+from tracedb.lake import commit, compact, files, read, write  # noqa: E402
 from tracedb.lake.move import file_rows, write_into  # noqa: E402
 from tracedb.lake.scan import visible_traces  # noqa: E402
 
@@ -89,9 +89,17 @@ def _rows(store, ids):
         return file_rows(db, ids)
 
 
+def _segment_copies(lake):
+    """The segments rows as stored: (bucket of lake_trace, segment_id, lake_batch) of each."""
+    table = lake.table("segments")
+    rows = files.read(table, files.live_files(table), ["segment_id", "lake_trace", "lake_batch"])
+    buckets = files.buckets(table, "lake_trace", rows.column("lake_trace").combine_chunks()).to_pylist()
+    return list(zip(buckets, rows.column("segment_id").to_pylist(), rows.column("lake_batch").to_pylist()))
+
+
 def test_compact_removes_leftovers_and_keeps_answers(tmp_path, store):
     rows = _rows(store, sorted(_ids(store))[:5])
-    lake = lakes.init(tmp_path / "L")
+    lake = lakes.init(tmp_path / "L", buckets=4)  # several traces a bucket: files to merge
     lake.push(store, batch_traces=WRITE)  # several writes: several small files per table
     for name in ("nodes", "branches", "episodes"):  # a killed writer: rows, no traces commit
         lake.table(name).append(write.lake_rows(name, rows[name], "killed-writer"))
@@ -99,33 +107,74 @@ def test_compact_removes_leftovers_and_keeps_answers(tmp_path, store):
     before, seqs, mark = _answers(lake), _seqs(lake), lake.watermark()
     visible = before[0]
     assert _raw(lake, "nodes") > visible["nodes"].num_rows and _raw(lake, "segments") > visible["segments"].num_rows
+    killed = {name: len(rows[name]) for name in ("nodes", "branches", "episodes", "segments")}
 
     young = lake.compact()  # the leftovers are in files of this minute: a writer may still be at work
-    assert young.tables["nodes"]["rows_after"] == _raw(lake, "nodes") > visible["nodes"].num_rows
-    assert young.tables["nodes"]["files_after"] < young.tables["nodes"]["files_before"]  # small files rewritten
+    for name in ("nodes", "branches", "episodes", "segments"):  # their files wait; the others are merged
+        entry = young.tables[name]
+        assert entry["rows_after"] == entry["rows_before"] == _raw(lake, name) - killed[name], name
+        assert entry["files_after"] < entry["files_before"], name  # small files rewritten
     assert young.tables["traces"]["files_after"] < young.tables["traces"]["files_before"]
     assert _answers(lake, plan=False) == before[:2] and _seqs(lake) == seqs
     assert lake.watermark() > mark  # the traces rewrite is a commit
+    mark = lake.watermark()
 
     report = lake.compact(grace=0)
     assert _answers(lake) == before and _seqs(lake) == seqs
-    for name in ("nodes", "branches", "episodes", "segments"):
+    for name in ("nodes", "branches", "episodes"):
         assert _raw(lake, name) == visible[name].num_rows, name
         entry = report.tables[name]
-        assert entry["rows_before"] > entry["rows_after"] and entry["files_after"] <= entry["files_before"], name
-    assert report.tables["traces"]["rows_after"] == len(seqs)
-    mark = lake.watermark()
+        assert entry["rows_before"] == killed[name] and entry["rows_after"] == 0, name  # only the waiting files
+        assert entry["files_after"] < entry["files_before"], name
+    copies = _segment_copies(lake)
+    assert "killed-writer" not in {b for _, _, b in copies} and len(set(copies)) == len(copies)
+    assert len({(b, s) for b, s, _ in copies}) == len(copies)  # each segment once per bucket
+    assert {s for _, s, _ in copies} == set(visible["segments"].column("segment_id").to_pylist())
+    assert report.tables["traces"]["rows_before"] == 0  # nothing new since the last compaction
+    assert lake.watermark() == mark  # no traces commit then
 
     run = CliRunner().invoke(app, ["lake", "compact", "--lake", lake.where, "--grace", "0", "--json"])
     assert run.exit_code == 0, run.output
     again = json.loads(run.output)["tables"]
-    assert all(e["rows_before"] == e["rows_after"] for e in again.values())  # nothing left to remove
-    assert all(e["files_before"] == e["files_after"] for e in again.values())  # nor to merge: no commit
+    assert all(e["rows_before"] == e["rows_after"] == e["files_rewritten"] == 0 for e in again.values())
+    assert all(e["files_before"] == e["files_after"] for e in again.values())  # nothing to merge: no commit
     assert _answers(lake, plan=False) == before[:2] and lake.watermark() == mark
+    full = lake.compact(grace=0, full=True)  # every file again: the same rows, one file per partition
+    assert all(e["rows_before"] == e["rows_after"] for e in full.tables.values())
+    assert _answers(lake) == before and _seqs(lake) == seqs
+    for name in ("nodes", "segments", "traces"):
+        live = files.live_files(lake.table(name))
+        assert len(live) == len({f.partition for f in live}) and all(commit.compacted(f.path) for f in live)
     with pytest.raises(ValueError, match="grace is a number of seconds"):
         lake.compact(grace=-1)
     with pytest.raises(ValueError, match="expire_older_than is a number of seconds"):
         lake.compact(expire_older_than=-1)
+
+
+def test_compaction_rewrites_only_the_files_added_since_the_last_one(tmp_path, store):
+    """Each compaction rewrites the files written since the previous one, one per
+    partition, and leaves the compacted ones alone; each table keeps one manifest."""
+    ids = _ids(store)
+    lake = lakes.init(tmp_path / "L", buckets=4)
+    lake.append(_rows(store, ids[:6]))
+    lake.append(_rows(store, ids[6:9]))
+    first = lake.compact(grace=0)
+    compacted = {n: {f.path for f in files.live_files(lake.table(n))} for n in ("nodes", "traces", "segments")}
+    seqs = _seqs(lake)
+    lake.append(_rows(store, ids[9:]))  # new data after the compaction
+    added = {n: {f.path for f in files.live_files(lake.table(n))} - compacted[n] for n in compacted}
+    second = lake.compact(grace=0)
+    for name, paths in compacted.items():
+        live = {f.path for f in files.live_files(lake.table(name))}
+        assert paths <= live, name  # the compacted files were not rewritten
+        assert not added[name] & live, name  # the new ones were
+        assert second.tables[name]["files_rewritten"] == len(added[name]) < first.tables[name]["files_rewritten"]
+        table = lake.table(name)
+        assert len(table.current_snapshot().manifests(table.io)) == 1, name  # merged into one
+    assert second.tables["traces"]["rows_before"] == len(ids) - 9
+    assert {t: s for t, s in _seqs(lake).items() if t in seqs} == seqs
+    with tracedb.connect(store, read_only=True) as db:
+        assert lake.tables()["nodes"].num_rows == db.sql("SELECT count(*) FROM nodes").column(0)[0].as_py()
 
 
 def test_traces_compaction_keeps_seq_duplicates_and_the_order_of_later_commits(tmp_path, store):
@@ -175,19 +224,18 @@ def test_a_traces_commit_between_the_compactions_read_and_commit_is_kept(tmp_pat
     seqs = _seqs(lake)
     lost = _rows(store, ids[:1])["traces"]  # a losing writer's row: the table needs a rewrite
     lake.table("traces").append(write.lake_rows("traces", _reward(lost, -9.0), "zz"))
-    real, reads, writes = compact.visible_traces, [], []
+    real, rewrites, writes = compact.replace_files, [], []
 
-    def racing(table, *args, **kwargs):
-        got = real(table, *args, **kwargs)
-        if "columns" not in kwargs:  # the traces rewrite's read (the other tables' read only some columns)
-            reads.append(got.num_rows)
-            if len(reads) == 1:  # another writer commits its traces now
+    def racing(table, removed, added, properties=None):
+        if table.name()[-1] == "traces":
+            rewrites.append(len(removed))
+            if len(rewrites) == 1:  # another writer commits its traces now, after the rewrite's read
                 writes.append(lakes.open(lake.where).append(_rows(store, ids[-5:])))
-        return got
+        return real(table, removed, added, properties)
 
-    monkeypatch.setattr(compact, "visible_traces", racing)
+    monkeypatch.setattr(compact, "replace_files", racing)
     report = lake.compact(grace=0)
-    assert reads == [len(seqs), len(ids)]  # the commit conflicted; the table was read again
+    assert len(rewrites) == 2 and rewrites[1] > rewrites[0]  # the commit conflicted; the table was read again
     assert report.tables["traces"]["rows_after"] == len(ids)
     after = _seqs(lake)
     assert {t: after[t] for t in seqs} == seqs
@@ -196,28 +244,30 @@ def test_a_traces_commit_between_the_compactions_read_and_commit_is_kept(tmp_pat
 
 
 def test_a_write_between_a_tables_read_and_its_rewrite_is_kept(tmp_path, store, monkeypatch):
-    """A writer's rows landing in ``nodes`` while compaction rewrites it: pyiceberg's own
-    retry refuses the overwrite (ValidationException: files added meanwhile); compaction
-    reads the table again and rewrites it, keeping the writer's rows."""
+    """A writer's rows landing in ``nodes`` while compaction rewrites it: the rewrite
+    replaces only the files it read (the writer's new files stay), so both commit."""
     ids = _ids(store)
     lake = lakes.init(tmp_path / "L")
     lake.append(_rows(store, ids[:4]))
     later = _rows(store, ids[4:8])
     lake.table("nodes").append(write.lake_rows("nodes", later["nodes"], "killed-writer"))  # needs a rewrite
-    real, reads = compact._scan_with_age, []
+    real, calls = compact.replace_files, []
 
-    def racing(table):
-        got = real(table)
+    def racing(table, removed, added, properties=None):
         if table.name()[-1] == "nodes":
-            reads.append(got[0].num_rows)
-            if len(reads) == 2:  # the nodes rewrite's own read (the first is the segments step's)
+            calls.append(len(removed))
+            if len(calls) == 1:
                 lakes.open(lake.where).append(later)  # another writer's whole write lands now
-        return got
+        return real(table, removed, added, properties)
 
-    monkeypatch.setattr(compact, "_scan_with_age", racing)
+    monkeypatch.setattr(compact, "replace_files", racing)
     report = lake.compact(grace=0)
-    assert len(reads) == 3 and reads[2] > reads[1]  # the rewrite was refused; the table was read again
-    assert report.tables["nodes"]["rows_after"] == _rows(store, ids[:8])["nodes"].num_rows
+    assert len(calls) == 1  # no conflict: appends do not touch the files replaced
+    assert report.tables["nodes"]["rows_after"] == _rows(store, ids[:4])["nodes"].num_rows
+    assert lake.tables()["nodes"].num_rows == _rows(store, ids[:8])["nodes"].num_rows
+    assert any(not commit.compacted(f.path) for f in files.live_files(lake.table("nodes")))  # the writer's
+    again = lake.compact(grace=0)
+    assert again.tables["nodes"]["rows_after"] == _rows(store, ids[4:8])["nodes"].num_rows
     assert lake.tables()["nodes"].num_rows == _rows(store, ids[:8])["nodes"].num_rows
 
 
@@ -261,35 +311,34 @@ def test_expiry_deletes_old_files_and_keeps_answers(tmp_path, store):
     assert _answers(lake, plan=False) == before[:2] and lake.watermark() == mark
 
 
-def test_a_compaction_removing_segments_a_write_relied_on_does_not_lose_them(tmp_path, monkeypatch):
-    """A write skips the segments the lake holds already; when a compaction removes them
-    (a dead writer's, unused) between that check and the write's traces commit, the
-    write stores them again before its traces are visible: no trace without its tokens."""
-    from pyiceberg.expressions import In
-
-    store = tmp_path / "runs.duckdb"
-    with tracedb.connect(store) as db:
-        db.ingest(FIXTURES / "linear.traces.jsonl")
-        ids = db.sql("SELECT trace_id FROM traces").column("trace_id").to_pylist()
-        rows = file_rows(db, ids)
-    lake = lakes.init(tmp_path / "L")
+def test_a_write_stores_its_segments_beside_its_traces(tmp_path, store):
+    """A write stores every segment its traces use in each bucket holding one of them
+    (homed at the first such trace), whatever the lake holds already: no segment look-up,
+    and a reader of some traces finds their segments in their own buckets, also after a
+    compaction removed a dead writer's copies."""
+    ids = _ids(store)
+    lake = lakes.init(tmp_path / "L", buckets=4)
+    rows = _rows(store, ids)
     lake.table("segments").append(write.lake_rows("segments", rows["segments"], "a-dead-writer"))
-    real = write._segments_present
-    calls = []
-
-    def check_then_compaction(lake_, segments):
-        found = real(lake_, segments)
-        calls.append(len(found))
-        if len(calls) == 1:  # a compaction lands right after the first check: the leftovers go
-            lake_.table("segments").delete(In("segment_id", found))
-        return found if len(calls) == 1 else real(lake_, segments)
-
-    monkeypatch.setattr(write, "_segments_present", check_then_compaction)
-    report = lake.append(rows)
-    assert calls[0] == rows["segments"].num_rows and calls[1] == 0  # relied on all, then all gone
-    assert report.rows["segments"] == rows["segments"].num_rows
-    monkeypatch.undo()
-    pulled = tmp_path / "pulled.duckdb"
-    lake.pull(pulled)
-    with tracedb.connect(store, read_only=True) as a, tracedb.connect(pulled, read_only=True) as b:
-        assert [b.trace(t) for t in ids] == [a.trace(t) for t in ids]
+    lake.append(_rows(store, ids[:6]))
+    lake.append(_rows(store, ids[6:]))
+    table = lake.table("segments")
+    nodes = rows["nodes"]
+    want = set(
+        zip(
+            files.buckets(table, "lake_trace", nodes.column("trace_id").combine_chunks()).to_pylist(),
+            nodes.column("segment_id").to_pylist(),
+        )
+    )
+    for _ in range(2):
+        copies = _segment_copies(lake)
+        assert {(b, s) for b, s, batch in copies if batch != "a-dead-writer"} == want
+        lake.compact(grace=0)
+    assert len(_segment_copies(lake)) == len(want)  # the dead writer's copies went, each kept once per bucket
+    got = read.visible(lake, trace_ids=ids[:3])
+    with tracedb.connect(store, read_only=True) as db:
+        for trace_id in ids[:3]:
+            with tracedb.connect(":memory:") as local:
+                write_into(local, read.visible(lake, trace_ids=[trace_id]))
+                assert local.trace(trace_id) == db.trace(trace_id)
+    assert got["segments"].num_rows == len(set(got["nodes"].column("segment_id").to_pylist()))

@@ -21,7 +21,7 @@ import pytest
 
 import tracedb
 
-from support import FIXTURES
+from support import FIXTURES, FIXTURES_041
 
 pytest.importorskip("pyiceberg_core", reason="the lake extra is not installed (pip install '.[lake]')")
 pytest.importorskip("ray", reason="the lake extra is not installed (pip install '.[lake]')")
@@ -110,6 +110,22 @@ else:
             expected = db.branches(group=group).replace_schema_metadata(None)
         assert _collect(pushed.branches(group=group)).equals(expected)
         assert pushed.branches(trace_ids=[]).count() == 0
+
+    def test_views_of_an_async_selection_equal_the_file_stores(local_ray, tmp_path):
+        """The staleness bound, unknown versions, dropped and eval traces (verifiers 0.4.1
+        fixtures): the workers' views, ``policy_version`` per token, equal the file store's."""
+        store = tmp_path / "run.duckdb"
+        with tracedb.connect(store) as db:
+            db.ingest(sorted(FIXTURES_041.glob("*.traces.jsonl")))
+        lake = lakes.init(tmp_path / "L")
+        lake.push(store)
+        chosen = dict(policy=12, max_staleness=6, unknown="drop", include_dropped=False, include_eval=False)
+        with tracedb.connect(store, read_only=True) as db:
+            expected = db.branches(**chosen).replace_schema_metadata(None)
+            every = db.branches().num_rows
+        got = _collect(lake.branches(traces_per_task=5, **chosen))
+        assert 0 < got.num_rows < every and got.equals(expected)
+        assert got.column("policy_version").null_count < got.num_rows
 
     def test_views_of_complete_groups_and_tags_equal_the_file_stores(local_ray, tmp_path):
         """Groups whose members arrived in three tagged ingests, pushed in several writes:
@@ -283,29 +299,32 @@ else:
         lake = lakes.init(tmp_path / "L")
 
         def _dies_once(location, files, marker):
-            """An ingest task whose worker dies between writing its rows and committing its
-            traces, the first time it runs."""
+            """An ingest task whose worker dies after writing its data files, before it
+            hands them over, the first time it runs."""
+            result = ingest.ingest_files(location, files, False)
             if not os.path.exists(marker):
                 Path(marker).write_text("killed")
-
-                def die(*args, **kwargs):
-                    os._exit(1)
-
-                write._commit_traces = die
-            return ingest.ingest_files(location, files, False)
+                os._exit(1)
+            return result
 
         # defined here, so that Ray ships it by value (workers cannot import a test module)
         task = ray.remote(max_retries=2)(_dies_once)
         result = ray.get(task.remote(lake.location, [str(FIXTURES / "groups.traces.jsonl")], str(tmp_path / "m")))
         assert (tmp_path / "m").exists()
+        report = write.commit(lake, [result["staged"]])
         with tracedb.connect(":memory:") as db:
             db.ingest(FIXTURES / "groups.traces.jsonl")
             n = db.sql("SELECT count(*) FROM traces").column(0)[0].as_py()
             n_nodes = db.sql("SELECT count(*) FROM nodes").column(0)[0].as_py()
-        assert result["traces"] == n
+        assert report.traces == n and report.commits == 5
         visible = lake.tables()
         assert visible["traces"].num_rows == n and visible["nodes"].num_rows == n_nodes
-        assert lake.table("nodes").scan().to_arrow().num_rows == 2 * n_nodes  # the dead attempt's rows, invisible
+        assert lake.table("nodes").scan().to_arrow().num_rows == n_nodes  # the dead attempt's files: never committed
+        written = {str(p) for p in (tmp_path / "L" / "warehouse" / "tracedb" / "nodes").rglob("*.parquet")}
+        live = {f.file_path.removeprefix("file://") for f in (t.file for t in lake.table("nodes").scan().plan_files())}
+        assert live < written  # ... left unreferenced (expiry deletes them after its grace)
+        expired = lake.compact(grace=0, expire_older_than=0).expired
+        assert expired["nodes"]["files_deleted"] >= len(written - live)
 
     def test_cli_ingest(local_ray, tmp_path):
         import json
@@ -324,7 +343,48 @@ else:
         second = run(app, ["lake", "ingest", str(b), "--lake", lake, "--files-per-task", "3"])
         assert second.exit_code == 1 and "1 line(s) rejected" in second.output
         missing = run(app, ["lake", "ingest", str(tmp_path / "none"), "--lake", lake])
-        assert missing.exit_code == 1 and "no such file or directory" in missing.output
+        assert missing.exit_code == 2 and "no such file or directory" in missing.output
+        got = json.loads(first.output)
+        assert got["tasks"] == 8 and got["commits"] == len(got["rows"])  # 8 tasks' writes gathered: a commit per table
+
+    def test_ingest_gathers_its_tasks_writes_into_commits_of_commit_traces(local_ray, tmp_path):
+        """``--commit-traces N``: the driver commits its tasks' staged writes once they hold
+        N traces (one commit per table for all of them, traces last); each commit of N = 1
+        holds one task's write. The lake shows the same traces either way."""
+        import json
+
+        from typer.testing import CliRunner
+
+        from tracedb.cli.main import app
+
+        a, _ = _runs(tmp_path)
+        files = [str(f) for f in sorted(a.iterdir())[:4]]  # 4 tasks, a trace or more each
+        run = CliRunner().invoke
+        reports = {}
+        for n in ("1", "256"):
+            lake = str(tmp_path / f"L{n}")
+            lakes.init(lake)
+            done = run(
+                app, ["lake", "ingest", *files, "--lake", lake, "--workers", "2", "--commit-traces", n, "--json"]
+            )
+            assert done.exit_code == 0, done.output
+            reports[n] = json.loads(done.output)
+            snapshots = {name: len(lakes.open(lake).table(name).snapshots()) for name in reports[n]["rows"]}
+            assert sum(snapshots.values()) == reports[n]["commits"]
+            if n == "256":
+                assert set(snapshots.values()) == {1}  # every table committed once
+            else:
+                assert snapshots["traces"] == reports[n]["tasks"]  # one commit per task's write
+        one, gathered = reports["1"], reports["256"]
+        assert one["traces"] == gathered["traces"] > 0 and one["rows"] == gathered["rows"]
+        assert one["commits"] > gathered["commits"] == len(gathered["rows"])
+        same = [
+            sorted(lakes.open(str(tmp_path / f"L{n}")).tables()["traces"].column("trace_id").to_pylist())
+            for n in reports
+        ]
+        assert same[0] == same[1]
+        bad = run(app, ["lake", "ingest", *files, "--lake", str(tmp_path / "L1"), "--commit-traces", "0"])
+        assert bad.exit_code == 2 and "--commit-traces" in bad.output
 
     @pytest.mark.parametrize("seed", [3, 11])
     def test_random_forests_ingested_and_viewed_on_ray_equal_the_file_store(local_ray, tmp_path, seed):
@@ -390,3 +450,60 @@ else:
             lake.credit("grpo", "g")
         with pytest.raises(ValueError, match="lake credit computes"):
             lake.credit("gae", "x")
+
+    def test_group_credit_on_a_selection_steps_through_a_run_as_the_file_store_does(local_ray, store, tmp_path):
+        from typer.testing import CliRunner
+
+        from tracedb import credit
+        from tracedb.cli.main import app
+
+        lake = lakes.init(tmp_path / "L")
+        lake.push(store, batch_traces=25)
+        file = tmp_path / "file.duckdb"
+        shutil.copy(store, file)
+        with tracedb.connect(file) as db:
+            groups = db.sql("SELECT DISTINCT group_id FROM traces WHERE group_id IS NOT NULL ORDER BY 1")
+            groups = groups.column(0).to_pylist()
+            steps = [groups[: len(groups) // 2], groups[len(groups) // 2 :]]
+            for step in steps:
+                credit.run(db, "grpo", "g", selection=tracedb.Selection(group=step))
+            want = db.sql("SELECT credit_set, trace_id, value FROM trace_credit ORDER BY ALL")
+        assert len(steps[0]) >= 2 and want.num_rows > 0
+        first = lake.credit("grpo", "g", group=steps[0])
+        assert first["traces"] > 0 and first["watermark"] == lake.watermark() and "dropped" in first["selection"]
+        with pytest.raises(tracedb.errors.WriteError, match="already holds .* selected traces"):
+            lake.credit("grpo", "g", group=steps[0][:1])
+        with pytest.raises(tracedb.errors.WriteError, match="holds grpo with"):
+            lake.credit("grpo", "g", group=steps[1], scale_std=True)
+        with pytest.raises(ValueError, match="max_staleness needs policy"):
+            lake.credit("grpo", "g", max_staleness=1)
+        cli = CliRunner().invoke(
+            app, ["lake", "credit", "grpo", "--name", "g", *[f"--group={g}" for g in steps[1]], "--lake", lake.where]
+        )
+        assert cli.exit_code == 0, cli.output
+        bad = ["lake", "credit", "grpo", "--name", "g", "--max-staleness", "1", "--lake", lake.where]
+        bad = CliRunner().invoke(app, bad)
+        assert bad.exit_code == 2 and "max_staleness needs policy" in bad.output
+        assert "--complete-groups" in CliRunner().invoke(app, ["lake", "credit", "--help"], terminal_width=200).output
+        got = lake.tables()["trace_credit"].sort_by([(c, "ascending") for c in ("credit_set", "trace_id", "value")])
+        assert got.select(want.column_names).cast(want.schema).equals(want)
+        assert len(lake.tables()["credit_sets"]) == 1  # one set, made by the first step
+
+    def test_group_credit_leaves_dropped_and_eval_traces_out_as_the_file_store_does(local_ray, tmp_path):
+        from tracedb import credit
+
+        store = tmp_path / "run.duckdb"
+        with tracedb.connect(store) as db:
+            db.ingest([FIXTURES_041 / "dropped_group.traces.jsonl", FIXTURES_041 / "eval_work.traces.jsonl"])
+            left_out = db.sql("SELECT count(*) FROM traces WHERE dropped IS NOT NULL OR work_type = 'eval'")
+            assert left_out.column(0)[0].as_py() > 0
+        lake = lakes.init(tmp_path / "L")
+        lake.push(store)
+        with tracedb.connect(store) as db:
+            credit.run(db, "grpo", "g")
+            want = db.sql("SELECT credit_set, trace_id, value FROM trace_credit ORDER BY ALL")
+            every = db.sql("SELECT count(*) FROM traces WHERE reward IS NOT NULL").column(0)[0].as_py()
+        lake.credit("grpo", "g")
+        got = lake.tables()["trace_credit"].sort_by([(c, "ascending") for c in ("credit_set", "trace_id", "value")])
+        assert got.select(want.column_names).cast(want.schema).equals(want)
+        assert 0 < want.num_rows < every  # dropped and eval traces unassigned

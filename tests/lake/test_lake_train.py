@@ -3,8 +3,6 @@ file store's for the same traces (no Ray needed)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from typer.testing import CliRunner
 
@@ -14,6 +12,8 @@ pytest.importorskip("pyiceberg_core", reason="the lake extra is not installed (p
 
 import tracedb.lake as lakes  # noqa: E402
 from tracedb.cli.main import app  # noqa: E402
+
+from support.plans import assert_same_step  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +48,9 @@ def _same_plan(got, want, *, watermark):
         dict(seq_len=4096),
         dict(seq_len=400, ranks=3, overflow="drop", cost=(1.0, 0.01)),
         dict(seq_len=256, ranks=2, trainable=None, share_prefixes=True, pad_to_multiple_of=8),
+        dict(seq_len=1024, ranks=2, importance="tis", clip=1.5),
     ],
-    ids=["whole", "drop-ranks", "shared-prefixes"],
+    ids=["whole", "drop-ranks", "shared-prefixes", "importance"],
 )
 def test_plans_equal_the_file_stores(lake, store, options):
     with tracedb.connect(store, read_only=True) as db:
@@ -86,10 +87,6 @@ def test_lake_pack_writes_the_file_stores_step(lake, store, tmp_path):
     for name in names:
         if name != "manifest.json":
             assert (tmp_path / "file" / name).read_bytes() == (tmp_path / "lake" / name).read_bytes(), name
-    want = json.loads((tmp_path / "file" / "manifest.json").read_text())
-    got = json.loads((tmp_path / "lake" / "manifest.json").read_text())
-    assert got["report"].pop("watermark") == lake.watermark()
-    want["report"].pop("watermark")
-    assert got == want
+    assert_same_step(tmp_path / "lake", tmp_path / "file", lake.watermark())
     bad = run(app, ["lake", "pack", "--lake", lake.where, "--out", str(tmp_path / "x"), "--seq-len", "0"])
     assert bad.exit_code == 2 and "seq_len must be at least 1" in bad.output

@@ -1,7 +1,7 @@
 """Many writers at once on one lake: eight ``tracedb lake ingest`` processes, drivers of
 one local Ray (8 CPUs, so that their writes run at the same time), appending overlapping
 inputs into a lake on PostgreSQL; one of them is SIGKILLed
-in the middle of a write (its nodes committed, its traces not) and run again at once. A reader
+in the middle of a commit (its nodes committed, its traces not) and run again at once. A reader
 polling the lake meanwhile sees whole traces only; at the end every trace is there once,
 equal to the file store's ingest of the inputs.
 
@@ -45,32 +45,24 @@ DEADLINE = 240.0
 STALLER = r"""
 import os, sys, time
 
-import tracedb.lake.ingest as lake_ingest
+import tracedb.lake.write as write
 from tracedb.cli.main import app
 
 marker = sys.argv[1]
-real = lake_ingest.ingest_files
 
 
-def stalling_ingest_files(location, files, allow_ragged):
-    # Runs in the Ray worker (shipped by value): the first write stops just before its
-    # traces commit, says where (its worker's pid, its batch) and waits to be killed.
-    import tracedb.lake.write as write
-
-    if not os.path.exists(marker):
-
-        def stall(lake, traces, batch, report):
-            with open(marker + ".part", "w") as f:
-                f.write(f"{os.getpid()} {batch}")
-            os.replace(marker + ".part", marker)
-            time.sleep(120)
-            os._exit(3)
-
-        write._commit_traces = stall
-    return real(location, files, allow_ragged)
+def stall(lake, traces, report):
+    # The driver commits its tasks' staged writes: the first commit stops just before its
+    # traces commit (every other table committed), says where (its pid, a batch of its
+    # traces) and waits to be killed.
+    with open(marker + ".part", "w") as f:
+        f.write(f"{os.getpid()} {traces.column('lake_batch')[0].as_py()}")
+    os.replace(marker + ".part", marker)
+    time.sleep(120)
+    os._exit(3)
 
 
-lake_ingest.ingest_files = stalling_ingest_files
+write._commit_traces = stall
 sys.argv = ["tracedb", *sys.argv[2:]]
 app()
 """
@@ -191,17 +183,14 @@ def test_eight_writers_one_killed_mid_write(local_ray, inputs, catalog, request,
     reader.start()
     deadline = started + DEADLINE
     try:
-        while not marker.exists():  # writer 0's first write has committed all but its traces
+        while not marker.exists():  # writer 0's first commit has committed all but its traces
             assert procs[0].poll() is None, f"the stalling writer exited: {procs[0].communicate()[1][-2000:]}"
             assert time.monotonic() < deadline, "writer 0 never reached its traces commit"
             time.sleep(0.05)
         worker, batch = marker.read_text().split()
-        procs[0].send_signal(signal.SIGKILL)  # the writer: its driver, then the worker in its write
+        assert int(worker) == procs[0].pid  # the driver commits its tasks' writes
+        procs[0].send_signal(signal.SIGKILL)
         procs[0].wait(timeout=30)
-        try:
-            os.kill(int(worker), signal.SIGKILL)
-        except ProcessLookupError:  # Ray ended it with its driver already
-            pass
         assert procs[0].returncode == -signal.SIGKILL
         procs[0] = start(0, [sys.executable, "-m", "tracedb", *command(0)])  # writer 0 run again, at once
         reports = {}

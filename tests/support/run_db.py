@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
+
 import tracedb
 from tracedb.synthetic import generate_episodes
 
@@ -117,3 +120,26 @@ def write_late(directory: Path, expected: Expected) -> tuple[Path, list[str]]:
     episodes = _episodes("group-late", LATE_REWARDS, seed=99)
     _note(expected, episodes, LATE[1])
     return _write(directory / LATE[0], episodes), LATE[1]
+
+
+def write_trainer_logprobs(
+    db: tracedb.Database, expected: Expected, *, whole: set[float], first: set[float], seed: int = 17
+) -> dict[str, list[np.ndarray]]:
+    """A recompute pass written back: ``trainer_logprobs`` (the stored logprobs plus
+    N(0, 0.6) noise) on every sampled node of the traces of the steps in ``whole``, on the
+    first sampled node of those in ``first``, none elsewhere. Per trace, the log ratios
+    (trainer - inference) of its tokens holding both, by numpy."""
+    rng = np.random.default_rng(seed)
+    ratios: dict[str, list[np.ndarray]] = {}
+    rows = []
+    for tid, step in sorted(expected.step.items()):
+        if step not in whole | first:
+            continue
+        turns = [(i, n) for i, n in enumerate(db.trace(tid)["nodes"]) if sum(n["mask"])]
+        for i, node in turns if step in whole else turns[:1]:
+            lp = np.asarray(node["logprobs"], np.float32)
+            tr = (lp + rng.normal(0.0, 0.6, size=len(lp))).astype(np.float32)
+            rows.append({"trace_id": tid, "node_index": i, "values": tr.tolist()})
+            ratios.setdefault(tid, []).append(tr.astype(np.float64) - lp.astype(np.float64))
+    db.write_nodes(pa.Table.from_pylist(rows), stream="trainer_logprobs")
+    return ratios

@@ -28,6 +28,7 @@ COLUMNS = [
     "trainer_logprobs",
     "entropies",
     "loss_weights",
+    "policy_version",
 ]
 
 
@@ -106,6 +107,8 @@ def test_schema_and_column_order(fixture_db) -> None:
     for name in ("logprobs", *OPTIONAL):
         assert BRANCH_SCHEMA.field(name).type == pa.list_(pa.float32())
     assert BRANCH_SCHEMA.field("loss_weights").type == pa.map_(pa.string(), pa.list_(pa.float32()))
+    assert BRANCH_SCHEMA.field("policy_version").type == pa.list_(pa.int32())
+    assert table.column("policy_version").null_count == table.num_rows  # 0.4.0 records carry no versions
     assert [f.name for f in BRANCH_SCHEMA if not f.nullable] == [
         "trace_id",
         "branch_index",

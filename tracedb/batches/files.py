@@ -3,7 +3,8 @@
 ``write_step(plan, out)`` writes, per rank ``r``, ``rank_{r}.arrow`` (an Arrow IPC file
 whose record batches are that rank's micro-batches, in order) and ``rank_{r}.samples.arrow``
 (one samples table, with a ``micro_batch`` column), and ``manifest.json`` last (the
-arguments, the report, the files), each published by :func:`tracedb.publish.publishing`
+arguments, the report, what the step read: ``selection`` and ``credit``, see
+:mod:`tracedb.batches.provenance`; the files with their SHA-256), each published by :func:`tracedb.publish.publishing`
 (written under a temporary name, fsynced, renamed into place, the directory fsynced; the
 process umask's mode): a trainer that waits for the manifest never reads half a step, also
 after a crash of the machine. :func:`read_micro_batches` reads one
@@ -12,8 +13,11 @@ rank back as the same :class:`~tracedb.batches.plan.MicroBatch` objects.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 import time
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +26,7 @@ import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 
 from tracedb.batches.plan import SAMPLES_SCHEMA, MicroBatch, Plan
-from tracedb.errors import TraceDBError
+from tracedb.errors import StepChanged, TraceDBError
 from tracedb.publish import publishing, sync_dir
 
 MANIFEST = "manifest.json"
@@ -33,14 +37,32 @@ def _rank_files(rank: int) -> tuple[str, str]:
     return f"rank_{rank}.arrow", f"rank_{rank}.samples.arrow"
 
 
-def _replace_into(path: Path, write: Any) -> None:
-    """``write(tmp_path)``, then publish it as ``path`` (a reader sees the whole file or none)."""
+def _replace_into(path: Path, write: Any) -> str:
+    """``write(tmp_path)``, then publish it as ``path`` (a reader sees the whole file or
+    none); returns the SHA-256 of what was written."""
     with publishing(path) as tmp:
         write(tmp)
+        with tmp.open("rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def write_step(plan: Plan, out: str | Path) -> dict[str, Any]:
-    """Write ``plan`` into the directory ``out`` (created); returns the manifest."""
+def version() -> str:
+    """The tracedb version writing a step (the manifest's ``tracedb``)."""
+    try:
+        return metadata.version("tracedb")
+    except metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "unknown"
+
+
+def write_step(
+    plan: Plan, out: str | Path, *, rebuilt_from: str | None = None, expect: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Write ``plan`` into the directory ``out`` (created); returns the manifest.
+
+    ``rebuilt_from``: the manifest the plan was rebuilt from (recorded; such a step's
+    replays are not uses). ``expect``: that manifest; a rank file whose SHA-256 differs from
+    the one it lists raises :class:`~tracedb.errors.StepChanged` naming it, and no manifest
+    is written (the directory is no step; one this call made is removed)."""
     out = Path(out)
     made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
@@ -70,12 +92,48 @@ def write_step(plan: Plan, out: str | Path) -> dict[str, Any]:
             with ipc.new_file(tmp, table.schema) as writer:
                 writer.write_table(table)
 
-        _replace_into(out / tokens_name, tokens_file)
-        _replace_into(out / samples_name, samples_file)
-        files.append({"rank": rank, "tokens": tokens_name, "samples": samples_name, "micro_batches": len(batches)})
-    manifest = {"format": FORMAT, "arguments": plan.arguments, "report": plan.report.to_dict(), "files": files}
+        tokens_sha = _replace_into(out / tokens_name, tokens_file)
+        samples_sha = _replace_into(out / samples_name, samples_file)
+        files.append(
+            {
+                "rank": rank,
+                "tokens": tokens_name,
+                "samples": samples_name,
+                "micro_batches": len(batches),
+                "tokens_sha256": tokens_sha,
+                "samples_sha256": samples_sha,
+            }
+        )
+    if expect is not None:
+        try:
+            _compare_files(files, expect)
+        except StepChanged:
+            if made:  # a directory this call made holds nothing else: leave none behind
+                shutil.rmtree(out, ignore_errors=True)
+            raise
+    manifest: dict[str, Any] = {"format": FORMAT, "tracedb": version(), "arguments": plan.arguments}
+    manifest.update(plan.record)
+    manifest.update({"report": plan.report.to_dict(), "files": files})
+    if rebuilt_from is not None:
+        manifest["rebuilt_from"] = rebuilt_from
     _replace_into(out / MANIFEST, lambda tmp: tmp.write_text(json.dumps(manifest, indent=2, default=str) + "\n"))
     return manifest
+
+
+def _compare_files(files: list[dict[str, Any]], expect: dict[str, Any]) -> None:
+    """Refuse rank files that differ from the ones ``expect`` (a step's manifest) lists."""
+    then = {f[kind]: f.get(f"{kind}_sha256") for f in expect.get("files", []) for kind in ("tokens", "samples")}
+    now = {f[kind]: f[f"{kind}_sha256"] for f in files for kind in ("tokens", "samples")}
+    if sorted(then) != sorted(now):
+        raise StepChanged(f"the rebuilt step has files {sorted(now)}, the step {sorted(then)}")
+    differ = [name for name in now if now[name] != then[name]]
+    if differ:
+        raise StepChanged(
+            f"{differ[0]} differs from the step's (sha256 {now[differ[0]][:16]}..., the step's "
+            f"{str(then[differ[0]])[:16]}...; {len(differ)} of {len(now)} files differ) although its selection "
+            f"and credit are the same: the traces' tokens or streams changed, or the packer did (the step was "
+            f"written by tracedb {expect.get('tracedb')}, this is {version()})"
+        )
 
 
 def read_manifest(step: str | Path, *, wait: float = 0.0) -> dict[str, Any]:

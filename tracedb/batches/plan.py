@@ -23,8 +23,10 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from tracedb.batches import packing
+from tracedb.batches.importance import Weights
 from tracedb.batches.samples import Samples
 from tracedb.views import _buffers
 
@@ -42,6 +44,9 @@ BASE_COLUMNS = ("input_ids", "position_ids", "loss_mask", "advantages", "inferen
 OPTIONAL_COLUMNS = ("reference_logprobs", "trainer_logprobs", "entropies")
 """Token columns present when any packed sample holds the stream (null on the tokens of a
 sample whose stream is None)."""
+IMPORTANCE_COLUMN = "importance_weight"
+"""With ``importance="tis"``: float32, the truncated ratio on loss tokens holding both
+streams, 1.0 elsewhere (:mod:`tracedb.batches.importance`)."""
 
 
 @dataclass
@@ -60,6 +65,10 @@ class PackReport:
     dropped_overflow: int = 0
     truncated: int = 0
     """Samples cut to ``seq_len``."""
+    sampled_tokens: int = 0
+    """Sampled tokens of the packed samples before any cut (their loss tokens, train_once aside)."""
+    truncated_sampled_tokens: int = 0
+    """Of those, the ones the cut to ``seq_len`` left out."""
     micro_batches: int = 0
     padding_micro_batches: int = 0
     """Zero-loss bins added so that every rank has as many micro-batches."""
@@ -71,9 +80,71 @@ class PackReport:
     rank_costs: list[float] = field(default_factory=list)
     watermark: int = 0
     """The watermark the selection was read at: pass it as ``after`` for the next step."""
+    dropped: int = 0
+    """Dropped traces (verifiers' ``Trace.dropped``) left out (``include_dropped`` keeps them)."""
+    eval: int = 0
+    """Traces of eval episodes left out (``include_eval`` keeps them)."""
+    policy: int | None = None
+    """The policy version ``V`` staleness was measured from (None: no bound)."""
+    staleness_bound: int | None = None
+    """``V - K``: no loss token is older."""
+    stale_groups: int = 0
+    """Groups whose oldest member's lowest policy version is below the bound."""
+    stale_traces: int = 0
+    """Their traces: left out (``stale="drop"``) or kept masked (``"mask"``)."""
+    stale_tokens: int = 0
+    """With ``stale="mask"``: loss tokens older than the bound, taken out of the loss."""
+    unknown_dropped: int = 0
+    """Traces of unknown policy version left out (``unknown="drop"``)."""
+    off_policy_level: float | None = None
+    """Mean of ``V - policy_min`` over the packed traces (prime-rl's ``off_policy_level``)."""
+    off_policy_max: int | None = None
+    """Its maximum."""
+    groups_over: int = 0
+    """Groups past ``max_groups``, left for the next step."""
+    importance: str | None = None
+    """The importance correction written as ``importance_weight`` (``"tis"``), or None."""
+    clip: float | None = None
+    """Its cap: a loss token's weight is ``min(exp(trainer - inference), clip)``."""
+    importance_tokens: int = 0
+    """Loss tokens holding both ``logprobs`` and ``trainer_logprobs``: weighted."""
+    importance_defaulted: int = 0
+    """Loss tokens without both (no recomputed logprob, or no sampling one): weight 1.0."""
+    importance_clipped: int = 0
+    """Of the weighted loss tokens, those whose ratio was above ``clip``."""
+    replay_replaced: int = 0
+    """Zero-variance groups replaced by a replayed group (``replay``)."""
+    replay_unfilled: int = 0
+    """Zero-variance groups kept: no candidate was left for them."""
+    replay_candidates: int = 0
+    """Earlier groups that could be replayed (complete, with signal, within the bound and
+    the use limit); looked for only when the selection has a zero-variance group."""
+    replayed: list[dict[str, Any]] = field(default_factory=list)
+    """What replaced what: per replaced group, ``replaced`` (its id), ``group`` (the
+    replayed group's id), ``traces`` (the replayed traces), ``priority`` and ``uses``
+    (times the group was replayed before)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The counts, and the :meth:`warnings` under ``warnings``."""
+        return {**asdict(self), "warnings": self.warnings()}
+
+    def warnings(self) -> list[str]:
+        """What a trainer should not miss: samples cut to ``seq_len`` (how many, the share of
+        their loss tokens lost) and branches skipped as never scored."""
+        found = []
+        if self.truncated:
+            share = self.truncated_sampled_tokens / self.sampled_tokens if self.sampled_tokens else 0.0
+            found.append(
+                f"{self.truncated} of {self.samples} samples truncated to seq_len {self.seq_len}: "
+                f"{self.truncated_sampled_tokens:,} of {self.sampled_tokens:,} loss tokens ({share:.1%}) left out "
+                "(a larger seq_len keeps them; overflow='drop' leaves such samples out whole)"
+            )
+        if self.skipped_never_scored:
+            found.append(
+                f"{self.skipped_never_scored} of {self.branches} branches skipped: never scored (advantages None, "
+                "not 0); stamp a credit set (tracedb credit grpo) and pack with it (--credit grpo)"
+            )
+        return found
 
 
 class MicroBatch:
@@ -153,12 +224,14 @@ class MicroBatch:
 
 class Plan(Sequence[list[MicroBatch]]):
     """One list of micro-batches per rank (``plan[r]``), all of the same length, and the
-    report. ``arguments`` records the call."""
+    report. ``arguments`` records the call, ``record`` what it read (the selected traces
+    and the credit's digest: :mod:`tracedb.batches.provenance`)."""
 
     def __init__(self, ranks: list[list[MicroBatch]], report: PackReport, arguments: dict[str, Any]) -> None:
         self._ranks = ranks
         self.report = report
         self.arguments = arguments
+        self.record: dict[str, Any] = {}
 
     def __len__(self) -> int:
         return len(self._ranks)
@@ -260,6 +333,22 @@ def _loss_weight_columns(samples: Samples) -> dict[str, tuple[np.ndarray, np.nda
     return dict(sorted(out.items()))
 
 
+def _version_column(samples: Samples) -> tuple[np.ndarray, np.ndarray] | None:
+    """``policy_version`` over the view's tokens (values, known per token), when some packed
+    sample has a token of known version."""
+    column = samples.view.column("policy_version").combine_chunks()
+    if column.null_count == len(column):
+        return None
+    valid = column.is_valid().to_numpy(zero_copy_only=False)
+    if not valid[samples.rows].any():
+        return None
+    start = column.offsets[0].as_py()
+    flat = column.values.slice(start, int(samples.view_offsets[-1]))
+    known = flat.is_valid().to_numpy(zero_copy_only=False)
+    values = pc.fill_null(flat, 0).to_numpy(zero_copy_only=False).astype(np.int32)
+    return values, known
+
+
 def build_plan(
     samples: Samples,
     *,
@@ -291,7 +380,12 @@ def build_plan(
     layouts += [_Layout() for _ in range(padding)]  # the zero-loss bins: padding only
     pads = [(-lay.size) % multiple or (multiple if not lay.pieces else 0) for lay in layouts]
     report.padding_tokens = int(sum(pads))
-    columns = _ViewColumns.of(samples).assemble(layouts, pads, samples, pad_token_id)
+    view_columns = _ViewColumns.of(samples)
+    columns = view_columns.assemble(layouts, pads, samples, pad_token_id)
+    if samples.importance is not None:
+        counts = view_columns.importance_counts
+        report.importance_tokens, report.importance_defaulted = counts["tokens"], counts["defaulted"]
+        report.importance_clipped = counts["clipped"]
     tables = _samples_tables([sorted(b.samples) for b in bins] + [[] for _ in range(padding)], layouts, samples)
     starts = np.concatenate([[0], np.cumsum([lay.size + pad for lay, pad in zip(layouts, pads, strict=True)])])
     batches = [
@@ -317,6 +411,9 @@ class _ViewColumns:
     advantages: np.ndarray
     streams: dict[str, tuple[np.ndarray, np.ndarray | None]]  # values, valid per view row (None: all)
     weights: dict[str, tuple[np.ndarray, np.ndarray]]  # loss_weights.NAME: values, held per view token
+    versions: tuple[np.ndarray, np.ndarray] | None = None  # policy_version: values, known per view token
+    importance: Weights | None = None  # importance_weight inputs per view token (importance="tis")
+    importance_counts: dict[str, int] = field(default_factory=dict)  # loss tokens weighted, defaulted, clipped
 
     @classmethod
     def of(cls, samples: Samples) -> _ViewColumns:
@@ -334,6 +431,8 @@ class _ViewColumns:
             advantages=_flat(view, "advantages")[0],
             streams=streams,
             weights=_loss_weight_columns(samples),
+            versions=_version_column(samples),
+            importance=samples.importance,
         )
 
     def assemble(
@@ -351,6 +450,10 @@ class _ViewColumns:
         adv, lp = _buffers.empty(total, np.float32), _buffers.empty(total, np.float32)
         streams = {name: (_buffers.empty(total, np.float32), np.empty(total, bool)) for name in self.streams}
         weights = {name: (_buffers.empty(total, np.float32), np.empty(total, bool)) for name in self.weights}
+        versions = None if self.versions is None else (_buffers.empty(total, np.int32), np.empty(total, bool))
+        imp = self.importance
+        weight = None if imp is None else _buffers.empty(total, np.float32)
+        counts = {"tokens": 0, "defaulted": 0, "clipped": 0}
         ramp = np.arange(max((int(n) for n in samples.length), default=0) + 1, dtype=np.int32)
         at = 0
         for lay, pad in zip(layouts, pads, strict=True):
@@ -373,11 +476,24 @@ class _ViewColumns:
                 for name, (values, held) in self.weights.items():
                     weights[name][0][here] = values[there]
                     weights[name][1][here] = held[there]
+                if versions is not None and self.versions is not None:
+                    versions[0][here] = self.versions[0][there]
+                    versions[1][here] = self.versions[1][there]
+                if weight is not None and imp is not None:
+                    held = imp.held[there]
+                    weight[here] = np.where(piece_loss, imp.weight[there], np.float32(1.0))
+                    counts["tokens"] += int(np.count_nonzero(piece_loss & held))
+                    counts["defaulted"] += int(np.count_nonzero(piece_loss & ~held))
+                    counts["clipped"] += int(np.count_nonzero(piece_loss & imp.clipped[there]))
                 at += length
             padding = slice(at, at + pad)
             ids[padding], pos[padding], loss[padding], adv[padding], lp[padding] = pad_token_id, 0, False, 0.0, 0.0
             for values, present in (*streams.values(), *weights.values()):
                 values[padding], present[padding] = 0.0, False
+            if versions is not None:
+                versions[0][padding], versions[1][padding] = 0, False
+            if weight is not None:
+                weight[padding] = 1.0
             at += pad
         columns: dict[str, pa.Array] = {
             "input_ids": _arrow(ids),
@@ -390,6 +506,11 @@ class _ViewColumns:
             columns[name] = _arrow(values, ~present)
         for name, (values, present) in weights.items():
             columns[f"loss_weights.{name}"] = _arrow(values, ~present)
+        if versions is not None:
+            columns["policy_version"] = _arrow(versions[0], ~versions[1])
+        if weight is not None:
+            columns[IMPORTANCE_COLUMN] = _arrow(weight)
+        self.importance_counts = counts
         return columns
 
 

@@ -28,6 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from tracedb.batches.importance import Weights
 from tracedb.tables import NULLABLE_TOKEN_COLUMNS, TOKEN_COLUMNS
 from tracedb.views.nodes import NodeColumns
 from tracedb.views.spread import branch_entries, branch_table
@@ -50,6 +51,9 @@ class Samples:
     loss_mask: np.ndarray  # bool per view token (train-once rule applied; beyond a sample's length: unused)
     prefixes: list[list[tuple[int, int]]] | None  # per sample: (trie id, tokens up to it), with sharing
     counts: dict[str, int]
+    path_off: np.ndarray | None = None  # int64 per view row + 1: its path entries in ``path_rows``
+    path_rows: np.ndarray | None = None  # int64 per path entry: the node row
+    importance: Weights | None = None  # per view token, with importance="tis" (tracedb.batches.importance)
 
 
 def build(
@@ -74,7 +78,7 @@ def build(
         br = br.filter(pc.is_in(br.column("branch_index"), value_set=pa.array(branch_index, pa.int32())))
     path_off, path_rows = branch_entries(data, br)
     counts = {"branches": view.num_rows, "skipped_never_scored": 0, "dropped_zero_advantages": 0}
-    counts.update({"dropped_overflow": 0, "truncated": 0})
+    counts.update({"dropped_overflow": 0, "truncated": 0, "sampled_tokens": 0, "truncated_sampled_tokens": 0})
 
     full = pc.list_value_length(view.column("token_ids")).to_numpy(zero_copy_only=False).astype(np.int64)
     keep = view.column("advantages").is_valid().to_numpy(zero_copy_only=False)
@@ -103,6 +107,12 @@ def build(
     length = np.minimum(full, seq_len)
     truncated = full > length
     counts["truncated"] = int(truncated.sum())
+    # Sampled tokens (the loss before train_once) of the packed samples, and those a cut left out.
+    sampled = view.column("sampled_mask").combine_chunks().flatten()  # aligned with view_offsets
+    before = np.concatenate([[0], np.cumsum(sampled.to_numpy(zero_copy_only=False).astype(np.int64))])
+    at = view_offsets[rows]
+    counts["sampled_tokens"] = int((before[at + full] - before[at]).sum())
+    counts["truncated_sampled_tokens"] = int((before[at + full] - before[at + length]).sum())
 
     # The samples' path entries, in view order, and each entry's token offset in its sample.
     sizes = (path_off[1:] - path_off[:-1])[rows]
@@ -137,6 +147,8 @@ def build(
         loss_mask=loss,
         prefixes=prefixes,
         counts=counts,
+        path_off=path_off,
+        path_rows=path_rows,
     )
 
 

@@ -16,7 +16,18 @@ import typer
 from tracedb import cec
 from tracedb.cec import git as cec_git
 from tracedb.cec.rules import DEFAULT_CAP, DEFAULT_LAM
-from tracedb.cli.common import DbOption, JsonOption, emit, err, fail, open_db, out, report_ingest
+from tracedb.cli.common import (
+    DbOption,
+    JsonOption,
+    NewDbOption,
+    emit,
+    err,
+    fail,
+    input_paths,
+    open_db,
+    out,
+    report_ingest,
+)
 from tracedb.errors import TraceDBError
 
 app = typer.Typer(
@@ -39,15 +50,18 @@ IncludeFailedOption = Annotated[bool, typer.Option(help="Keep failed / timed-out
 
 @app.command()
 def ingest(
-    paths: Annotated[list[Path], typer.Argument(help="JSONL files (or directories) of cec records.")],
-    db: DbOption = Path("tracedb.duckdb"),
+    paths: Annotated[
+        list[Path], typer.Argument(help="JSONL files (or directories) of cec records; a quoted glob is expanded.")
+    ],
+    db: NewDbOption = Path("tracedb.duckdb"),
     strict: Annotated[bool, typer.Option(help="Abort on the first bad record; the database stays unchanged.")] = False,
     as_json: JsonOption = False,
 ) -> None:
     """Ingest turn, trace and verification records (one JSON object per line, `kind` says which).
 
     Exits 1 when any record was rejected (they are kept in `rejects`, see `tracedb rejects`)."""
-    with open_db(db) as database:
+    paths = input_paths(paths)
+    with open_db(db, create=True) as database:
         try:
             report = cec.ingest_records(database, paths, strict=strict)
         except (TraceDBError, FileNotFoundError) as e:

@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -21,6 +21,7 @@ from tracedb.cli.common import (
     CompleteGroupsOption,
     DbOption,
     JsonOption,
+    NewDbOption,
     TagFilterOption,
     ThroughOption,
     checked_name,
@@ -28,17 +29,20 @@ from tracedb.cli.common import (
     emit_sql_rows,
     err,
     fail,
+    input_paths,
     key_value,
     live_selection,
     out,
+    policy_mapping,
     report_pack,
     show_pandas,
+    training_options,
     write_pack,
 )
 from tracedb.errors import SqlRefused, TraceDBError
 
 app = typer.Typer(
-    help="The same store as Apache Iceberg tables (needs the lake extra: pip install 'tracedb[lake]').",
+    help="The same store as Apache Iceberg tables (needs the lake extra: pip install 'tracedb\\[lake]').",
     no_args_is_help=True,
 )
 
@@ -66,7 +70,7 @@ LakeOption = Annotated[
 
 @app.callback()
 def _lake_commands(ctx: typer.Context) -> None:
-    """The same store as Apache Iceberg tables (needs the lake extra: pip install 'tracedb[lake]')."""
+    """The same store as Apache Iceberg tables (needs the lake extra: pip install 'tracedb\\[lake]')."""
     show_pandas()  # Ray Data needs it
     ctx.with_resource(_quiet_libraries())
 
@@ -111,15 +115,29 @@ def init(
         Path,
         typer.Option("--warehouse", help="A local lake's directory (SQLite catalog + warehouse), or a .yaml/.json."),
     ],
+    buckets: Annotated[
+        int | None,
+        typer.Option(
+            "--buckets",
+            min=1,
+            help="Hash buckets of a new lake's tables (default 64, sized for about a million traces; "
+            "an existing lake keeps its own).",
+        ),
+    ] = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Make a lake (idempotent: an existing one gets the tables it lacks)."""
+    """Make a lake (idempotent: an existing one gets the tables it lacks, an older layout is upgraded)."""
     lakes = _lakes()
     try:
-        lake = lakes.init(warehouse)
-    except TraceDBError as e:
+        lake = lakes.init(warehouse, buckets=buckets)
+    except (TraceDBError, ValueError) as e:
         raise fail(e, 2) from None
-    made = {"lake": str(warehouse), "lake_schema_version": lakes.LAKE_SCHEMA_VERSION, "watermark": lake.watermark()}
+    made = {
+        "lake": str(warehouse),
+        "lake_schema_version": lakes.LAKE_SCHEMA_VERSION,
+        "buckets": lake.buckets,
+        "watermark": lake.watermark(),
+    }
     emit(made, as_json)
 
 
@@ -142,7 +160,7 @@ def push(
 @app.command()
 def pull(
     lake: LakeOption = Path("lake"),
-    db: DbOption = Path("tracedb.duckdb"),
+    db: NewDbOption = Path("tracedb.duckdb"),
     trace_ids: Annotated[str | None, typer.Option("--trace-ids", help="Comma-separated trace ids.")] = None,
     group: Annotated[list[str] | None, typer.Option("--group", help="A group id (repeatable).")] = None,
     episode: Annotated[list[str] | None, typer.Option("--episode", help="An episode id (repeatable).")] = None,
@@ -187,6 +205,14 @@ def ingest(
     allow_ragged: Annotated[
         bool, typer.Option(help="Accept compact streams longer/shorter than the sampled count.")
     ] = False,
+    commit_traces: Annotated[
+        int,
+        typer.Option(
+            "--commit-traces",
+            min=1,
+            help="Gather the tasks' output into commits of at least this many traces (one commit per table).",
+        ),
+    ] = 256,
     as_json: JsonOption = False,
 ) -> None:
     """Ingest files into the lake in Ray tasks (the file store's scanner and checks; rejects kept).
@@ -194,11 +220,17 @@ def ingest(
     Large plain .jsonl files are cut into byte ranges (--range-bytes), their rejects named
     by the file and its true line numbers. Idempotent by trace id, also against other
     ingests running at the same time. Exits 1 when anything was rejected."""
+    paths = input_paths(paths)
     opened = _open(lake)
     started = _started_ray(ray_address, workers)
     try:
         report = opened.ingest(  # type: ignore[attr-defined]
-            paths, workers=workers, files_per_task=files_per_task, allow_ragged=allow_ragged, range_bytes=range_bytes
+            paths,
+            workers=workers,
+            files_per_task=files_per_task,
+            allow_ragged=allow_ragged,
+            range_bytes=range_bytes,
+            commit_traces=commit_traces,
         )
     except (TraceDBError, FileNotFoundError) as e:
         raise fail(e) from None
@@ -217,6 +249,7 @@ def ingest(
 
 
 @app.command()
+@training_options
 def pack(
     out_dir: Annotated[Path, typer.Option("--out", help="Step directory to write (rank_R.arrow, manifest.json last).")],
     seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per micro-batch, at most.")],
@@ -235,16 +268,23 @@ def pack(
     pad_token_id: Annotated[int, typer.Option(help="Token id of the padding.")] = 0,
     share_prefixes: Annotated[bool, typer.Option(help="Store a prefix shared in a bin once (spans).")] = False,
     drop_zero_advantages: Annotated[bool, typer.Option(help="Leave out samples whose advantages are all 0.")] = False,
+    importance: Annotated[
+        str | None, typer.Option(help="tis: add importance_weight, as tracedb pack --importance does.")
+    ] = None,
+    clip: Annotated[float | None, typer.Option(help="The cap on the importance ratio (default 2.0).")] = None,
     after: AfterOption = None,
     complete_groups: CompleteGroupsOption = None,
     through: ThroughOption = None,
     tag: TagFilterOption = None,
     as_json: JsonOption = False,
+    training: dict[str, Any] | None = None,
 ) -> None:
     """Pack micro-batches of the lake's visible traces into a step directory, as
-    ``tracedb pack`` does for a file (the same files and selection options; the report's
-    watermark is the lake's: the --after of the next step)."""
+    ``tracedb pack`` does for a file (the same files and selection options, staleness and
+    dropped/eval ones included; the report's watermark is the lake's: the --after of the
+    next step)."""
     live = live_selection(after, complete_groups, through, tag)
+    live.update(training or {})
     opened = _open(lake)
     try:
         plan = opened.micro_batches(  # type: ignore[attr-defined]
@@ -263,12 +303,88 @@ def pack(
             pad_token_id=pad_token_id,
             share_prefixes=share_prefixes,
             drop_zero_advantages=drop_zero_advantages,
+            importance=importance,
+            clip=clip,
         )
     except ValueError as e:
         raise fail(e, 2) from None
     except TraceDBError as e:
         raise fail(e) from None
     report_pack(plan, write_pack(plan, out_dir), out_dir, as_json)
+
+
+@app.command()
+@training_options
+def export(
+    path: Annotated[Path, typer.Argument(help="Output file: .parquet, .arrow (IPC file) or .arrows (IPC stream).")],
+    lake: LakeOption = Path("lake"),
+    trace_id: Annotated[list[str] | None, typer.Option(help="Only these traces (repeatable).")] = None,
+    group: Annotated[list[str] | None, typer.Option(help="Only traces of these groups (repeatable).")] = None,
+    episode: Annotated[list[str] | None, typer.Option(help="Only traces of these episodes (repeatable).")] = None,
+    trainable_only: Annotated[bool, typer.Option(help="Only trainable branches.")] = False,
+    columns: Annotated[str | None, typer.Option(help="Comma-separated token columns to keep.")] = None,
+    train_once: Annotated[bool, typer.Option(help="Keep a shared node trainable only in its first branch.")] = False,
+    format: Annotated[str | None, typer.Option(help="parquet, arrow or arrows (default: from the suffix).")] = None,
+    credit: Annotated[str | None, typer.Option(help="Credit set of the advantages (default: the ingested).")] = None,
+    after: AfterOption = None,
+    complete_groups: CompleteGroupsOption = None,
+    through: ThroughOption = None,
+    tag: TagFilterOption = None,
+    as_json: JsonOption = False,
+    training: dict[str, Any] | None = None,
+) -> None:
+    """Export the lake's branch views to a file, as ``tracedb export`` does for a file (the
+    same options; --trainable-only leaves dropped and eval traces out unless included).
+    The printed watermark (also in the file's schema) is the lake's: the --after of the
+    next export."""
+    live = live_selection(after, complete_groups, through, tag)
+    live.update(training or {})
+    opened = _open(lake)
+    try:
+        result = opened.export(  # type: ignore[attr-defined]
+            path,
+            format=format,
+            trace_ids=trace_id or None,
+            group=group or None,
+            episode=episode or None,
+            **live,
+            trainable=True if trainable_only else None,
+            columns=[c.strip() for c in columns.split(",")] if columns else None,
+            train_once=train_once,
+            credit=credit,
+        )
+    except ValueError as e:
+        raise fail(e, 2) from None
+    except TraceDBError as e:
+        raise fail(e) from None
+    emit(result, as_json)
+
+
+@app.command("policy-versions")
+def policy_versions(
+    lake: LakeOption = Path("lake"),
+    set_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set", help="Map a weight label with no number of its own to a policy version: LABEL=N (repeatable)."
+        ),
+    ] = None,
+    as_json: JsonOption = False,
+) -> None:
+    """The lake's weight labels and policy versions, as ``tracedb policy-versions`` for a
+    file: --set LABEL=N maps a label (the traces using it get their bounds again, traces
+    rewritten keeping every seq); without --set, list the mapped labels."""
+    opened = _open(lake)
+    if not set_:
+        held = opened.policy_versions()  # type: ignore[attr-defined]
+        emit([{"label": k, "version": v} for k, v in sorted(held.items())], as_json, title="mapped weight labels")
+        return
+    mapping = policy_mapping(set_)
+    try:
+        updated = opened.set_policy_versions(mapping)  # type: ignore[attr-defined]
+    except TraceDBError as e:
+        raise fail(e, 2) from None
+    emit({"labels": len(mapping), "traces": updated}, as_json)
 
 
 def _started_ray(ray_address: str | None, workers: int | None) -> bool:
@@ -286,6 +402,7 @@ def _started_ray(ray_address: str | None, workers: int | None) -> bool:
 
 
 @app.command()
+@training_options
 def credit(
     algorithm: Annotated[str, typer.Argument(help="grpo or rloo.")],
     name: Annotated[str | None, typer.Option(help="Credit set to append (default: the algorithm's name).")] = None,
@@ -295,15 +412,40 @@ def credit(
     lake: LakeOption = Path("lake"),
     ray_address: RayAddressOption = None,
     workers: Annotated[int | None, typer.Option("--workers", min=1, help="CPUs of the Ray this starts.")] = None,
+    trace_id: Annotated[
+        list[str] | None, typer.Option("--trace-id", "--trace-ids", help="Only these traces (repeatable).")
+    ] = None,
+    group: Annotated[list[str] | None, typer.Option(help="Only traces of these groups (repeatable).")] = None,
+    episode: Annotated[list[str] | None, typer.Option(help="Only traces of these episodes (repeatable).")] = None,
+    after: AfterOption = None,
+    complete_groups: CompleteGroupsOption = None,
+    through: ThroughOption = None,
+    tag: TagFilterOption = None,
     as_json: JsonOption = False,
+    training: dict[str, Any] | None = None,
 ) -> None:
-    """Compute group credit (grpo, rloo) over the lake in a Ray groupby and append it as a set."""
+    """Compute group credit (grpo, rloo) over the lake in a Ray groupby and append it as a set.
+
+    With a selection (--after W --complete-groups N, --group, --policy V --max-staleness K,
+    --max-groups B, ...) only the selected traces are stamped, into the set, created on
+    first use, as `tracedb credit` does for a file: a trainer credits each step's new groups
+    (the printed watermark is the next step's --after). A trace the set holds is refused."""
     checked_name(name)
+    fields = {"trace_ids": trace_id or None, "group": group or None, "episode": episode or None}
+    fields.update(live_selection(after, complete_groups, through, tag))
+    fields.update(training or {})
+    from tracedb.selection import Selection
+
+    try:
+        Selection(**fields).check()
+    except ValueError as e:
+        raise fail(e, 2) from None
     opened = _open(lake)
     params = dict(key_value(p) for p in param or [])
     started = _started_ray(ray_address, workers)
     try:
-        result = opened.credit(algorithm, name, **params)  # type: ignore[attr-defined]
+        chosen = {k: v for k, v in fields.items() if v is not None}  # -p include_dropped=true stays
+        result = opened.credit(algorithm, name, **{**params, **chosen})  # type: ignore[attr-defined]
     except (TraceDBError, ValueError, TypeError) as e:
         raise fail(e) from None
     finally:
@@ -328,14 +470,18 @@ def compact(
             help="Also expire snapshots replaced longer ago than this (seconds) and delete the files only they held.",
         ),
     ] = None,
+    full: Annotated[
+        bool, typer.Option("--full", help="Rewrite every file, not only those added since the last compaction.")
+    ] = False,
     as_json: JsonOption = False,
 ) -> None:
     """Remove what readers never see (a killed writer's rows, duplicate segments) and
-    rewrite small files, table by table; readers' answers are unchanged (traces keep
-    their seq). --expire-older-than also drops old snapshots and their files."""
+    merge the files added since the last compaction, table by table; readers' answers
+    are unchanged (traces keep their seq). --expire-older-than also drops old snapshots
+    and their files."""
     opened = _open(lake)
     try:
-        report = opened.compact(grace=grace, expire_older_than=expire_older_than)  # type: ignore[attr-defined]
+        report = opened.compact(grace=grace, expire_older_than=expire_older_than, full=full)  # type: ignore[attr-defined]
     except (TraceDBError, ValueError) as e:
         raise fail(e) from None
     rows = [{"table": name, **entry, **report.expired.get(name, {})} for name, entry in report.tables.items()]

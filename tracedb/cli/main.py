@@ -10,45 +10,82 @@ import gc
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from tracedb import credit as credit_lib
 from tracedb.cec.cli import app as cec_app
 from tracedb.cli import remote
+from tracedb.cli import steps as step_cli
 from tracedb.cli.common import (
     AfterOption,
+    Commands,
     CompleteGroupsOption,
     DbOption,
     JsonOption,
+    MaxGroupsOption,
+    MaxStalenessOption,
     MemoryLimitOption,
+    NewDbOption,
+    PolicyOption,
+    StaleOption,
     TagFilterOption,
     ThroughOption,
+    UnknownOption,
     checked_name,
     emit,
     emit_sql_rows,
     err,
     fail,
     hide_pandas,
+    input_paths,
     key_value,
     live_selection,
     memory_limit,
     open_db,
     out,
+    output_format,
+    policy_mapping,
     report_ingest,
     report_pack,
     report_storage,
+    training_options,
+    training_selection,
+    warn,
     write_pack,
 )
 from tracedb.cli.lake import app as lake_app
 from tracedb.errors import SqlRefused, TraceDBError
 
 app = typer.Typer(
+    cls=Commands,
     help="Trace storage for RL of LLM agents: verifiers v1 message graphs in DuckDB, branch-spread token views.",
     no_args_is_help=True,
     add_completion=False,
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            number = version("tracedb")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            number = "unknown (not installed)"
+        sys.stdout.write(f"tracedb {number}\n")
+        raise typer.Exit()
+
+
+@app.callback()
+def _tracedb(
+    show_version: Annotated[
+        bool, typer.Option("--version", is_eager=True, callback=_print_version, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Trace storage for RL of LLM agents: verifiers v1 message graphs in DuckDB, branch-spread token views."""
+
 
 CreditOption = Annotated[
     str | None, typer.Option("--credit", help="Credit set whose advantages to use (default: the ingested set).")
@@ -69,8 +106,11 @@ RotatedOption = Annotated[
 
 @app.command()
 def ingest(
-    paths: Annotated[list[Path], typer.Argument(help="traces.jsonl / .jsonl.zst / .json files or directories.")],
-    db: DbOption = Path("tracedb.duckdb"),
+    paths: Annotated[
+        list[Path],
+        typer.Argument(help="traces.jsonl / .jsonl.zst / .json files or directories; a quoted glob is expanded."),
+    ],
+    db: NewDbOption = Path("tracedb.duckdb"),
     strict: Annotated[bool, typer.Option(help="Abort on the first bad record; the database stays unchanged.")] = False,
     allow_ragged: Annotated[
         bool, typer.Option(help="Accept compact streams longer/shorter than the sampled count.")
@@ -102,15 +142,18 @@ def ingest(
     (and in --json), naming the file (docs/live.md)."""
     memory_limit(memory_limit_)
     tags = tag or []
+    paths = input_paths(paths, follow=follow)
     if follow:
         from tracedb.cli.follow import follow as run_follower
 
+        if output_format() == "csv":
+            raise fail("--follow prints a JSON object a line as it commits: --format jsonl (or json), not csv", 2)
         if strict:
             raise fail("--strict and --follow do not go together: a follower keeps going past bad lines", 2)
         missing = [str(p) for p in paths if not p.exists()]
         if missing:
             err.print(f"not there yet (followed once they appear): {', '.join(missing)}", style="yellow")
-        with open_db(db) as database:
+        with open_db(db, create=True) as database:
             try:
                 report = run_follower(
                     database,
@@ -129,7 +172,7 @@ def ingest(
         else:
             out.print(str(report))
         return
-    with open_db(db) as database:
+    with open_db(db, create=True) as database:
         try:
             report = database.ingest(
                 paths, strict=strict, allow_ragged=allow_ragged, progress=progress and not as_json, tags=tags
@@ -207,7 +250,10 @@ def branches(
             except TraceDBError as e:
                 raise fail(e) from None
     if not known:
-        raise fail(f"trace {trace_id!r} is not in {url or db}")
+        raise fail(
+            f"trace {trace_id!r} is not in {url or db} "
+            f'(`tracedb sql "SELECT trace_id FROM traces LIMIT 10" --db {db}` shows some that are)'
+        )
     if table.num_rows == 0:
         raise fail(f"trace {trace_id!r} has no branch {', '.join(map(str, branch or []))}")
     rows = []
@@ -243,13 +289,20 @@ def trace(
 
 
 @app.command()
+@training_options
 def export(
     path: Annotated[Path, typer.Argument(help="Output file: .parquet, .arrow (IPC file) or .arrows (IPC stream).")],
     db: DbOption = Path("tracedb.duckdb"),
     trace_id: Annotated[list[str] | None, typer.Option(help="Only these traces (repeatable).")] = None,
     group: Annotated[list[str] | None, typer.Option(help="Only traces of these groups (repeatable).")] = None,
     trainable_only: Annotated[bool, typer.Option(help="Only trainable branches.")] = False,
-    columns: Annotated[str | None, typer.Option(help="Comma-separated token columns to keep.")] = None,
+    columns: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated columns to keep: the view's token columns, trace fields (group_id, reward, "
+            "episode_id, env_id, any column of traces) and tags (tag:NAME or a stored tag's name)."
+        ),
+    ] = None,
     train_once: Annotated[bool, typer.Option(help="Keep a shared node trainable only in its first branch.")] = False,
     format: Annotated[str | None, typer.Option(help="parquet, arrow or arrows (default: from the suffix).")] = None,
     credit: CreditOption = None,
@@ -258,10 +311,12 @@ def export(
     through: ThroughOption = None,
     tag: TagFilterOption = None,
     as_json: JsonOption = False,
+    training: dict[str, Any] | None = None,
 ) -> None:
     """Export branch views, streaming in bounded memory. The result's watermark (printed,
     and in the file's schema) is the --after of the next export of a live run."""
     live = live_selection(after, complete_groups, through, tag)
+    live.update(training or {})
     with open_db(db, read_only=True) as database:
         try:
             result = database.export(
@@ -283,9 +338,11 @@ def export(
 
 
 @app.command()
+@training_options
 def pack(
+    ctx: typer.Context,
     out: Annotated[Path, typer.Option("--out", help="Step directory to write (rank_R.arrow, manifest.json last).")],
-    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per micro-batch, at most.")],
+    seq_len: Annotated[int | None, typer.Option("--seq-len", help="Tokens per micro-batch, at most.")] = None,
     db: DbOption = Path("tracedb.duckdb"),
     ranks: Annotated[int, typer.Option(help="Data-parallel ranks: one file each, as many micro-batches each.")] = 1,
     trace_id: Annotated[list[str] | None, typer.Option(help="Only these traces (repeatable).")] = None,
@@ -301,16 +358,49 @@ def pack(
     pad_token_id: Annotated[int, typer.Option(help="Token id of the padding.")] = 0,
     share_prefixes: Annotated[bool, typer.Option(help="Store a prefix shared in a bin once (spans).")] = False,
     drop_zero_advantages: Annotated[bool, typer.Option(help="Leave out samples whose advantages are all 0.")] = False,
+    importance: Annotated[
+        str | None,
+        typer.Option(
+            help="tis: add importance_weight = min(exp(trainer_logprobs - logprobs), --clip) on each loss token "
+            "holding both (1.0 elsewhere, counted in the report)."
+        ),
+    ] = None,
+    clip: Annotated[
+        float | None, typer.Option(help="The cap on the importance ratio (with --importance; default 2.0).")
+    ] = None,
     after: AfterOption = None,
     complete_groups: CompleteGroupsOption = None,
     through: ThroughOption = None,
     tag: TagFilterOption = None,
+    replay_zero_variance: step_cli.ReplayOption = False,
+    replay_max_staleness: step_cli.ReplayMaxStalenessOption = None,
+    replay_priority: step_cli.ReplayPriorityOption = None,
+    replay_max_uses: step_cli.ReplayMaxUsesOption = None,
+    replay_seed: step_cli.ReplaySeedOption = None,
+    steps_root: step_cli.StepsRootOption = None,
+    from_manifest: step_cli.FromManifestOption = None,
     as_json: JsonOption = False,
+    training: dict[str, Any] | None = None,
 ) -> None:
     """Pack micro-batches for a trainer into a step directory: per rank an Arrow IPC file of
     micro-batches and their samples, then manifest.json (a trainer waits for it). On a live
-    run, --after with the last step's watermark (in the report) packs what arrived since."""
+    run, --after with the last step's watermark (in the report) packs what arrived since.
+    --replay-zero-variance replaces each zero-variance group by an earlier complete group
+    with signal (within --replay-max-staleness of --policy, replayed at most
+    --replay-max-uses times over the steps under --steps-root). --from-manifest rebuilds a
+    step byte-identical from its manifest (or names what changed in the database, exit 1)."""
+    if from_manifest is not None:
+        step_cli.check_alone(ctx)
+        with open_db(db, read_only=True) as database:
+            step_cli.rebuild_step(database, from_manifest, out, as_json)
+        return
+    if seq_len is None:
+        raise fail("--seq-len is required (or --from-manifest to rebuild a step)", 2)
+    replay = step_cli.replay_of(
+        replay_zero_variance, replay_max_staleness, replay_priority, replay_max_uses, replay_seed, steps_root
+    )
     live = live_selection(after, complete_groups, through, tag)
+    live.update(training or {})
     with open_db(db, read_only=True) as database:
         try:
             plan = database.micro_batches(
@@ -329,6 +419,9 @@ def pack(
                 pad_token_id=pad_token_id,
                 share_prefixes=share_prefixes,
                 drop_zero_advantages=drop_zero_advantages,
+                importance=importance,
+                clip=clip,
+                replay=replay,
             )
         except ValueError as e:
             raise fail(e, 2) from None
@@ -387,12 +480,37 @@ def credit(
     param: Annotated[
         list[str] | None, typer.Option("--param", "-p", help="Algorithm parameter key=value (JSON values), repeatable.")
     ] = None,
-    replace: Annotated[bool, typer.Option(help="Recompute an existing set of that name.")] = False,
+    replace: Annotated[
+        bool,
+        typer.Option(help="Recompute an existing set of that name (with a selection: the selected traces it holds)."),
+    ] = False,
     list_algorithms: Annotated[bool, typer.Option("--list", help="List the algorithms and their parameters.")] = False,
+    trace_id: Annotated[
+        list[str] | None, typer.Option("--trace-id", "--trace-ids", help="Only these traces (repeatable).")
+    ] = None,
+    group: Annotated[list[str] | None, typer.Option(help="Only traces of these groups (repeatable).")] = None,
+    episode: Annotated[list[str] | None, typer.Option(help="Only traces of these episodes (repeatable).")] = None,
+    after: AfterOption = None,
+    complete_groups: CompleteGroupsOption = None,
+    through: ThroughOption = None,
+    tag: TagFilterOption = None,
+    policy: PolicyOption = None,
+    max_staleness: MaxStalenessOption = None,
+    stale: StaleOption = None,
+    unknown: UnknownOption = None,
+    max_groups: MaxGroupsOption = None,
     db: DbOption = Path("tracedb.duckdb"),
     as_json: JsonOption = False,
 ) -> None:
-    """Stamp advantages with a credit algorithm as a named credit set (one transaction)."""
+    """Stamp advantages with a credit algorithm as a named credit set (one transaction).
+
+    With a selection (--after W --complete-groups N, --trace-id, --group, --policy V
+    --max-staleness K, --max-groups B, ...) only the selected traces are stamped, into the
+    set, created on first use: a trainer credits each step's new groups. Group means are
+    taken over each selected trace's whole group as stored; a trace the set already holds
+    is refused unless --replace (which computes it again). The result's watermark is the
+    next step's --after. Dropped traces and eval episodes are left out as in every credit
+    run (-p include_dropped=true / include_eval=true credits them)."""
     if list_algorithms or algorithm is None:
         rows = [
             {"algorithm": a.name, "layout": a.layout, "params": a.params(), "summary": a.summary}
@@ -402,11 +520,23 @@ def credit(
         return
     params = dict(key_value(p) for p in param or [])
     checked_name(name)
+    fields = {"trace_ids": trace_id or None, "group": group or None, "episode": episode or None}
+    fields.update(live_selection(after, complete_groups, through, tag))
+    fields.update(training_selection(policy, max_staleness, stale, unknown, False, False, max_groups))
+    selection = None
+    if any(v is not None for v in fields.values()):
+        from tracedb.selection import Selection
+
+        try:
+            selection = Selection(**fields).check()
+        except ValueError as e:
+            raise fail(e, 2) from None
     with open_db(db) as database:
         try:
-            result = credit_lib.run(database, algorithm, name, replace=replace, **params)
+            result = credit_lib.run(database, algorithm, name, replace=replace, selection=selection, **params)
         except (TraceDBError, ValueError, TypeError) as e:
             raise fail(e) from None
+    warn(result.get("warnings", []))
     emit(result, as_json)
 
 
@@ -430,8 +560,9 @@ def credit_compare(
         except (TraceDBError, ValueError) as e:
             raise fail(e) from None
     tables = {name: table.to_pylist() for name, table in result.items()}
-    if as_json:
-        emit(tables, True)
+    if as_json:  # JSON: the tables by name; CSV and JSON lines: their rows, each naming its table
+        flat = [{"table": name, **row} for name, rows in tables.items() for row in rows]
+        emit(tables if output_format() == "json" else flat, True)
         return
     shown = {
         k: [{c: f"{v:.4g}" if isinstance(v, float) else v for c, v in r.items()} for r in rows]
@@ -453,6 +584,33 @@ def credit_sets(db: DbOption = Path("tracedb.duckdb"), as_json: JsonOption = Fal
         emit(database.credit_sets().to_pylist(), as_json, title="credit sets")
 
 
+@app.command("policy-versions")
+def policy_versions(
+    db: DbOption = Path("tracedb.duckdb"),
+    set_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set", help="Map a weight label with no number of its own to a policy version: LABEL=N (repeatable)."
+        ),
+    ] = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Weight labels and policy versions: a label such as step_12, v3 or 12 names its own
+    version; map any other (a checkpoint name, a hash) with --set LABEL=N, which stores the
+    bounds of the traces using it again. Without --set, list the mapped labels."""
+    if not set_:
+        with open_db(db, read_only=True) as database:
+            emit(database.policy_versions().to_pylist(), as_json, title="mapped weight labels")
+        return
+    mapping = policy_mapping(set_)
+    with open_db(db) as database:
+        try:
+            updated = database.set_policy_versions(mapping)
+        except TraceDBError as e:
+            raise fail(e, 2) from None
+    emit({"labels": len(mapping), "traces": updated}, as_json)
+
+
 @app.command()
 def migrate(db: DbOption = Path("tracedb.duckdb"), as_json: JsonOption = False) -> None:
     """Upgrade a database file written by an older tracedb to this one's schema, in place
@@ -470,7 +628,16 @@ def migrate(db: DbOption = Path("tracedb.duckdb"), as_json: JsonOption = False) 
 
 @app.command()
 def serve(
-    db: DbOption = Path("tracedb.duckdb"),
+    dbs: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--db",
+            envvar="TRACEDB_DB",
+            help="Database file the server serves (a read-only server needs it; with --token or --follow it is "
+            "created); env TRACEDB_DB. Repeat it for runs to compare at /runs/compare: PATH or NAME=PATH "
+            "(a run is named by its file's stem unless named); the first is the one every other page serves.",
+        ),
+    ] = None,
     host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
     token: Annotated[
@@ -536,9 +703,18 @@ def serve(
     import uvicorn
 
     from tracedb.api import create_app
+    from tracedb.api.runsets import parse_run
     from tracedb.api.security import LOOPBACK_HOSTS
 
     memory_limit(memory_limit_)
+    follow = input_paths(follow, follow=True) if follow else follow
+    try:
+        named = [parse_run(spec) for spec in dbs or ["tracedb.duckdb"]]
+    except ValueError as e:
+        raise fail(e, 2) from None
+    (name, db), others = named[0], dict(named[1:])
+    if len(others) != len(named) - 1 or name in others:
+        raise fail(f"two runs are named alike among {', '.join(n for n, _ in named)}: name them (--db NAME=PATH)", 2)
     if rotated and not follow:
         raise fail("--rotated names where a followed file's rotated copies are: it needs --follow", 2)
     if token is None and not follow and not db.exists():
@@ -568,6 +744,8 @@ def serve(
             follow_tags=tag or [],
             follow_allow_ragged=allow_ragged,
             follow_rotated=rotated or (),
+            name=name,
+            runs=others,
         )
     except (TraceDBError, FileNotFoundError, ValueError) as e:
         raise fail(e, 2) from None
@@ -577,6 +755,10 @@ def serve(
         note = f"; not there yet (followed once they appear): {', '.join(missing)}" if missing else ""
         err.print(f"following {', '.join(map(str, follow))}{note}", style="dim")
     err.print(f"tracedb serving {db} on http://{host}:{port} ({mode})")
+    if others:
+        err.print(
+            f"runs to compare: {', '.join(n for n, _ in named)} at http://{host}:{port}/runs/compare", style="dim"
+        )
     try:
         uvicorn.run(application, host=host, port=port, log_level="info")
     finally:
@@ -585,7 +767,7 @@ def serve(
 
 @app.command()
 def demo(
-    db: DbOption = Path("tracedb-demo.duckdb"),
+    db: NewDbOption = Path("tracedb-demo.duckdb"),
     data: Annotated[Path, typer.Option(help="Where the generated sample traces.jsonl goes.")] = Path(
         "data/sample/traces.jsonl"
     ),
@@ -601,7 +783,7 @@ def demo(
     if not data.exists():
         write_sample(data, groups=groups, group_size=group_size, tokens_per_trace=tokens, advantages=True)
         out.print(f"wrote sample rollouts to {data}")
-    with open_db(db) as database:
+    with open_db(db, create=True) as database:
         report = database.ingest(data, progress=True)
         out.print(str(report))
         emit(database.stats(), False, title="stats")

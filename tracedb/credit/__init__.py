@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from tracedb.errors import CreditWarning
 
 if TYPE_CHECKING:  # imported where used: the registry is read at the command line's start
     import pyarrow as pa
 
     from tracedb.handle import Handle, HandleOf
+    from tracedb.selection import Selection
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,13 @@ ALGORITHMS: dict[str, Algorithm] = {
         Algorithm("branch", "branch:branch", "node", "CBPO: R - V(fork) per prefix-tree segment, scaled by its spread"),
         Algorithm("redistribute", "redistribute:redistribute", "node", "a trace advantage spread over turns by weight"),
         Algorithm("channels", "channels:channels", "node", "each selected token gets its channel's reward advantage"),
+        Algorithm(
+            "vtrace",
+            "vtrace:vtrace",
+            "node",
+            "V-trace: rho_s (r_s + gamma v_{s+1} - V_s), truncated ratios per turn from trainer_logprobs",
+            per_node="vtrace:vtrace_per_node",
+        ),
     )
 }
 """The one table of credit algorithms."""
@@ -109,6 +120,7 @@ def run(
     *,
     replace: bool = False,
     description: str | None = None,
+    selection: Selection | None = None,
     **params: Any,
 ) -> dict[str, Any]:
     """Compute ``algorithm`` on ``db`` (a :class:`tracedb.Database` or its handle) and
@@ -119,21 +131,96 @@ def run(
     ``matched_to=SET`` (any algorithm; ``-p matched_to=SET`` on the command line) rescales
     the output per trace to the ``sum |A|`` over tokens that set gives the trace, leaving a
     trace where either is 0 as it is; the result's ``matched`` counts both kinds
-    (:func:`tracedb.credit.dose.match`)."""
-    from tracedb import credit_sets, writeback
+    (:func:`tracedb.credit.dose.match`).
+
+    **On a selection** (``selection=Selection(...)``, or its fields as keywords:
+    ``after=W, complete_groups=N``, ``trace_ids``, ``group``, a staleness bound,
+    ``max_groups``, ...): only the selected traces are stamped, into the set ``name``,
+    created on first use (:mod:`tracedb.credit.selected`). Group statistics are taken over
+    each selected trace's whole group as stored; a selected trace already in the set is
+    refused unless ``replace=True``, which computes it again (the set's other traces stay).
+    The result adds ``traces`` (selected), ``watermark`` (the ``after`` of the next step)
+    and ``selection`` (what the selection left out: :attr:`Selected.report`).
+
+    A run whose output is another algorithm's by construction (anchor with no state
+    shared by two turns, redistribute with no weights, channels selecting every token)
+    is done all the same, and says so under ``warnings`` (a :class:`CreditWarning`'s text each)."""
+    from tracedb import credit_sets
     from tracedb.handle import handle_of
 
     handle = handle_of(db)
     algo = _lookup(algorithm)
     name = credit_sets.check_name(algorithm if name is None else name)  # before the work, not after it
+    selection = _selection(algo, selection, params)
     matched_to = params.pop("matched_to", None)
-    table, matched = _credit(handle, algo, matched_to, params, stamping=True)
     resolved = {**algo.params(), **params, **({} if matched_to is None else {"matched_to": matched_to})}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CreditWarning)
+        out = _stamped(handle, algo, name, selection, matched_to, params, resolved, description, replace)
+    notes = []
+    for w in caught:
+        if issubclass(w.category, CreditWarning):
+            notes.append(str(w.message))
+        else:  # not ours to keep: passed on as it came
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+    return {**out, "warnings": notes} if notes else out
+
+
+def _stamped(
+    handle: Handle,
+    algo: Algorithm,
+    name: str,
+    selection: Selection | None,
+    matched_to: Any,
+    params: dict[str, Any],
+    resolved: dict[str, Any],
+    description: str | None,
+    replace: bool,
+) -> dict[str, Any]:
+    """Compute the credit and stamp it as set ``name`` (only the selected traces with a
+    selection); the result :func:`run` returns, less its warnings."""
+    from tracedb import writeback
+    from tracedb.credit import selected
+
+    algorithm = algo.name
+    if selection is not None:
+        step = selected.training_selection(selection, resolved)
+        table, matched, picked, nodes = selected.stamp_selected(
+            handle,
+            name,
+            step,
+            lambda: _credit(handle, algo, matched_to, params, stamping=True),
+            algorithm=algorithm,
+            params=resolved,
+            description=description,
+            replace=replace,
+        )
+        out = {"name": name, "algorithm": algorithm, "params": resolved, "rows": table.num_rows, "nodes": nodes}
+        out.update(traces=len(picked.traces), watermark=picked.watermark, selection=picked.report)
+        return out if matched is None else {**out, "matched": matched}
+    table, matched = _credit(handle, algo, matched_to, params, stamping=True)
     nodes = writeback.stamp(
         handle, name, table, algorithm=algorithm, params=resolved, description=description, replace=replace
     )
     out = {"name": name, "algorithm": algorithm, "params": resolved, "rows": table.num_rows, "nodes": nodes}
     return out if matched is None else {**out, "matched": matched}
+
+
+def _selection(algo: Algorithm, selection: Selection | None, params: dict[str, Any]) -> Selection | None:
+    """The selection a run stamps: ``selection``, or one built from the selection fields
+    among ``params`` that are not the algorithm's own parameters (taken out of
+    ``params``); both is refused."""
+    from tracedb.selection import Selection
+
+    own = algo.params()
+    fields = {k: params.pop(k) for k in list(params) if k in Selection.FIELDS and k not in own}
+    if not fields:
+        return selection
+    if selection is not None:
+        raise ValueError(
+            f"give the selection once: selection=Selection(...) or its fields as keywords, not both ({sorted(fields)})"
+        )
+    return Selection(**fields)
 
 
 def _function(target: str) -> Callable[..., pa.Table]:

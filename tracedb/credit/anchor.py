@@ -29,12 +29,15 @@ Excluded traces (failed, timed out, unscored) stay unassigned and enter no stati
 
 from __future__ import annotations
 
+import warnings
+
 import duckdb
 import polars as pl
 import pyarrow as pa
 
 from tracedb.credit.layouts import NODE_CREDIT
 from tracedb.credit.states import DEFAULT_KEY_FIELD, check_finite, standardized, state_turns
+from tracedb.errors import CreditWarning
 from tracedb.handle import Handle, HandleOf, handle_of
 from tracedb.sqltext import quote_identifier
 
@@ -110,6 +113,21 @@ def anchor(
     )
     nodes = nodes.join(k, on=["group", "key"], how="left")
     flat = (pl.col("n") < 2) | (pl.col("lo") == pl.col("hi"))
+    if nodes.height and nodes.select(flat.all()).item():
+        shared = nodes.select((pl.col("n") >= 2).any()).item()
+        same = "grpo's with the same reward, group_by and scale_std" if episode_stats == "trace" else "A^E alone"
+        warnings.warn(
+            CreditWarning(
+                "anchor: the step term is 0 on every turn ("
+                + (
+                    "the turns of a group that share a state have equal returns"
+                    if shared
+                    else "no state is shared by two turns of a group"
+                )
+                + f"), so the credit is the episode advantage: {same}; check key_field ({key_field!r})"
+            ),
+            stacklevel=2,
+        )
     step = standardized(pl.col("G"), pl.col("mean"), pl.col("std"), flat, scale_std, eps)
     nodes = nodes.with_columns(A=pl.col("AE") + omega * step)
 

@@ -31,6 +31,7 @@ tool nobody called in this data simply selects nothing.
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,6 +41,7 @@ import pyarrow as pa
 
 from tracedb.credit.layouts import NODE_CREDIT, node_table
 from tracedb.credit.outcome import grpo
+from tracedb.errors import CreditWarning
 from tracedb.handle import Handle, HandleOf, handle_of
 
 KINDS = ("role", "tool", "loss_weights")
@@ -135,6 +137,20 @@ def channels(
         chosen[selected] = k
         a = advantage.get_column(f"a{rewards.index(reward)}").to_numpy()
         values[selected] = a[token_trace[selected]]
+    used = {parsed[k][3] for k in np.unique(chosen[chosen >= 0])}
+    if len(used) == 1 and (chosen >= 0).all():
+        (reward,) = used
+        used_channels = np.unique(chosen)
+        picked = ", ".join(repr(parsed[k][0]) for k in used_channels)
+        warnings.warn(
+            CreditWarning(
+                f"channels: {picked} {'select' if len(used_channels) > 1 else 'selects'} every sampled token with one "
+                f"reward ({reward!r}), so the credit equals "
+                f"grpo's{'' if reward == ALL_REWARDS else f' with reward={reward!r}'}; a channel that credits "
+                "part of a rollout selects fewer tokens"
+            ),
+            stacklevel=2,
+        )
     return node_table(
         rows.column("trace_id").combine_chunks(), rows.column("node_index").combine_chunks(), n_sampled, values
     )

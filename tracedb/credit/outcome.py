@@ -19,6 +19,8 @@ def trace_rewards(
     group_by: str = "group_id",
     include_failed: bool = False,
     columns: Sequence[str] = (),
+    include_dropped: bool = False,
+    include_eval: bool = False,
 ) -> pl.DataFrame:
     """One row per trace, by trace id: ``trace_id``, ``group``, ``reward``, ``valid``, and
     the ``traces`` columns named in ``columns``.
@@ -27,7 +29,9 @@ def trace_rewards(
     that reward's score. ``group_by`` names a ``traces`` column (default the episode's
     group id) or a JSON path into the trace record (``$.task.data.idx``). A trace is
     invalid (left unassigned, out of every mean) when it has no reward, or, unless
-    ``include_failed``, when it is not ok or timed out.
+    ``include_failed``, when it is not ok or timed out, or, unless ``include_dropped``,
+    when it was dropped (verifiers' ``Trace.dropped``: out of reward means, like a failed
+    rollout), or, unless ``include_eval``, when its episode is eval work.
     """
     handle = handle_of(db)
     known = set(tables.TRACES.names)  # the stored layout (an open file always has it)
@@ -52,6 +56,11 @@ def trace_rewards(
         raise ValueError(f"columns {unknown}: not traces columns ({sorted(known)})")
     extra = "".join(f", t.{quote_identifier(c)}" for c in columns)
     failed = "" if include_failed else " AND coalesce(t.ok, false) AND NOT coalesce(t.is_timeout, false)"
+    held = set(handle.sql("SELECT * FROM traces LIMIT 0").column_names)  # a lake's rows may predate the columns
+    if not include_dropped and "dropped" in held:
+        failed += " AND t.dropped IS NULL"
+    if not include_eval and "work_type" in held:
+        failed += " AND t.work_type IS DISTINCT FROM 'eval'"
     # Sorted here rather than in SQL: an ORDER BY costs DuckDB more than the whole scan.
     table = handle.sql(
         f'SELECT t.trace_id, {group_sql} AS "group", {reward_sql} AS reward, '
@@ -80,15 +89,25 @@ def grpo(
     scale_std: bool = False,
     eps: float = 1e-6,
     include_failed: bool = False,
+    include_dropped: bool = False,
+    include_eval: bool = False,
 ) -> pa.Table:
     """GRPO: A = r - mean(r over the group's valid members), optionally / (std + eps).
 
     Off by default, as in Dr. GRPO; the std is the sample standard deviation (a group of
     one has none and gets 0). Equal rewards give zeros, not None. Excluded rollouts
-    (failed, timed out, unscored) stay unassigned and do not enter the mean.
+    (failed, timed out, unscored, dropped, eval work: see :func:`trace_rewards`) stay
+    unassigned and do not enter the mean.
     """
     handle = handle_of(db)
-    df = trace_rewards(handle, reward=reward, group_by=group_by, include_failed=include_failed)
+    df = trace_rewards(
+        handle,
+        reward=reward,
+        group_by=group_by,
+        include_failed=include_failed,
+        include_dropped=include_dropped,
+        include_eval=include_eval,
+    )
     centered = pl.col("reward") - pl.col("reward").mean().over("group")
     if scale_std:
         std = pl.col("reward").std(ddof=1).over("group").fill_null(0.0).fill_nan(0.0)
@@ -102,10 +121,19 @@ def rloo(
     reward: str | None = None,
     group_by: str = "group_id",
     include_failed: bool = False,
+    include_dropped: bool = False,
+    include_eval: bool = False,
 ) -> pa.Table:
     """RLOO: A = r - mean of the other valid members' rewards; a group of one gets 0."""
     handle = handle_of(db)
-    df = trace_rewards(handle, reward=reward, group_by=group_by, include_failed=include_failed)
+    df = trace_rewards(
+        handle,
+        reward=reward,
+        group_by=group_by,
+        include_failed=include_failed,
+        include_dropped=include_dropped,
+        include_eval=include_eval,
+    )
     n = pl.len().over("group")
     others = (pl.col("reward").sum().over("group") - pl.col("reward")) / (n - 1)
     advantage = pl.when(n > 1).then(pl.col("reward") - others).otherwise(0.0)

@@ -32,6 +32,8 @@ a trace where it does.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pyarrow as pa
 
@@ -39,7 +41,7 @@ from tracedb import credit_sets
 from tracedb.credit.layouts import NODE_CREDIT, broadcast
 from tracedb.credit.outcome import grpo
 from tracedb.credit.returns import field_exists, node_field
-from tracedb.errors import NotFound
+from tracedb.errors import CreditWarning, NotFound
 from tracedb.handle import HandleOf, handle_of
 
 _BASE = "_tdb_redistribute_base"
@@ -135,6 +137,19 @@ def redistribute(
 
     turns = np.bincount(code, minlength=n_traces).astype(np.float64)
     total = np.bincount(code, weights=w, minlength=n_traces)
+    if epsilon == 1.0 or not (total > 0).any():
+        why = (
+            "epsilon=1"
+            if epsilon == 1.0
+            else ("no weight_field" if weight_field is None else f"every trace's {weight_field!r} weights sum to 0")
+        )
+        warnings.warn(
+            CreditWarning(
+                f"redistribute: {why}, so every turn gets its trace's advantage (the uniform control): the credit "
+                f"equals {'grpo' if base is None else repr(base)}'s; pass weight_field=NAME to redistribute"
+            ),
+            stacklevel=2,
+        )
     t, s = turns[code], total[code]
     share = np.where(s > 0, (1.0 - epsilon) * w / np.where(s > 0, s, 1.0) + epsilon / t, 1.0 / t)
     value = trace_lo[code] * t * share

@@ -58,8 +58,16 @@ from tracedb.handle import Handle, HandleOf, handle_of
 from tracedb.sqltext import quote_identifier
 from tracedb.views.nodes import node_ordered
 
-LIMITS = ("max_turns", "max_input_tokens", "max_output_tokens", "max_total_tokens", "compaction_failed")
-"""Stop conditions that cut an episode short (verifiers ``Trace.is_truncated``)."""
+LIMITS = (
+    "max_turns",
+    "max_input_tokens",
+    "max_output_tokens",
+    "max_total_tokens",
+    "max_turn_tokens",
+    "compaction_failed",
+)
+"""Stop conditions that cut an episode short (verifiers ``Trace.is_truncated``;
+``max_turn_tokens``, a response cut at the per-turn cap, since verifiers 0.4.1)."""
 
 
 def returns(
@@ -305,9 +313,10 @@ def branch_turns(
     node = nodes.column("node_index").to_numpy()[row]
     tid = branches.column("trace_id").combine_chunks().take(pa.array(branch, pa.int64()))
     last = np.append(branch[1:] != branch[:-1], True)
-    # A node's row from the branch that owns it is the one kept, in node-row order.
+    # A node's row from the branch that owns it is the one kept, by trace id (the branches'
+    # order; node rows follow the ingest order) then node index.
     keep = np.flatnonzero(owner)
-    keep = keep[np.argsort(row[keep], kind="stable")]
+    keep = keep[np.lexsort((node[keep], t[branch[keep]]))]
 
     r[last] += traces["outcome"].to_numpy()[t[branch[last]]]
     boot = np.where(truncated[branch[last]], b[last], 0.0)

@@ -24,6 +24,7 @@ import numpy as np
 import pydantic
 import simdjson
 
+from tracedb import policy
 from tracedb.errors import Location, RecordError
 from tracedb.records import BIT, COMPACT_STREAMS, Episode, Trace
 
@@ -52,6 +53,7 @@ class ParsedNode:
     is_content: np.ndarray | None  # bool; None when the key is absent
     streams: dict[str, np.ndarray | None]  # compact float32 streams
     loss_weights: dict[str, np.ndarray] | None
+    spans: list[dict[str, Any]] | None = None  # weight_versions (also in ``extra``), checked against the mask
 
 
 @dataclass
@@ -197,6 +199,8 @@ def _fast_node(node: Any) -> tuple[ParsedNode, int]:
         bit = BIT.get(key)
         if bit is None:
             extra[key] = _plain(value)
+            if key == "weight_versions" and not policy.typed(extra[key]):
+                raise Fallback  # pydantic words it
             continue
         present |= bit
         if key == "token_ids":
@@ -283,6 +287,7 @@ def _fast_node(node: Any) -> tuple[ParsedNode, int]:
         is_content=is_content,
         streams={k: streams.get(k) for k in COMPACT_STREAMS},
         loss_weights=loss_weights,
+        spans=extra.get("weight_versions"),
     )
     return parsed, brackets
 
@@ -390,6 +395,7 @@ def _slow_node(node: dict[str, Any]) -> ParsedNode:
         is_content=np.asarray(node["is_content"], dtype=bool) if "is_content" in node else None,
         streams={k: (None if node.get(k) is None else _f32(node[k])) for k in COMPACT_STREAMS},
         loss_weights=None if lw is None else {k: _f32(v) for k, v in lw.items()},
+        spans=node.get("weight_versions"),
     )
 
 
@@ -570,6 +576,10 @@ def _node_problem(i: int, node: ParsedNode, allow_ragged: bool) -> tuple[str, st
     for name, weights in (node.loss_weights or {}).items():
         if len(weights) != n:
             return f"loss_weights.{name}", f"loss_weights[{name!r}] has {len(weights)} values but token_ids has {n}"
+    if node.spans:
+        reason = policy.span_problem(node.spans, k)
+        if reason is not None:
+            return "weight_versions", reason
     if node.parent is not None and node.parent >= i:
         return "parent", f"parent {node.parent} is not an earlier node than {i}"
     for link in node.semantic_parents or []:

@@ -14,13 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from tracedb import tables
+from tracedb import policy, tables
 from tracedb.graph import branch_paths
 from tracedb.ingest.columns import numpy_lists, segment_key
 from tracedb.ingest.parse import ParsedLine, ParsedNode, ParsedTrace
 from tracedb.ingest.tags import Tag, TagRow, tag_rows
-from tracedb.records import COMPACT_STREAMS, trace_reward
+from tracedb.records import COMPACT_STREAMS, WEIGHT_VERSIONS_BIT, trace_reward
 
 if TYPE_CHECKING:
     from tracedb.handle import Numbering
@@ -31,6 +32,65 @@ Insert = tuple[str, pa.Table]
 fills from their default)."""
 
 
+def work_of(episode: dict[str, Any] | None) -> dict[str, Any]:
+    """The ``episodes`` columns of an episode's ``run`` (already checked against the model):
+    the work type (a run of type ``eval`` without work is ``eval``), step and policy span."""
+    run = (episode or {}).get("run")
+    out: dict[str, Any] = {"work_type": None, "work_step": None, "policy_start": None, "policy_end": None}
+    if not isinstance(run, dict):
+        return out
+    work = run.get("work")
+    if isinstance(work, dict):
+        span = work.get("policy") if isinstance(work.get("policy"), dict) else {}
+        out.update(
+            work_type=work.get("type"),
+            work_step=work.get("step"),
+            policy_start=span.get("start"),
+            policy_end=span.get("end"),
+        )
+    elif run.get("type") == "eval":
+        out["work_type"] = "eval"
+    return out
+
+
+def spans_in(extra: str | None) -> list[dict[str, Any]] | None:
+    """The ``weight_versions`` of a node's unknown fields (JSON text), None when it has none."""
+    if not extra or '"weight_versions"' not in extra:
+        return None
+    value = json.loads(extra).get("weight_versions")
+    return value if isinstance(value, list) else None
+
+
+def split_weight_versions(nodes: pa.Table) -> pa.Table:
+    """``nodes`` with each node's ``weight_versions`` moved out of ``extra`` into its own
+    column (its present bit set; an explicit null kept as a null with the bit). Spans
+    carrying keys beyond version/start/end stay in ``extra`` too, so the record reads back
+    as written; the column holds their three fields either way."""
+    extra = nodes.column("extra")
+    hits = pc.fill_null(pc.match_substring(extra, '"weight_versions"'), False)
+    rows = np.flatnonzero(hits.to_numpy(zero_copy_only=False)).tolist()
+    if not rows:
+        return nodes
+    texts = extra.to_pylist()
+    present = nodes.column("present").to_numpy().copy()
+    spans: list[Any] = [None] * nodes.num_rows
+    for r in rows:
+        fields = json.loads(texts[r])
+        if "weight_versions" not in fields:
+            continue
+        value = fields["weight_versions"]
+        present[r] |= WEIGHT_VERSIONS_BIT
+        if value is not None:
+            spans[r] = [{k: s[k] for k in policy.SPAN_KEYS} for s in value]
+        if value is None or all(len(s) == len(policy.SPAN_KEYS) for s in value):
+            del fields["weight_versions"]
+            texts[r] = json.dumps(fields, separators=(",", ":")) if fields else None
+    nodes = nodes.set_column(nodes.schema.get_field_index("extra"), "extra", pa.array(texts, pa.string()))
+    nodes = nodes.set_column(nodes.schema.get_field_index("present"), "present", pa.array(present, pa.int32()))
+    index = nodes.schema.get_field_index("weight_versions")
+    return nodes.set_column(index, "weight_versions", pa.array(spans, tables.WEIGHT_VERSIONS))
+
+
 def _compact(meta: dict[str, Any]) -> str:
     return json.dumps(meta, separators=(",", ":"))
 
@@ -38,7 +98,11 @@ def _compact(meta: dict[str, Any]) -> str:
 class Batch:
     """Rows buffered for one flush to DuckDB."""
 
-    def __init__(self, numbering: Numbering | None = None, tags: Sequence[Tag] = ()) -> None:
+    def __init__(
+        self, numbering: Numbering | None = None, tags: Sequence[Tag] = (), mapping: dict[str, int] | None = None
+    ) -> None:
+        self.mapping = mapping or {}
+        """Weight labels mapped to policy versions (``policy_labels``) when the ingest began."""
         self.numbering = numbering
         """Where fresh traces get their sequence numbers (:meth:`tracedb.handle.Handle.numbering`)."""
         self.tags = tags
@@ -54,6 +118,17 @@ class Batch:
         """Per scanned chunk (by id): its nodes and the row ranges of its fresh traces."""
         self.branches: list[tuple[str, int, int, bool, list[int], int, int]] = []
         self.segments: dict[bytes, np.ndarray] = {}
+
+    def _bounds(self, t: ParsedTrace, default: int | None) -> tuple[int | None, int | None, int]:
+        """The trace's policy-version bounds (:func:`tracedb.policy.trace_bounds`)."""
+        if t.block is None:
+            nodes = [(n.n_sampled, n.spans) for n in t.nodes]
+        else:
+            lo, hi = t.rows
+            sampled = t.block.n_sampled[lo:hi].tolist()
+            extras = t.block.extra.slice(lo, hi - lo).to_pylist()
+            nodes = [(k, spans_in(x)) for k, x in zip(sampled, extras, strict=True)]
+        return policy.trace_bounds(nodes, self.mapping, default)
 
     def _number(self) -> int:
         if self.numbering is None:
@@ -84,8 +159,11 @@ class Batch:
                     "record": _compact(ep),
                     "source": source,
                     "line": number,
+                    **work_of(ep),
                 }
             )
+        work = work_of(episode if episode is not None else line.episode)
+        default = policy.fallback(work["policy_start"], work["work_step"])
         for t in fresh:
             scanned = t.block
             if scanned is None:
@@ -124,6 +202,9 @@ class Batch:
                     "source": source,
                     "line": number,
                     "seq": self._number(),
+                    "dropped": meta.get("dropped"),
+                    "work_type": work["work_type"],
+                    **dict(zip(("policy_min", "policy_max", "policy_unknown"), self._bounds(t, default), strict=True)),
                 }
             )
             if self.tags:
@@ -149,7 +230,7 @@ class Batch:
         parts = [self.parsed_node_table()] if self.parsed_nodes else []
         for scanned, ranges in self.scanned.values():
             parts.append(scanned.table(np.concatenate(ranges)))
-        return parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+        return split_weight_versions(parts[0] if len(parts) == 1 else pa.concat_tables(parts))
 
     def parsed_node_table(self) -> pa.Table:
         """The fallback parser's nodes, in :data:`tracedb.tables.NODES`."""
@@ -199,6 +280,7 @@ class Batch:
             "message": pa.array([n.message for n in nodes], pa.string()),
             "extra": pa.array([n.extra for n in nodes], pa.string()),
             "present": pa.array([n.present for n in nodes], pa.int32()),
+            "weight_versions": pa.nulls(len(nodes), tables.WEIGHT_VERSIONS),
         }
         return tables.table_from(tables.NODES, columns)
 

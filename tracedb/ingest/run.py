@@ -25,7 +25,7 @@ import duckdb
 import numpy as np
 import simdjson
 
-from tracedb import jitcache, runtime
+from tracedb import jitcache, policy, runtime
 from tracedb.errors import IngestAborted, InputError, Location, RecordError
 from tracedb.handle import Handle, Numbering
 from tracedb.ingest.files import ByteRange, Chunk, LongLine, find_files, read_chunks, read_range
@@ -151,6 +151,7 @@ class IngestRun:
         self.handle = handle
         self.tags = tuple(tags)
         self.numbering: Numbering | None = None
+        self.mapping: dict[str, int] = {}
         self.report = report
         self.strict = strict
         self.allow_ragged = allow_ragged
@@ -173,7 +174,8 @@ class IngestRun:
         which parser reads the lines (``scanner`` setting)."""
         self.reader = self.handle.cursor()
         self.numbering = self.handle.numbering()
-        self.batch = Batch(self.numbering, self.tags)
+        self.mapping = policy.mapping_of(self.reader)
+        self.batch = Batch(self.numbering, self.tags, self.mapping)
         self.writer = Writer(self.handle.con, self.knobs.write_alignment_rows)
         self.bar = _progress(files) if progress else None
         if uses_scanner(self.knobs, files):
@@ -311,7 +313,7 @@ class IngestRun:
     def flush(self) -> None:
         assert self.writer is not None
         _flush(self.handle, self.reader, self.writer, self.batch, self.report, self.seen)
-        self.batch = Batch(self.numbering, self.tags)
+        self.batch = Batch(self.numbering, self.tags, self.mapping)
 
     def finish(self, before_commit: Callable[[], None] | None = None) -> None:
         """Write what is left, the rejects and the new watermark (and what

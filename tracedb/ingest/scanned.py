@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pydantic
 
-from tracedb import runtime, tables
+from tracedb import policy, runtime, tables
 from tracedb.ingest import _scan as S
 from tracedb.ingest.columns import list_array, segment_keys
 from tracedb.ingest.files import Chunk
@@ -166,6 +166,7 @@ class ScannedNodes:
             "message": self.message,
             "extra": self.extra,
             "present": pa.array(nodes[:, S.N_PRESENT].astype(np.int32)),
+            "weight_versions": pa.nulls(self.n, tables.WEIGHT_VERSIONS),
         }
         if len(rows) != self.n or (len(rows) and (rows[0] != 0 or (np.diff(rows) != 1).any())):
             index = pa.array(rows)
@@ -344,7 +345,13 @@ def _line(
             parsed = ParsedTrace(meta["id"], None if episode is None else episode["id"], t - lo, meta)
             parsed.block, parsed.rows = block, (int(row[S.T_NODE_LO]), int(row[S.T_NODE_HI]))
             for r in np.flatnonzero((block.nulls[parsed.rows[0] : parsed.rows[1]] & S.NULL_EXTRA) == 0).tolist():
-                _json(block.extra[parsed.rows[0] + r].as_py())  # unknown node fields: distinct keys
+                row_extra = _json(block.extra[parsed.rows[0] + r].as_py())  # unknown node fields: distinct keys
+                spans = row_extra.get("weight_versions")
+                if spans is not None and (
+                    not policy.typed(spans)
+                    or policy.span_problem(spans, int(block.n_sampled[parsed.rows[0] + r])) is not None
+                ):
+                    return None  # the parser words it
             block.trace_ids[t] = meta["id"]
             out.append(parsed)
         return ParsedLine(episode, out)

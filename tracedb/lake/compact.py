@@ -1,24 +1,35 @@
-"""Compacting a lake: what readers never see is removed, small files are rewritten, old
-snapshots (and the files only they held) are expired.
+"""Compacting a lake: what readers never see is removed, new small files are merged,
+old snapshots (and the files only they held) are expired.
 
-Each table is rewritten (one overwrite commit per table) holding only what a reader can
-see, with the lake's own :data:`~tracedb.lake.catalog.BATCH` kept: per-trace rows of the
-write that committed their trace's row, episodes likewise (one per episode id), each
-segment once, rejects once per key, credit sets once per name. Rows of a write that
-never committed its traces row are removed only when the file holding them was added
-more than ``grace`` seconds ago, so a writer still at work keeps its rows. A table whose
-rows are all kept and which has one file per partition is left alone.
+Incremental: per table, only the files added since the last compaction (the files not
+written by a compaction, :func:`tracedb.lake.commit.compacted`) are rewritten, one file
+per partition, in one commit that replaces them (a compaction's files are never rewritten
+again but by ``full=True``, which rewrites every file). The rewrite keeps only what a
+reader can see, the lake's own :data:`~tracedb.lake.catalog.BATCH` kept: per-trace rows
+of the write that committed their trace's row, episodes likewise (one per episode id
+among the rows rewritten), segments of writes that committed a trace (each once per
+partition among the rows rewritten), rejects once per key, credit sets once per name.
+Readers show each segment, episode, reject and credit set once whatever the files hold,
+so duplicates across compactions cost bytes, not answers. A file holding rows of a
+write that never committed its traces row is left for a later compaction while it is
+younger than ``grace`` seconds (its writer may still be at work); older, those rows are
+removed. The commit also merges the table's manifests into one (each append adds a
+manifest, and planning a scan reads them all). What a compaction reads is the files it
+rewrites and the ``traces`` key columns (trace id, batch, episode, seq: which rows are
+visible), so its time follows the new data, not the lake's size.
 
-``traces`` is rewritten too, one row per trace id (the visible one: the first by seq
-then :data:`BATCH`), each row carrying its ``seq`` in the stored ``seq`` column: a
-trace's seq is the data sequence number of the file its write committed, which the
-rewrite renumbers, and readers take the stored value when there is one
+``traces`` is compacted last, one row per trace id (the visible one: the first by seq
+then :data:`BATCH`), each row carrying its ``seq`` in the stored ``seq`` column: a trace's
+seq is the data sequence number of the file its write committed, which the rewrite
+renumbers, and readers take the stored value when there is one
 (:func:`tracedb.lake.scan.scan_traces`). The rewrite is one more traces commit, with a
 sequence number above every stored one, so a trace committed after it still gets a
 ``seq`` above every earlier trace's. A writer that commits traces between the
 compaction's read and its commit makes the commit conflict (pyiceberg's retries are
 off on ``traces``, and the compaction holds a table object of its own, which nothing
-refreshes meanwhile): the table is read and rewritten again.
+refreshes meanwhile): the table is read and rewritten again. A commit to another table
+meanwhile conflicts only when it removed one of the files being replaced (another
+compaction): that table is planned again.
 
 :func:`expire` removes, per table, the snapshots that stopped being current more than
 ``older_than`` seconds ago (never the current one: a reader that loaded a table up to
@@ -33,18 +44,19 @@ pyiceberg's ``expire_snapshots`` only edits the metadata; deleting files is done
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-import duckdb
 import pyarrow as pa
+import pyarrow.compute as pc
 from pyarrow.fs import FileSelector, FileType
 from pyiceberg.exceptions import CommitFailedException, ValidationException
-from pyiceberg.expressions import AlwaysTrue
-from pyiceberg.io.pyarrow import ArrowScan, PyArrowFileIO
+from pyiceberg.io.pyarrow import PyArrowFileIO
 
 from tracedb.lake import catalog, read
+from tracedb.lake import files as lake_files
+from tracedb.lake.commit import compacted, data_files, replace_files
 from tracedb.lake.scan import visible_traces
 from tracedb.sqltext import quote_identifier
 
@@ -56,12 +68,15 @@ ATTEMPTS = 5
 """Rewrites of one table tried when writers keep committing to it meanwhile."""
 
 _ADDED = "_tdb_added_ms"
+_FILE = "_tdb_file"
+_PART = "_tdb_part"
 
 
 @dataclass
 class CompactReport:
-    """What a compaction did, per table: rows and files before and after (``tables``), and
-    what snapshot expiry removed (``expired``: snapshots, files, bytes; empty without it)."""
+    """What a compaction did, per table: live files before and after, files rewritten and
+    their rows before and after (``tables``), and what snapshot expiry removed
+    (``expired``: snapshots, files, bytes; empty without it)."""
 
     tables: dict[str, dict[str, int]] = field(default_factory=dict)
     expired: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -77,57 +92,28 @@ def own_tables(location: catalog.Location) -> Any:
     return lambda name: where.load_table(f"{location.namespace}.{name}")
 
 
-def _scan_with_age(table: Any) -> tuple[pa.Table, list[Any]]:
-    """Every row of ``table`` with the time (ms) its file was added, and the scan tasks.
-
-    A file added by a snapshot expired since is given the time of the oldest snapshot
-    left (it was added before that one: taking it as younger keeps more, never less)."""
-    snapshot = table.current_snapshot()
-    if snapshot is None:
-        return table.scan().to_arrow().append_column(_ADDED, pa.array([], pa.int64())), []
-    oldest = min(s.timestamp_ms for s in table.metadata.snapshots)
-    added = {}
-    for manifest in snapshot.manifests(table.io):
-        for entry in manifest.fetch_manifest_entry(table.io, discard_deleted=True):
-            made = table.snapshot_by_id(entry.snapshot_id)
-            added[entry.data_file.file_path] = made.timestamp_ms if made is not None else oldest
-    scan = ArrowScan(table.metadata, table.io, table.schema(), AlwaysTrue())
-    tasks = list(table.scan().plan_files())
-    parts = []
-    for task in tasks:
-        part = scan.to_table([task])
-        parts.append(part.append_column(_ADDED, pa.array([added[task.file.file_path]] * part.num_rows, pa.int64())))
-    if not parts:
-        empty = table.scan(limit=0).to_arrow()
-        return empty.append_column(_ADDED, pa.array([], pa.int64())), []
-    return pa.concat_tables(parts, promote_options="permissive"), tasks
-
-
-def _compacted(tasks: list[Any]) -> bool:
-    """Whether the files of ``tasks`` are one per partition already."""
-    return len({(t.file.spec_id, str(t.file.partition)) for t in tasks}) == len(tasks)
-
-
-def _kept_query(name: str, schema: pa.Schema, cutoff_ms: int) -> str:
-    """The SQL choosing the rows of ``raw`` that compaction keeps (``vis``: visible traces)."""
-    young = f"r.{_ADDED} > {cutoff_ms}"
+def _kept_query(name: str, schema: pa.Schema) -> str:
+    """The SQL choosing the rows of ``raw`` (rows of the files rewritten) that readers can
+    see (``vis``: the visible traces rows; ``sets``: the credit sets' names)."""
+    b = catalog.BATCH
+    if name == "traces":
+        return f"SELECT r.* REPLACE (v.seq AS seq) FROM raw r JOIN vis v ON v.trace_id = r.trace_id AND v.{b} = r.{b}"
     if catalog.per_trace(name, schema):
         of_a_set = " AND r.credit_set IN (SELECT name FROM sets)" if "credit_set" in schema.names else ""
         return (
-            f"SELECT r.* FROM raw r WHERE {young} OR (EXISTS "
-            f"(SELECT 1 FROM vis v WHERE v.trace_id = r.trace_id AND v.{catalog.BATCH} = r.{catalog.BATCH}){of_a_set})"
+            "SELECT r.* FROM raw r WHERE EXISTS "
+            f"(SELECT 1 FROM vis v WHERE v.trace_id = r.trace_id AND v.{b} = r.{b}){of_a_set}"
         )
     if name == "episodes":
+        order = "r.ingested_at, " if "ingested_at" in schema.names else ""
         return (
-            f"SELECT * FROM raw r WHERE {young} UNION ALL SELECT r.* FROM raw r SEMI JOIN vis v "
-            f"ON r.episode_id = v.episode_id AND r.{catalog.BATCH} = v.{catalog.BATCH} WHERE NOT {young} "
-            f"QUALIFY row_number() OVER (PARTITION BY r.episode_id ORDER BY r.ingested_at, r.{catalog.BATCH}) = 1"
+            f"SELECT r.* FROM raw r SEMI JOIN vis v ON r.episode_id = v.episode_id AND r.{b} = v.{b} "
+            f"QUALIFY row_number() OVER (PARTITION BY r.episode_id ORDER BY {order}r.{b}) = 1"
         )
     if name == "segments":
         return (
-            f"SELECT * FROM raw r WHERE {young} UNION ALL SELECT r.* FROM raw r WHERE NOT {young} "
-            "AND r.segment_id IN (SELECT segment_id FROM used) "
-            "QUALIFY row_number() OVER (PARTITION BY r.segment_id ORDER BY r.segment_id) = 1"
+            f"SELECT r.* FROM raw r WHERE r.{b} IN (SELECT {b} FROM vis) "
+            f"QUALIFY row_number() OVER (PARTITION BY r.{_PART}, r.segment_id ORDER BY r.{b}) = 1"
         )
     if name == "rejects":
         key = ", ".join(f"r.{quote_identifier(c)}" for c in read.REJECT_KEY)
@@ -137,83 +123,156 @@ def _kept_query(name: str, schema: pa.Schema, cutoff_ms: int) -> str:
     return "SELECT r.* FROM raw r"
 
 
+def _decided_query(name: str, schema: pa.Schema, cutoff_ms: int) -> str | None:
+    """The SQL of the files (``_tdb_file``) holding rows readers do not see that a writer
+    still at work may commit: rows of a write without a visible traces row, in a file
+    younger than ``cutoff_ms``; None for a table of no such rows."""
+    b = catalog.BATCH
+    young = f"r.{_ADDED} > {cutoff_ms}"
+    if name == "traces":  # a traces row is visible or lost: nothing waits
+        return None
+    if catalog.per_trace(name, schema):
+        return (
+            f"SELECT DISTINCT r.{_FILE} FROM raw r WHERE {young} AND NOT EXISTS "
+            f"(SELECT 1 FROM vis v WHERE v.trace_id = r.trace_id AND v.{b} = r.{b})"
+        )
+    if name in ("episodes", "segments"):
+        return f"SELECT DISTINCT r.{_FILE} FROM raw r WHERE {young} AND r.{b} NOT IN (SELECT {b} FROM vis)"
+    return None
+
+
+def _added_ms(table: Any, files: list[lake_files.LiveFile]) -> list[int]:
+    """When each file was added (ms), by the snapshot that added it; a file added by a
+    snapshot expired since gets the time of the oldest snapshot left (it was added before
+    that one: taking it as younger keeps more, never less)."""
+    oldest = min((s.timestamp_ms for s in table.metadata.snapshots), default=0)
+    out = []
+    for f in files:
+        made = table.snapshot_by_id(f.snapshot_id)
+        out.append(made.timestamp_ms if made is not None else oldest)
+    return out
+
+
+def compact_table(
+    load: Any,
+    name: str,
+    vis: pa.Table,
+    sets: pa.Table,
+    *,
+    cutoff_ms: int,
+    full: bool = False,
+    force: bool = False,
+    properties: dict[str, str] | None = None,
+    change: Callable[[pa.Table], pa.Table] | None = None,
+) -> dict[str, int] | None:
+    """Rewrite table ``name`` (from ``load``): its files added since the last compaction
+    (``full``: every file) that hold nothing a writer at work may still commit (see
+    :func:`_decided_query`), as the rows readers see of them (``vis``: the visible traces
+    rows with ``seq``; ``sets``: credit set names), one file per partition, in one commit
+    replacing them (``properties`` in its summary). Nothing is done when those files are
+    one per partition already and lose no row (unless ``force``). Returns the entry of
+    the report; None when the commit conflicted (plan again). ``change`` changes the kept
+    rows before they are written (see :func:`rewrite_traces`)."""
+    schema = catalog.lake_tables()[name]
+    table = load(name)
+    live = lake_files.live_files(table)
+    chosen = live if full else [f for f in live if not compacted(f.path)]
+    entry = {"files_before": len(live), "files_rewritten": 0, "rows_before": 0, "rows_after": 0}
+    if not chosen:
+        return {**entry, "files_after": len(live)}
+    raw = lake_files.read(table, chosen, file_index=_FILE)
+    added = pa.array(_added_ms(table, chosen), pa.int64())
+    parts = {}
+    part_of = pa.array([parts.setdefault((f.spec_id, f.partition), len(parts)) for f in chosen], pa.int32())
+    raw = raw.append_column(_ADDED, pc.take(added, raw.column(_FILE)))
+    raw = raw.append_column(_PART, pc.take(part_of, raw.column(_FILE)))
+    con = lake_files.duck()
+    try:
+        con.register("vis", vis)
+        con.register("sets", sets)
+        con.register("raw", raw)
+        query = _decided_query(name, schema, cutoff_ms)
+        waiting = set() if query is None else {r[0] for r in con.execute(query).fetchall()}
+        if waiting:  # left for a later compaction, rows and all
+            keep = pa.array(sorted(set(range(len(chosen))) - waiting), pa.int32())
+            con.register("raw", raw.filter(pc.is_in(raw.column(_FILE), value_set=keep)))
+            chosen = [f for i, f in enumerate(chosen) if i not in waiting]
+        rewritten = con.execute("SELECT count(*) FROM raw").fetchall()[0][0]
+        kept = con.sql(_kept_query(name, schema)).to_arrow_table().drop_columns([_FILE, _ADDED, _PART])
+    finally:
+        con.close()
+    entry.update(files_rewritten=len(chosen), rows_before=rewritten, rows_after=kept.num_rows)
+    one_each = len({(f.spec_id, f.partition) for f in chosen}) == len(chosen)
+    if not chosen or (not force and kept.num_rows == rewritten and one_each and all(compacted(f.path) for f in chosen)):
+        return {**entry, "files_rewritten": 0, "files_after": len(live)}
+    if change is not None:
+        kept = change(kept)
+    written = lake_files.arrow_schema(table)
+    new = data_files(table, kept.cast(written), compaction=True)
+    try:
+        replace_files(table, [f.data_file for f in chosen], new, properties)
+    except (CommitFailedException, ValidationException):  # another writer removed one of the files, or traces moved
+        return None
+    return {**entry, "files_after": len(lake_files.live_files(load(name)))}
+
+
+def _visible(load: Any, stored_from: Collection[int] | None = None) -> tuple[pa.Table, pa.Table]:
+    """The visible traces rows (trace id, batch, episode, seq) and the credit set names."""
+    vis = visible_traces(load("traces"), columns=["episode_id"], stored_from=stored_from)
+    sets = lake_files.read(load("credit_sets"), lake_files.live_files(load("credit_sets")), ["name"])
+    return vis.select(["trace_id", catalog.BATCH, "episode_id", "seq"]), sets
+
+
 def rewrite_traces(
     load: Any,
     *,
     stored_from: Collection[int] | None = None,
     properties: dict[str, str] | None = None,
     force: bool = False,
+    full: bool = True,
+    change: Callable[[pa.Table], pa.Table] | None = None,
 ) -> dict[str, int]:
-    """Rewrite ``traces`` (tables from ``load(name)``): the visible row per trace id, each
-    with its ``seq`` (as :func:`~tracedb.lake.scan.scan_traces` reads it, with
-    ``stored_from``) stored in the row, in one overwrite commit carrying ``properties``
-    in its snapshot summary; retried when another traces commit lands meanwhile. Left
-    alone (unless ``force``) when it holds one row per trace and one file per partition.
-    Returns rows and files before and after."""
-    for attempt in range(1, ATTEMPTS + 1):
-        table = load("traces")
-        tasks = list(table.scan().plan_files())
-        kept = visible_traces(table, stored_from=stored_from)
-        rows = sum(t.file.record_count for t in tasks)  # traces has no delete files
-        entry = {"rows_before": rows, "rows_after": kept.num_rows, "files_before": len(tasks)}
-        if not force and kept.num_rows == rows and _compacted(tasks):
-            return {**entry, "files_after": len(tasks)}
-        try:
-            table.overwrite(kept.cast(table.schema().as_arrow()), snapshot_properties=properties or {})
-        except CommitFailedException:
-            if attempt == ATTEMPTS:
-                raise
-            continue
-        return {**entry, "files_after": len(list(load("traces").scan().plan_files()))}
-    raise AssertionError("unreachable")
+    """Rewrite ``traces`` (tables from ``load(name)``; ``full``: every file, else those
+    added since the last compaction): the visible row per trace id, each with its ``seq``
+    (as :func:`~tracedb.lake.scan.scan_traces` reads it, with ``stored_from``) stored in
+    the row, in one commit carrying ``properties`` in its snapshot summary; planned again
+    when another traces commit lands meanwhile. Left alone (unless ``force``) when the
+    files are one per partition, compacted already, and every row visible. ``change`` (an
+    upgrade's) changes the rows before they are written (their columns, never which rows
+    or their seq). Returns the report's entry."""
+    for _ in range(ATTEMPTS):
+        vis, sets = _visible(load, stored_from)
+        done = compact_table(
+            load, "traces", vis, sets, cutoff_ms=0, full=full, force=force, properties=properties, change=change
+        )
+        if done is not None:
+            return done
+    raise CommitFailedException(f"traces: {ATTEMPTS} rewrites conflicted with other writers")
 
 
 def compact(
-    lake: catalog.Opened, *, grace: float = GRACE_SECONDS, expire_older_than: float | None = None
+    lake: catalog.Opened, *, grace: float = GRACE_SECONDS, expire_older_than: float | None = None, full: bool = False
 ) -> CompactReport:
     """See :meth:`tracedb.lake.Lake.compact`."""
-    if grace < 0:
+    if not isinstance(grace, int | float) or grace < 0:
         raise ValueError(f"grace is a number of seconds >= 0, not {grace!r}")
     if expire_older_than is not None and expire_older_than < 0:
         raise ValueError(f"expire_older_than is a number of seconds >= 0, not {expire_older_than!r}")
     load = own_tables(lake.location)
     report = CompactReport()
-    for name, schema in catalog.lake_tables().items():
+    for name in catalog.lake_tables():
         if name == "traces":
-            report.tables[name] = rewrite_traces(load)
             continue
         for attempt in range(1, ATTEMPTS + 1):
             cutoff = int((time.time() - grace) * 1000)
-            con = duckdb.connect()
-            con.register("vis", visible_traces(load("traces"), columns=["episode_id"]))
-            con.register(
-                "sets", load("credit_sets").scan(selected_fields=("name",)).to_arrow()
-            )  # values need their set
-            if name == "segments":
-                nodes, _ = _scan_with_age(load("nodes"))
-                con.register("nodes_raw", nodes)
-                con.execute(
-                    "CREATE TEMP TABLE used AS SELECT DISTINCT n.segment_id FROM nodes_raw n WHERE "
-                    f"n.{_ADDED} > {cutoff} OR EXISTS (SELECT 1 FROM vis v WHERE v.trace_id = n.trace_id "
-                    f"AND v.{catalog.BATCH} = n.{catalog.BATCH})"
-                )
-            table = load(name)
-            raw, tasks = _scan_with_age(table)
-            con.register("raw", raw)
-            kept = con.sql(_kept_query(name, schema, cutoff)).to_arrow_table().drop_columns([_ADDED])
-            con.close()
-            entry = {"rows_before": raw.num_rows, "rows_after": kept.num_rows, "files_before": len(tasks)}
-            if kept.num_rows == raw.num_rows and _compacted(tasks):
-                report.tables[name] = {**entry, "files_after": len(tasks)}
+            vis, sets = _visible(load)
+            done = compact_table(load, name, vis, sets, cutoff_ms=cutoff, full=full)
+            if done is not None:
+                report.tables[name] = done
                 break
-            try:
-                table.overwrite(kept.cast(table.schema().as_arrow()))
-            except (CommitFailedException, ValidationException):  # pyiceberg's retries found a racing write's files
-                if attempt == ATTEMPTS:
-                    raise
-                continue
-            report.tables[name] = {**entry, "files_after": len(list(load(name).scan().plan_files()))}
-            break
+            if attempt == ATTEMPTS:
+                raise CommitFailedException(f"{name}: {ATTEMPTS} rewrites conflicted with other writers")
+    report.tables["traces"] = rewrite_traces(load, full=full)
     if expire_older_than is not None:
         report.expired = expire(lake, older_than=expire_older_than, grace=grace)
     return report
@@ -308,4 +367,13 @@ def expire(lake: catalog.Opened, *, older_than: float, grace: float = GRACE_SECO
     return out
 
 
-__all__ = ["ATTEMPTS", "GRACE_SECONDS", "CompactReport", "compact", "expire", "own_tables", "rewrite_traces"]
+__all__ = [
+    "ATTEMPTS",
+    "GRACE_SECONDS",
+    "CompactReport",
+    "compact",
+    "compact_table",
+    "expire",
+    "own_tables",
+    "rewrite_traces",
+]

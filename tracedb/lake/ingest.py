@@ -1,9 +1,15 @@
 """Ingest on Ray: files parsed in Ray tasks by the file store's own ingest, appended to the lake.
 
 An ingest task ingests its files into an in-memory tracedb (the same scanner, parser
-and validation, rejects kept) and appends the result to the lake as one write
-(:mod:`tracedb.lake.write`: idempotent by trace id whatever else writes at the same
-time, so a task Ray retries after its worker died adds nothing twice).
+and validation, rejects kept) and stages the result as one write: its data files
+written, nothing committed (:func:`tracedb.lake.write.stage`). The driver gathers the
+staged writes and commits them together once they hold ``commit_traces`` traces, and the
+rest at the end (:func:`tracedb.lake.write.commit`: one commit per table, ``traces``
+last, idempotent by trace id whatever else writes at the same time, so a task Ray retries
+after its worker died adds nothing twice). A write of 256 traces without tags, credit or
+rejects is five commits (episodes, segments, nodes, branches, traces), whatever the
+number of tasks whose output it gathers. A driver killed before a commit leaves the
+staged files of its tasks unreferenced (compaction's expiry deletes them after its grace).
 
 A plain ``.jsonl`` file larger than ``range_bytes`` is cut into byte ranges, one task
 each: a range holds the lines that *start* in its span of ``range_bytes`` bytes (a line
@@ -24,9 +30,9 @@ from typing import Any
 from tracedb.database import connect
 from tracedb.ingest.files import ByteRange, find_files
 from tracedb.ingest.run import ingest_files as ingest_into
-from tracedb.lake import catalog, move
+from tracedb.lake import catalog, labels, move
 from tracedb.lake.workers import chunks, running_ray
-from tracedb.lake.write import AppendReport, append
+from tracedb.lake.write import AppendReport, Staged, commit, stage
 
 
 @dataclass
@@ -45,7 +51,7 @@ class LakeIngestReport:
     ranges: int = 0
     """Byte ranges the large files were cut into (each an ingest task of its own)."""
     commits: int = 0
-    """Table commits the tasks' writes made."""
+    """Table commits made (the staged writes of several tasks share them)."""
     retries: int = 0
     """Commit attempts that conflicted with another writer's and were made again."""
 
@@ -63,6 +69,8 @@ class LakeIngestReport:
 
 RANGE_BYTES = 128 << 20
 """Plain ``.jsonl`` files larger than this are cut into byte ranges of about this size."""
+COMMIT_TRACES = 256
+"""Traces an ingest gathers (from its tasks' staged writes) before it commits them."""
 
 
 def splittable(path: Path) -> bool:
@@ -124,23 +132,21 @@ def cut(path: str | Path, range_bytes: int = RANGE_BYTES) -> list[ByteRange]:
 
 def ingest_files(location: catalog.Location, files: Sequence[str | ByteRange], allow_ragged: bool) -> dict[str, Any]:
     """One ingest task: ``files`` (paths, or byte ranges of files) into an in-memory tracedb
-    (its scanner, parser and checks), then appended to the lake as one write. Returns the counts."""
-
-    lake = catalog.Opened.at(location)
+    (its scanner, parser and checks), then staged as one write (:func:`tracedb.lake.write.stage`:
+    its data files written, nothing committed). Returns the counts and the staged write."""
+    lake = catalog.Opened.worker(location)
     paths = [f for f in files if not isinstance(f, ByteRange)]
     ranges = [f for f in files if isinstance(f, ByteRange)]
     with connect(":memory:") as db:
+        labels.seed(db, lake)  # the traces' policy-version bounds under the lake's mapping
         report = ingest_into(db.handle, paths, ranges=ranges, allow_ragged=allow_ragged)
         ids = db.sql("SELECT trace_id FROM traces ORDER BY seq").column("trace_id").to_pylist()
-        appended: AppendReport = append(lake, move.file_rows(db, ids))
+        staged: Staged = stage(lake, move.file_rows(db, ids))
     return {
         "lines": report.lines,
         "rejected": len(report.rejected),
-        "traces": appended.traces,
-        "skipped": appended.skipped + report.skipped,
-        "rows": appended.rows,
-        "commits": appended.commits,
-        "retries": appended.retries,
+        "skipped": report.skipped,
+        "staged": staged,
     }
 
 
@@ -152,9 +158,16 @@ def ingest(
     files_per_task: int = 1,
     allow_ragged: bool = False,
     range_bytes: int = RANGE_BYTES,
+    commit_traces: int = COMMIT_TRACES,
 ) -> LakeIngestReport:
     """See :meth:`tracedb.lake.Lake.ingest`."""
-    for name, value in (("workers", workers), ("files_per_task", files_per_task), ("range_bytes", range_bytes)):
+    named = (
+        ("workers", workers),
+        ("files_per_task", files_per_task),
+        ("range_bytes", range_bytes),
+        ("commit_traces", commit_traces),
+    )
+    for name, value in named:
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"{name} must be an int >= 1, not {value!r}")
     ray = running_ray()
@@ -163,36 +176,71 @@ def ingest(
     sizes = {p: p.stat().st_size for p in files}
     large = {p: spans(sizes[p], range_bytes) for p in files if splittable(p) and sizes[p] > range_bytes}
     counting = ray.remote(max_retries=3)(measure)  # first round: every span of every large file at once
-    measured = iter(_run(ray, [(counting, (str(p), *s, sizes[p])) for p, cut in large.items() for s in cut], limit))
+    spans_of = [(counting, (str(p), *s, sizes[p])) for p, cut in large.items() for s in cut]
+    measured = iter(run_limited(ray, spans_of, limit))
     ranges = [r for p, cut in large.items() for r in numbered(str(p), list(islice(measured, len(cut))))]
     groups: list[list[str | ByteRange]] = [*chunks([str(p) for p in files if p not in large], files_per_task)]
     groups += [[r] for r in ranges]
     task = ray.remote(max_retries=3, retry_exceptions=False)(ingest_files)
-    results = _run(ray, [(task, (lake.location, group, allow_ragged)) for group in groups], limit)
     report = LakeIngestReport(files=len(files), tasks=len(groups), ranges=len(ranges))
-    for r in results:
-        report.lines += r["lines"]
-        report.traces += r["traces"]
-        report.skipped += r["skipped"]
-        report.rejected += r["rejected"]
-        report.commits += r["commits"]
-        report.retries += r["retries"]
-        for name, n in r["rows"].items():
-            report.rows[name] = report.rows.get(name, 0) + n
+    pending: list[Staged] = []
+    written = AppendReport()
+
+    def gathered(result: dict[str, Any]) -> None:
+        report.lines += result["lines"]
+        report.rejected += result["rejected"]
+        report.skipped += result["skipped"]
+        pending.append(result["staged"])
+        if sum(s.n_traces for s in pending) >= commit_traces:
+            written.merge(commit(lake, pending))
+            pending.clear()
+
+    run_limited(ray, [(task, (lake.location, group, allow_ragged)) for group in groups], limit, gathered)
+    if pending:
+        written.merge(commit(lake, pending))
+    report.traces = written.traces
+    report.skipped += written.skipped
+    report.commits = written.commits
+    report.retries = written.retries
+    report.rows = written.rows
     return report
 
 
-def _run(ray: Any, calls: list[tuple[Any, tuple]], limit: int) -> list[Any]:
-    """Run remote ``(function, arguments)`` calls with at most ``limit`` at once; their results in order."""
+def run_limited(ray: Any, calls: list[tuple[Any, tuple]], limit: int, each: Any = None) -> list[Any]:
+    """Run remote ``(function, arguments)`` calls with at most ``limit`` at once; their
+    results in order. ``each`` (given): called with each result as it arrives, in the
+    order they finish (the driver commits while the tasks run)."""
     pending: list[Any] = []
     refs: list[Any] = []
+    results: dict[Any, Any] = {}
+
+    def take(ready: list[Any]) -> None:
+        for ref in ready:
+            results[ref] = ray.get(ref)
+            if each is not None:
+                each(results[ref])
+
     for function, arguments in calls:
         if len(pending) >= limit:
-            _, pending = ray.wait(pending, num_returns=1)
+            ready, pending = ray.wait(pending, num_returns=1)
+            take(ready)
         ref = function.remote(*arguments)
         refs.append(ref)
         pending.append(ref)
-    return ray.get(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        take(ready)
+    return [results[ref] for ref in refs]
 
 
-__all__ = ["RANGE_BYTES", "LakeIngestReport", "cut", "ingest", "ingest_files", "measure", "numbered", "spans"]
+__all__ = [
+    "COMMIT_TRACES",
+    "RANGE_BYTES",
+    "LakeIngestReport",
+    "cut",
+    "ingest",
+    "ingest_files",
+    "measure",
+    "numbered",
+    "spans",
+]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,6 +34,11 @@ class Lake(catalog.Opened):
     def where(self) -> str:
         return self.location.where
 
+    @property
+    def buckets(self) -> int:
+        """The hash buckets of the lake's tables (chosen when it was made, see :func:`init`)."""
+        return catalog.lake_buckets(catalog.meta_rows(self.table(catalog.META)))
+
     # ----------------------------------------------------------------- writing
 
     def append(self, rows: dict[str, pa.Table]) -> AppendReport:
@@ -61,12 +67,19 @@ class Lake(catalog.Opened):
         complete_groups: int | None = None,
         tags: Mapping[str, Any] | None = None,
         through: int | None = None,
+        policy: int | None = None,
+        max_staleness: int | None = None,
+        stale: str | None = None,
+        unknown: str | None = None,
+        include_dropped: bool | None = None,
+        include_eval: bool | None = None,
+        max_groups: int | None = None,
     ) -> dict[str, pa.Table]:
         """The visible rows of the selected traces in every table, by name (see
         :func:`tracedb.lake.read.visible`); the selection is :meth:`branches`'."""
         from tracedb.lake.select import visible_tables
 
-        selection = Selection(trace_ids, group, episode, after, complete_groups, tags, through)
+        selection = Selection.of(locals())
         return visible_tables(self, selection)
 
     def watermark(self) -> int:
@@ -89,6 +102,13 @@ class Lake(catalog.Opened):
         complete_groups: int | None = None,
         tags: Mapping[str, Any] | None = None,
         through: int | None = None,
+        policy: int | None = None,
+        max_staleness: int | None = None,
+        stale: str | None = None,
+        unknown: str | None = None,
+        include_dropped: bool | None = None,
+        include_eval: bool | None = None,
+        max_groups: int | None = None,
     ) -> int:
         """Write the selected visible traces (all by default) into a file store (created
         if missing), skipping those it holds; returns how many were added. The selection
@@ -97,7 +117,10 @@ class Lake(catalog.Opened):
         what the pushed file store returned."""
         from tracedb.lake.select import visible_tables
 
-        rows = visible_tables(self, Selection(trace_ids, group, episode, after, complete_groups, tags, through))
+        rows = visible_tables(
+            self,
+            Selection.of(locals()),
+        )
         with _database(db, read_only=False) as database:
             return move.write_into(database, rows)
 
@@ -111,6 +134,13 @@ class Lake(catalog.Opened):
         complete_groups: int | None = None,
         tags: Mapping[str, Any] | None = None,
         through: int | None = None,
+        policy: int | None = None,
+        max_staleness: int | None = None,
+        stale: str | None = None,
+        unknown: str | None = None,
+        include_dropped: bool | None = None,
+        include_eval: bool | None = None,
+        max_groups: int | None = None,
         trainable: bool | None = None,
         branch_index: int | Sequence[int] | None = None,
         columns: Sequence[str] | None = None,
@@ -130,7 +160,7 @@ class Lake(catalog.Opened):
 
         return views.branches(
             self,
-            Selection(trace_ids, group, episode, after, complete_groups, tags, through),
+            Selection.of(locals()),
             trainable=trainable,
             branch_index=branch_index,
             columns=columns,
@@ -151,6 +181,13 @@ class Lake(catalog.Opened):
         complete_groups: int | None = None,
         tags: Mapping[str, Any] | None = None,
         through: int | None = None,
+        policy: int | None = None,
+        max_staleness: int | None = None,
+        stale: str | None = None,
+        unknown: str | None = None,
+        include_dropped: bool | None = None,
+        include_eval: bool | None = None,
+        max_groups: int | None = None,
         trainable: bool | None = True,
         branch_index: int | Sequence[int] | None = None,
         credit: str | None = None,
@@ -161,19 +198,22 @@ class Lake(catalog.Opened):
         pad_token_id: int = 0,
         share_prefixes: bool = False,
         drop_zero_advantages: bool = False,
+        importance: str | None = None,
+        clip: float | None = None,
     ) -> Plan:
         """Packed, rank-balanced micro-batches of the selected visible traces: the plan
         :meth:`tracedb.Database.micro_batches` makes of the same traces (the same
         arguments and selection; ``after`` / ``through`` / ``complete_groups`` compare with
         the lake's ``seq``, and ``plan.report.watermark`` is the lake's, the ``after`` of the
-        next step). The driver pulls the selection into an in-memory tracedb and packs it
-        there (no Ray needed). Write it with :func:`tracedb.batches.write_step`."""
+        next step). The driver reads the selection's node columns straight from the lake's
+        files and packs them with the file store's code (no Ray needed). Write it with
+        :func:`tracedb.batches.write_step`."""
         from tracedb.lake import train
 
         return train.micro_batches(
             self,
             seq_len,
-            Selection(trace_ids, group, episode, after, complete_groups, tags, through),
+            Selection.of(locals()),
             ranks=ranks,
             trainable=trainable,
             branch_index=branch_index,
@@ -185,33 +225,139 @@ class Lake(catalog.Opened):
             pad_token_id=pad_token_id,
             share_prefixes=share_prefixes,
             drop_zero_advantages=drop_zero_advantages,
+            importance=importance,
+            clip=clip,
         )
 
-    def credit(self, algorithm: str, name: str | None = None, **params: Any) -> dict[str, Any]:
+    def export(
+        self,
+        path: str | Path,
+        *,
+        format: str | None = None,
+        trace_ids: Sequence[str] | None = None,
+        group: str | Sequence[str] | None = None,
+        episode: str | Sequence[str] | None = None,
+        after: int | None = None,
+        complete_groups: int | None = None,
+        tags: Mapping[str, Any] | None = None,
+        through: int | None = None,
+        policy: int | None = None,
+        max_staleness: int | None = None,
+        stale: str | None = None,
+        unknown: str | None = None,
+        include_dropped: bool | None = None,
+        include_eval: bool | None = None,
+        max_groups: int | None = None,
+        trainable: bool | None = None,
+        columns: Sequence[str] | None = None,
+        train_once: bool = False,
+        credit: str | None = None,
+        compression: str | None = "zstd",
+    ) -> dict[str, Any]:
+        """Write the branch views of the selected visible traces to ``path`` (``.parquet``,
+        ``.arrow``, ``.arrows``; ``format`` overrides the suffix), as
+        :meth:`tracedb.Database.export` writes a file's: the same arguments and selection
+        (``after`` / ``through`` / ``complete_groups`` on the lake's ``seq``; with
+        ``trainable=True`` dropped traces and eval episodes out unless kept), the same
+        columns, published whole or not at all. The driver pulls the selection a chunk of
+        traces at a time (no Ray). Returns rows, tokens, bytes and the lake's watermark
+        the selection was read at (also in the file's schema)."""
+        from tracedb.lake import export
+
+        return export.export(
+            self,
+            path,
+            Selection.of(locals()),
+            format=format,
+            trainable=trainable,
+            columns=None if columns is None else list(columns),
+            train_once=train_once,
+            credit=credit,
+            compression=compression,
+        )
+
+    def credit(
+        self,
+        algorithm: str,
+        name: str | None = None,
+        *,
+        trace_ids: str | Sequence[str] | None = None,
+        group: str | Sequence[str] | None = None,
+        episode: str | Sequence[str] | None = None,
+        after: int | None = None,
+        complete_groups: int | None = None,
+        tags: Mapping[str, Any] | None = None,
+        through: int | None = None,
+        policy: int | None = None,
+        max_staleness: int | None = None,
+        stale: str | None = None,
+        unknown: str | None = None,
+        include_dropped: bool | None = None,
+        include_eval: bool | None = None,
+        max_groups: int | None = None,
+        **params: Any,
+    ) -> dict[str, Any]:
         """Compute group credit (``"grpo"`` or ``"rloo"``, with that algorithm's parameters:
-        ``reward``, ``group_by``, ``include_failed``; grpo's ``scale_std``, ``eps``) over
-        the visible traces, each group in a Ray ``groupby`` by the file store's own
-        algorithm, and append it as credit set ``name`` (default: the algorithm's name;
-        stored per trace). A set of that name in the lake is refused. Returns the set's
-        name, algorithm, parameters and rows. Runs on the Ray of this process (started when
-        none runs, as :meth:`branches` says)."""
+        ``reward``, ``group_by``, ``include_failed``, ``include_dropped``,
+        ``include_eval``; grpo's ``scale_std``, ``eps``) over the visible traces, each group
+        in a Ray ``groupby`` by the file store's own algorithm, and append it as credit set
+        ``name`` (default: the algorithm's name; stored per trace). Returns the set's name,
+        algorithm, parameters and rows. Runs on the Ray of this process (started when none
+        runs, as :meth:`branches` says).
+
+        Without a selection the whole set is written once: a set of that name in the lake
+        is refused. With one (the fields of :meth:`branches`: ``after=W,
+        complete_groups=N``, a staleness bound, ``max_groups``, ids, tags), only the
+        selected traces are stamped, into the set, created on first use, as
+        :func:`tracedb.credit.run` does for a file: group means over each selected trace's
+        whole group as the lake holds it, dropped and eval traces left out unless
+        included, the same algorithm and parameters as the set was made with, and a trace
+        the set already holds refused (a lake does not recompute a trace's credit). The
+        result then has the traces selected, their ``watermark`` (the next step's
+        ``after``) and the selection's report."""
         from tracedb.lake import credit
 
-        return credit.run(self, algorithm, name, **params)
+        selection = Selection.of(locals())
+        for flag in ("include_dropped", "include_eval"):  # also the algorithm's: credit them and select them
+            if getattr(selection, flag) is not None:
+                params[flag] = getattr(selection, flag)
+        narrowed = dataclasses.replace(selection, include_dropped=None, include_eval=None)
+        return credit.run(self, algorithm, name, selection=None if narrowed.everything else selection, **params)
 
-    def compact(self, *, grace: float = 3600.0, expire_older_than: float | None = None) -> CompactReport:
-        """Rewrite every table holding only what readers see (removing rows of writes that
-        never committed their traces row, rows of writes that lost the race for a trace
-        id, duplicate segments, rejects and credit sets), one file per partition: readers'
-        answers are unchanged (``traces`` rows keep their ``seq``, stored in the row; the
-        rewrite is a traces commit, so the watermark moves past it). Rows of an uncommitted
-        write in a file added less than ``grace`` seconds ago are kept (its writer may
-        still be at work). With ``expire_older_than`` (seconds), snapshots replaced longer
-        ago than that are expired and the files no snapshot refers to that are older than
-        ``grace`` are deleted. See :mod:`tracedb.lake.compact`."""
+    def set_policy_versions(self, mapping: Mapping[str, int]) -> int:
+        """Map weight labels that name no number of their own to policy versions in the
+        lake (``{"ckpt-abc": 12}``, as :meth:`tracedb.Database.set_policy_versions`): the
+        mapping is appended, then every visible trace whose spans use one of the labels
+        gets its bounds again and ``traces`` is rewritten (each trace keeps its ``seq``).
+        Returns how many traces that was. Writers that ingest traces using these labels
+        while it runs keep the bounds they computed (see :mod:`tracedb.lake.labels`)."""
+        from tracedb.lake import labels
+
+        return labels.set_versions(self, mapping)
+
+    def policy_versions(self) -> dict[str, int]:
+        """The lake's mapped weight labels and their policy versions."""
+        from tracedb.lake import labels
+
+        return labels.mapping(self)
+
+    def compact(
+        self, *, grace: float = 3600.0, expire_older_than: float | None = None, full: bool = False
+    ) -> CompactReport:
+        """Rewrite the files added to each table since its last compaction (``full``: every
+        file) holding only what readers see (removing rows of writes that never committed
+        their traces row, rows of writes that lost the race for a trace id, duplicate
+        segments, rejects and credit sets), one file per partition, and merge each table's
+        manifests: readers' answers are unchanged (``traces`` rows keep their ``seq``,
+        stored in the row; the rewrite is a traces commit, so the watermark moves past
+        it). A file holding rows of an uncommitted write, added less than ``grace`` seconds
+        ago, is left for a later compaction (its writer may still be at work). With
+        ``expire_older_than`` (seconds), snapshots replaced longer ago than that are
+        expired and the files no snapshot refers to that are older than ``grace`` are
+        deleted. See :mod:`tracedb.lake.compact`."""
         from tracedb.lake import compact
 
-        return compact.compact(self, grace=grace, expire_older_than=expire_older_than)
+        return compact.compact(self, grace=grace, expire_older_than=expire_older_than, full=full)
 
     def ingest(
         self,
@@ -221,6 +367,7 @@ class Lake(catalog.Opened):
         files_per_task: int = 1,
         allow_ragged: bool = False,
         range_bytes: int | None = None,
+        commit_traces: int | None = None,
     ) -> LakeIngestReport:
         """Ingest ``traces.jsonl`` files or directories into the lake in Ray tasks
         (``files_per_task`` files each, at most ``workers`` at once; default: Ray's CPUs):
@@ -228,9 +375,12 @@ class Lake(catalog.Opened):
         in memory and appends its traces as one write. A plain ``.jsonl`` file larger than
         ``range_bytes`` (default 128 MiB) is cut at line starts into byte ranges of about
         that size, a task each, its lines and rejects numbered as in the whole file
-        (compressed and ``.json`` files are never cut). Idempotent by trace id, also
-        against other ingests running at the same time. Runs on the Ray of this process
-        (started when none runs, as :meth:`branches` says)."""
+        (compressed and ``.json`` files are never cut). The tasks stage their writes (data
+        files, nothing visible) and this process commits them together once they hold
+        ``commit_traces`` traces (default 256), and the rest at the end: one commit per
+        table, ``traces`` last. Idempotent by trace id, also against other ingests running
+        at the same time. Runs on the Ray of this process (started when none runs, as
+        :meth:`branches` says)."""
         from tracedb.lake import ingest
 
         chosen = [paths] if isinstance(paths, str | Path) else list(paths)
@@ -241,6 +391,7 @@ class Lake(catalog.Opened):
             files_per_task=files_per_task,
             allow_ragged=allow_ragged,
             range_bytes=ingest.RANGE_BYTES if range_bytes is None else range_bytes,
+            commit_traces=ingest.COMMIT_TRACES if commit_traces is None else commit_traces,
         )
 
     def sql(
@@ -274,17 +425,20 @@ def _database(db: str | Path | Database, *, read_only: bool) -> Iterator[Databas
         yield opened
 
 
-def init(lake: str | Path) -> Lake:
+def init(lake: str | Path, *, buckets: int | None = None) -> Lake:
     """Make a lake (idempotent: an existing one gets the tables it lacks, and a lake of
     an older layout version is upgraded to this one, see :mod:`tracedb.lake.upgrade`)
     and open it. ``lake`` is a directory (created; a SQLite catalog and the warehouse go
-    inside) or a ``.yaml``/``.json`` file of pyiceberg catalog properties."""
+    inside) or a ``.yaml``/``.json`` file of pyiceberg catalog properties. ``buckets``:
+    the hash buckets of a new lake's tables (default
+    :data:`~tracedb.lake.catalog.DEFAULT_BUCKETS`); an existing lake keeps its own (asking
+    for another count is a :class:`~tracedb.lake.catalog.LakeError`)."""
     from tracedb.lake.upgrade import upgrade
 
     location = catalog.locate(lake)
     if Path(lake).suffix not in catalog.PROPERTY_FILES:
         Path(lake).mkdir(parents=True, exist_ok=True)
-    catalog.create(location)
+    catalog.create(location, buckets)
     upgrade(location)
     return open_lake(lake)
 

@@ -16,8 +16,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyiceberg.expressions import In
 
+from tracedb import policy
 from tracedb.database import Database
 from tracedb.errors import WriteError
+from tracedb.lake import labels
 from tracedb.lake.catalog import BATCH, lake_tables, per_trace
 from tracedb.lake.scan import visible_traces
 from tracedb.lake.write import AppendReport, append, lake_rows
@@ -97,6 +99,8 @@ def push(lake: Any, db: Database, size: int = PUSH_TRACES) -> AppendReport:
     report = AppendReport()
     handle = db.handle
     present = handle.table_names()
+    if labels.TABLE in present:  # a label the lake maps otherwise: refused before anything is written
+        labels.new_rows(lake, handle.sql(f"SELECT * FROM {labels.TABLE}"))
     sets = handle.sql("SELECT * FROM credit_sets") if "credit_sets" in present else None
     if sets is not None and sets.num_rows:
         held = _held(lake, db)
@@ -216,6 +220,7 @@ _SAME = {
     "episodes": "x.episode_id = r.episode_id",
     "segments": "x.segment_id = r.segment_id",
     "credit_sets": "x.name = r.name",
+    "policy_labels": "x.label = r.label",
     "rejects": " AND ".join(
         f"x.{c} IS NOT DISTINCT FROM r.{c}" for c in ("source", "line", "trace_id", "node", "field", "reason")
     ),
@@ -231,6 +236,9 @@ def write_into(db: Database, rows: dict[str, pa.Table]) -> int:
     handle = db.handle
     present = handle.table_names()
     traces = rows["traces"]
+    incoming = rows.get(labels.TABLE)
+    if incoming is not None and incoming.num_rows and labels.TABLE in present:
+        labels.refuse_other(policy.mapping_of(handle.con), incoming, theirs="this file", ours="the lake")
     with handle.sequencing(), handle.transaction():
         held = set(handle.sql("SELECT trace_id FROM traces").column("trace_id").to_pylist())
         new = [t for t in traces.column("trace_id").to_pylist() if t not in held]

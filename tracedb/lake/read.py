@@ -9,7 +9,8 @@ trace's ``seq`` is the sequence number of the snapshot that committed its traces
 here what they mean in the file store. Segments are shown once each (concurrent writers
 may store one twice) and only those a visible node uses; rejects once each; credit
 sets once per name (the first written); credit values only of a set whose ``credit_sets``
-row is visible (it is committed after them). The rule is :func:`visible_rows`, which
+row is visible (it is committed after them); a weight label's latest mapping
+(``policy_labels``, :mod:`tracedb.lake.labels`). The rule is :func:`visible_rows`, which
 :mod:`tracedb.lake.sqlscan` applies too.
 """
 
@@ -23,7 +24,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyiceberg.expressions import AlwaysTrue, BooleanExpression, In
 
-from tracedb.lake.catalog import BATCH, batched, lake_tables, per_trace
+from tracedb.lake import files as lake_files
+from tracedb.lake import nulls
+from tracedb.lake.catalog import BATCH, SEGMENT_HOME, batched, lake_tables, per_trace
+from tracedb.lake.commit import compacted
 from tracedb.lake.scan import scan_keys, visible_traces
 from tracedb.selection import check_watermark
 from tracedb.sqltext import quote_identifier
@@ -35,7 +39,45 @@ REJECT_KEY = ("source", "line", "trace_id", "node", "field", "reason", "record_s
 
 
 def _scan(table: Any) -> pa.Table:
-    return table.scan().to_arrow()
+    return lake_files.read(table, lake_files.live_files(table))
+
+
+def trace_segments(
+    table: Any,
+    trace_ids: pa.Array | pa.ChunkedArray,
+    segment_ids: pa.Array | pa.ChunkedArray,
+    columns: Sequence[str] | None = None,
+    files: list[str] | None = None,
+    batches: pa.Array | pa.ChunkedArray | None = None,
+) -> pa.Table:
+    """The rows of ``segment_ids`` in the segments table ``table`` that traces of
+    ``trace_ids`` use: read from the files of those traces' buckets (a write stores each
+    segment beside the traces using it, :data:`~tracedb.lake.catalog.SEGMENT_HOME`), only
+    the rows of those ids (a segment may show more than once); given the ``batches`` of
+    those traces' visible rows, of a write's own files only those whose bounds of
+    :data:`~tracedb.lake.catalog.BATCH` admit one (a write stores every segment its traces
+    use in its own file of each of their buckets; a compaction's files hold any batch's);
+    ``files`` (a list) gets the paths of the data files read."""
+    ids = pa.array(pc.unique(segment_ids).to_pylist(), pa.binary())
+    if not len(ids):
+        return lake_files.read(table, [], columns)
+    found = lake_files.live_files(table)
+    traces = pc.unique(trace_ids).drop_null()
+    buckets = lake_files.buckets(table, SEGMENT_HOME, traces.cast(pa.string()))
+    where = lake_files.bucket_of(table, SEGMENT_HOME)
+    if buckets is not None and where is not None:
+        wanted = set(pc.unique(buckets).to_pylist())
+        spec = table.spec().spec_id
+        found = [f for f in found if f.spec_id != spec or f.partition[where[0]] in wanted]
+    else:  # segments bucketed by their own id (an older layout): by key
+        found = lake_files.key_files(table, "segment_id", ids, found)
+    if batches is not None and BATCH in table.schema().column_names:
+        writes = [f for f in found if not compacted(f.path)]
+        kept = lake_files.key_files(table, BATCH, pc.unique(batches).drop_null().cast(pa.string()), writes)
+        found = [f for f in found if compacted(f.path) or f in kept]
+    if files is not None:
+        files.extend(f.path for f in found)
+    return lake_files.read(table, found, columns, key=("segment_id", ids))
 
 
 def stored(name: str, table: pa.Table | None) -> pa.Table:
@@ -49,7 +91,7 @@ def stored(name: str, table: pa.Table | None) -> pa.Table:
         table.column(f.name).cast(f.type) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
         for f in schema
     ]
-    return pa.Table.from_arrays(columns, schema=schema)
+    return nulls.decode(name, pa.Table.from_arrays(columns, schema=schema))
 
 
 def visible(
@@ -75,7 +117,7 @@ def visible(
     traces = visible_traces(lake.table("traces"), row_filter, trace_ids=ids)  # ids read by key
     if after is not None:  # on the visible rows: a trace committed at or before `after` is not taken
         traces = traces.filter(pc.greater(traces.column("seq"), after))
-    con = duckdb.connect()
+    con = lake_files.duck()
     con.register("vis", traces)
     ids = traces.column("trace_id").to_pylist()
     out: dict[str, pa.Table] = {"traces": stored("traces", traces)}
@@ -95,9 +137,10 @@ def visible(
         out[name] = stored(name, visible_rows(con, name, raw))
         if name == "credit_sets":
             con.register(VISIBLE_SETS, out[name].select(["name"]))
-    used = pc.unique(out["nodes"].column("segment_id")).to_pylist()
-    raw = scan_keys(lake.table("segments"), "segment_id", used) if selected else _scan(lake.table("segments"))
-    out["segments"] = stored("segments", visible_segments(con, raw, used))
+    used = pc.unique(out["nodes"].column("segment_id"))
+    table = lake.table("segments")
+    raw = trace_segments(table, out["nodes"].column("trace_id"), used) if selected else _scan(table)
+    out["segments"] = stored("segments", visible_segments(con, raw, used.to_pylist()))
     con.close()
     return {name: out[name] for name in schemas}
 
@@ -127,6 +170,8 @@ def visible_rows(con: duckdb.DuckDBPyConnection, name: str, raw: pa.Table) -> pa
             query = f"SELECT * FROM raw QUALIFY row_number() OVER (PARTITION BY {key} ORDER BY rejected_at) = 1"
         elif name == "credit_sets":
             query = "SELECT * FROM raw QUALIFY row_number() OVER (PARTITION BY name ORDER BY created_at) = 1"
+        elif name == "policy_labels":  # a label mapped again: the latest mapping
+            query = "SELECT * FROM raw QUALIFY row_number() OVER (PARTITION BY label ORDER BY set_at DESC) = 1"
         else:
             query = "SELECT * FROM raw"
         return con.sql(query).to_arrow_table()
@@ -149,4 +194,13 @@ def visible_segments(con: duckdb.DuckDBPyConnection, raw: pa.Table, used: Iterab
         con.unregister("used")
 
 
-__all__ = ["BATCH", "VISIBLE_SETS", "batched", "stored", "visible", "visible_rows", "visible_segments"]
+__all__ = [
+    "BATCH",
+    "VISIBLE_SETS",
+    "batched",
+    "stored",
+    "trace_segments",
+    "visible",
+    "visible_rows",
+    "visible_segments",
+]

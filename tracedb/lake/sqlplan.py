@@ -12,9 +12,12 @@ takes *reductions*: a scan joined on ``trace_id`` (or ``segment_id``, ``episode_
 before it, only needs the rows whose key is among the other side's. Reading them is
 :mod:`tracedb.lake.sqlscan`'s job.
 
-Only what DuckDB proves is pushed: a filter it keeps above a scan (``branch_stats()``'s
-``WHERE trace_id = ...`` stays above the lateral ``unnest`` of the branch paths; an
-aggregate's, window's or CTE's columns) reads the table whole, but only the columns used.
+Only what DuckDB proves is pushed: a filter it keeps above a scan (a window's or an
+aggregate's output) reads the table whole, but only the columns used. Reductions follow
+a key column through what keeps its values (projections, filters, joins, the groups of an
+aggregate, unnests, windows, the materialized CTEs DuckDB plans correlated subqueries and
+lateral joins with), so that ``trace_summary()``'s count of each trace's nodes reads the
+nodes of the traces its filter keeps.
 A query DuckDB cannot plan this way (not a ``SELECT``: ``DESCRIBE``, ``SHOW`` ...) gives
 no scans (None), and every visible row is read.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import reduce
@@ -94,15 +98,34 @@ def plan(
     query: str, params: Sequence[Any] | dict[str, Any] | None = None, *, protected: Sequence[str] = ()
 ) -> list[Scan] | None:
     """The scans of lake tables in the optimized plan of ``query``, planned over empty
-    tables of the stored schemas (in a connection of its own); None when the plan cannot
-    be read. A statement that does not only read (a COPY may not write into
-    ``protected``) raises :class:`~tracedb.errors.SqlRefused`, a query DuckDB refuses
-    its error, here, before anything of it ran."""
-    con = duckdb.connect()
-    try:
-        return _plan(con, query, params, protected)
-    finally:
-        con.close()
+    tables of the stored schemas (a connection of the process's own, made once per
+    schema); None when the plan cannot be read. A statement that does not only read (a
+    COPY may not write into ``protected``) raises :class:`~tracedb.errors.SqlRefused`, a
+    query DuckDB refuses its error, here, before anything of it ran."""
+    with _planning:
+        return _plan(_planner(), query, params, protected)
+
+
+_planning = threading.Lock()
+_planners: dict[Any, duckdb.DuckDBPyConnection] = {}
+
+
+def _planner() -> duckdb.DuckDBPyConnection:
+    """The planning connection of the stored schemas as they are (made when first asked for)."""
+    schemas = lake_tables()
+    key = tuple(schemas.items())
+    con = _planners.get(key)
+    if con is None:
+        con = duckdb.connect()
+        for name, schema in schemas.items():
+            con.register("_tdb_empty", pa.Table.from_batches([], schema=schema))
+            con.execute(f"CREATE TABLE {quote_identifier(name)} AS SELECT * FROM _tdb_empty")
+            con.unregister("_tdb_empty")
+        con.execute(load_sql("macros.sql"))
+        con.execute(f"SET disabled_optimizers = '{PLANNING_OFF}'")
+        _planners.clear()  # one schema at a time (another only when the stored schema changed)
+        _planners[key] = con
+    return con
 
 
 def _plan(
@@ -112,26 +135,68 @@ def _plan(
     protected: Sequence[str] = (),
 ) -> list[Scan] | None:
     schemas = lake_tables()
-    for name, schema in schemas.items():
-        con.register("_tdb_empty", pa.Table.from_batches([], schema=schema))
-        con.execute(f"CREATE TABLE {quote_identifier(name)} AS SELECT * FROM _tdb_empty")
-        con.unregister("_tdb_empty")
-    con.execute(load_sql("macros.sql"))
     sqlcheck.check(con, query, copy_to_file=True, protected=protected)
-    con.execute(f"SET disabled_optimizers = '{PLANNING_OFF}'")
+    planned = with_literals(con, query, params)
     serialized = json.loads(
-        con.execute("SELECT json_serialize_plan(?, optimize := true, skip_null := true)", [query]).fetchone()[0]
+        con.execute("SELECT json_serialize_plan(?, optimize := true, skip_null := true)", [planned]).fetchall()[0][0]
     )
     if serialized.get("error") or len(serialized.get("plans", [])) != 1:
         con.execute("RESET disabled_optimizers")
-        con.sql(query, params=params)  # DuckDB's own error for a bad query, else: not a plan to read
+        try:
+            con.sql(query, params=params)  # DuckDB's own error for a bad query, else: not a plan to read
+        finally:
+            con.execute(f"SET disabled_optimizers = '{PLANNING_OFF}'")
         return None
     scans: list[Scan] = []
-    _walk(serialized["plans"][0], scans, _Parameters(params), set(schemas))
+    _walk(serialized["plans"][0], scans, _Parameters(params), set(schemas), {})
     named = {n for n in schemas if re.search(rf"\b{re.escape(n)}\b", query, re.IGNORECASE)}
     if named - {s.table for s in scans}:
         return None  # a table named but not scanned (DESCRIBE, a table function): read it all
     return scans
+
+
+def with_literals(con: duckdb.DuckDBPyConnection, query: str, params: Sequence[Any] | dict[str, Any] | None) -> str:
+    """``query`` with its bound parameters of a string, integer or boolean value written
+    in as literals, for planning only: DuckDB pushes a constant into the scans under a
+    macro's CTEs, a parameter it leaves above them. The places are DuckDB's own (its
+    parse's ``query_location`` of each parameter); anything it cannot parse is left."""
+    if not params:
+        return query
+    found = json.loads(con.execute("SELECT json_serialize_sql(?)", [query]).fetchall()[0][0])
+    if found.get("error"):
+        return query
+    values = _Parameters(params)
+    places: list[tuple[int, int, str]] = []
+
+    def visit(node: Any) -> None:
+        if isinstance(node, dict):
+            if node.get("class") == "PARAMETER" and "query_location" in node:
+                literal = _literal(values.value(str(node.get("identifier"))))
+                if literal is not None:
+                    places.append((node["query_location"], node.get("query_location_length", 0), literal))
+            for value in node.values():
+                visit(value)
+        elif isinstance(node, list):
+            for value in node:
+                visit(value)
+
+    visit(found)
+    out = query
+    for at, length, literal in sorted(set(places), reverse=True):
+        if length <= 0 or at + length > len(out) or out[at] not in "?$":
+            return query  # not where the parse says: plan the query as it is
+        out = out[:at] + literal + out[at + length :]
+    return out
+
+
+def _literal(value: Any) -> str | None:
+    if isinstance(value, bool):
+        return "TRUE" if value else "FALSE"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return "'" + value.replace("'", "''") + "'"
+    return None
 
 
 class _Parameters:
@@ -151,13 +216,23 @@ Origin = tuple[int, str] | None
 """Where an operator's output column comes from unchanged: (scan index, column), or None."""
 
 
-def _walk(node: dict, scans: list[Scan], params: _Parameters, names: set[str]) -> list[Origin] | None:
+def _walk(
+    node: dict, scans: list[Scan], params: _Parameters, names: set[str], ctes: dict[str, list[Origin] | None]
+) -> list[Origin] | None:
     """Record the scans under ``node``; return the origin of each of its output columns
-    (None: an operator not followed, its width unknown)."""
+    (None: an operator not followed, its width unknown). ``ctes``: the origins of the
+    materialized CTEs seen so far (DuckDB plans a correlated subquery and a lateral join
+    as one), by index, for their references."""
     kind = node.get("type")
-    children = [_walk(child, scans, params, names) for child in node.get("children", [])]
+    below = node.get("children", [])
+    if kind == "LOGICAL_MATERIALIZED_CTE" and len(below) == 2:
+        ctes[str(node.get("table_index"))] = _walk(below[0], scans, params, names, ctes)
+        return _walk(below[1], scans, params, names, ctes)
+    children = [_walk(child, scans, params, names, ctes) for child in below]
     if kind == "LOGICAL_GET":
         return _get(node, scans, params, names)
+    if kind == "LOGICAL_CTE_REF":
+        return ctes.get(str(node.get("cte_index")))
     if kind == "LOGICAL_EMPTY_RESULT" and "return_types" in node:
         return [None] * len(node["return_types"])
     if kind == "LOGICAL_FILTER" and len(children) == 1 and children[0] is not None:
@@ -165,6 +240,12 @@ def _walk(node: dict, scans: list[Scan], params: _Parameters, names: set[str]) -
         return [_at(children[0], i) for i in mapping]
     if kind == "LOGICAL_PROJECTION" and len(children) == 1:
         return [_ref(e, children[0]) for e in node.get("expressions", [])]
+    if kind == "LOGICAL_AGGREGATE_AND_GROUP_BY" and len(children) == 1:
+        # Groups, then aggregates, then grouping functions: a group column holds values of its input.
+        groups = [_ref(g, children[0]) for g in node.get("groups", [])]
+        return groups + [None] * (len(node.get("expressions", [])) + len(node.get("grouping_functions", [])))
+    if kind in ("LOGICAL_UNNEST", "LOGICAL_WINDOW") and len(children) == 1 and children[0] is not None:
+        return children[0] + [None] * len(node.get("expressions", []))  # the input's columns, then its own
     if kind == "LOGICAL_COMPARISON_JOIN" and len(children) == 2:
         return _join(node, children, scans)
     return None
@@ -211,10 +292,12 @@ def _get(node: dict, scans: list[Scan], params: _Parameters, names: set[str]) ->
 
 
 def _join(node: dict, children: list[list[Origin] | None], scans: list[Scan]) -> list[Origin] | None:
+    """Record the reductions a comparison join carries; return its output's origins (a
+    column of either side keeps its input's values, or NULL)."""
     left, right = children
     kind = node.get("join_type")
     reduce_left = kind in ("INNER", "SEMI", "RIGHT")
-    reduce_right = kind in ("INNER", "SEMI", "LEFT")
+    reduce_right = kind in ("INNER", "SEMI", "LEFT", "SINGLE")  # a scalar subquery: only its matches
     for condition in node.get("conditions", []):
         if condition.get("comparison") != "COMPARE_EQUAL":
             continue
@@ -225,11 +308,18 @@ def _join(node: dict, children: list[list[Origin] | None], scans: list[Scan]) ->
             scans[a[0]].joins.append((a[1], b[0], b[1]))
         if reduce_right:
             scans[b[0]].joins.append((b[1], a[0], a[1]))
-    if kind in ("SEMI", "ANTI", "MARK", "SINGLE") or left is None or right is None:
+    if left is None:
         return None
     lmap = node.get("left_projection_map") or range(len(left))
+    kept = [_at(left, i) for i in lmap]
+    if kind in ("SEMI", "ANTI"):
+        return kept
+    if kind == "MARK":
+        return [*kept, None]
+    if right is None:
+        return None
     rmap = node.get("right_projection_map") or range(len(right))
-    return [_at(left, i) for i in lmap] + [_at(right, i) for i in rmap]
+    return kept + [_at(right, i) for i in rmap]
 
 
 def _filter(column: str, spec: dict, params: _Parameters) -> tuple[BooleanExpression, set[Any] | None]:

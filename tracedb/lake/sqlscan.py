@@ -24,6 +24,7 @@ macro's tables without the macro's semantics; the optimized plan is DuckDB's own
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import reduce
@@ -36,11 +37,12 @@ import pyarrow.compute as pc
 from pyiceberg.expressions import AlwaysFalse, AlwaysTrue, And, BooleanExpression, In, Or
 
 from tracedb import sqlvalues
+from tracedb.lake import files as lake_data
 from tracedb.lake import read
 from tracedb.lake.catalog import BATCH, lake_tables, per_trace
 from tracedb.lake.scan import scan_keys, visible_traces
 from tracedb.lake.sqlplan import KEYS, Scan, all_of, plan
-from tracedb.sqltext import load_sql
+from tracedb.sqltext import load_sql, quote_identifier
 
 REDUCTION_LIMIT = 20_000
 """The most key values one reduction sends to a scan as an ``IN`` list (more: not reduced)."""
@@ -76,17 +78,40 @@ def run(
         tables, report = read.visible(lake), ScanReport(pushed=False)
     else:
         tables, report = read_for(lake, scans)
-    con = duckdb.connect()
+    con = _runner()
     try:
         for name, table in tables.items():
             con.register(name, table)
-        con.execute(load_sql("macros.sql"))
         result = con.sql(query, params=params)
         if result is None:
             return pa.table({}), report
         return (sqlvalues.portable(result) if portable else result).to_arrow_table(), report
     finally:
         con.close()
+
+
+_base: dict[Any, duckdb.DuckDBPyConnection] = {}
+_base_lock = threading.Lock()
+
+
+def _runner() -> duckdb.DuckDBPyConnection:
+    """A connection of its own for one query, on the process's database holding
+    tracedb's macros over empty tables of the stored schemas (made once per schema): the
+    query's tables, registered on it alone, stand in for those."""
+    schemas = lake_tables()
+    key = tuple(schemas.items())
+    with _base_lock:
+        made = _base.get(key)
+        if made is None:
+            made = duckdb.connect()
+            for name, schema in schemas.items():
+                made.register("_tdb_empty", pa.Table.from_batches([], schema=schema))
+                made.execute(f"CREATE TABLE {quote_identifier(name)} AS SELECT * FROM _tdb_empty")
+                made.unregister("_tdb_empty")
+            made.execute(load_sql("macros.sql"))
+            _base.clear()
+            _base[key] = made
+        return made.cursor()
 
 
 def lake_files(lake: Any) -> list[str]:
@@ -167,13 +192,12 @@ class _Reader:
             self.report.rows[name] = self.report.rows.get(name, 0) + got.num_rows
             self.report.filters[name] = f"{keys[0]} in {len(keys[1])} keys (scan_keys)"
             return got
-        scan = table.scan(row_filter=row_filter, selected_fields=fields)
-        tasks = list(scan.plan_files())
-        self.report.files[name] = self.report.files.get(name, 0) + len(tasks)
+        chosen = lake_data.pruned(table, row_filter)
+        self.report.files[name] = self.report.files.get(name, 0) + len(chosen)
         if name == "traces":
             got = visible_traces(table, row_filter, [c for c in fields if c != "seq"])
         else:
-            got = scan.to_arrow() if tasks else pa.Table.from_batches([], table.schema().select(*fields).as_arrow())
+            got = lake_data.read(table, chosen, fields, row_filter=row_filter)
         self.report.rows[name] = self.report.rows.get(name, 0) + got.num_rows
         self.report.filters[name] = str(row_filter)
         return got
@@ -186,21 +210,17 @@ def read_for(lake: Any, scans: list[Scan]) -> tuple[dict[str, pa.Table], ScanRep
     schemas = lake_tables()
     used = {s.table for s in scans}
     columns = {name: set().union(*(s.columns for s in scans if s.table == name)) for name in used}
-    con = duckdb.connect()
+    con = lake_data.duck()
     out: dict[str, pa.Table] = {}
     try:
         # The traces the other tables' visibility needs, with the query's own traces rows.
         wanted: set[str] | None = set()
         everything = "episodes" in used  # an episode row is visible through any of its traces
+        bounded = _bounded(scans)
         for name in used:
             if per_trace(name, schemas[name]) and name != "traces":
                 _, keys = reader.restriction(name)
-                has_join_to_traces = all(
-                    any(reader.scans[o].table == "traces" and c == "trace_id" for c, o, _ in s.joins)
-                    for s in scans
-                    if s.table == name
-                )
-                if keys.get("trace_id") is None and not has_join_to_traces:
+                if keys.get("trace_id") is None and not all(bounded[i] for i, s in enumerate(scans) if s.table == name):
                     everything = True
                 elif keys.get("trace_id") is not None and wanted is not None:
                     wanted |= keys["trace_id"]
@@ -220,14 +240,18 @@ def read_for(lake: Any, scans: list[Scan]) -> tuple[dict[str, pa.Table], ScanRep
             if name == "segments":
                 continue
             row_filter, keys_of = reader.restriction(name)
-            if name in ("rejects", "credit_sets"):
-                row_filter = AlwaysTrue()  # deduplicated over all their columns: read whole (small)
+            whole = name in ("rejects", "credit_sets", "policy_labels")
+            if whole:
+                row_filter = AlwaysTrue()  # deduplicated over their columns: read whole (small)
             keys = {"trace_id", BATCH} if per_trace(name, schemas[name]) else {"episode_id", BATCH}
             keys |= {"credit_set"} & set(schemas[name].names)  # credit values show with their set's row
-            need = columns.get(name, set()) | (
-                keys if name not in ("rejects", "credit_sets") else set(schemas[name].names)
-            )
+            need = columns.get(name, set()) | (keys if not whole else set(schemas[name].names))
             held = keys_of.get("trace_id") if per_trace(name, schemas[name]) else None
+            if held is None and per_trace(name, schemas[name]) and not everything:
+                # Every scan of it joins (through others) the traces read or pinned ones:
+                # only the rows of the visible traces read are needed.
+                held = set(vis.column("trace_id").to_pylist())
+                row_filter = And(row_filter, In("trace_id", sorted(held))) if held else AlwaysFalse()
             raw = reader.scan(name, row_filter, need, keys=None if held is None else ("trace_id", held))
             out[name] = read.visible_rows(con, name, raw)
             if name == "credit_sets":
@@ -238,6 +262,20 @@ def read_for(lake: Any, scans: list[Scan]) -> tuple[dict[str, pa.Table], ScanRep
     finally:
         con.close()
     return {name: read.stored(name, out.get(name)) for name in schemas}, reader.report
+
+
+def _bounded(scans: list[Scan]) -> list[bool]:
+    """Per scan: whether the trace ids of the rows it needs are among those of the traces
+    read (its trace id pinned, or joined on it to a ``traces`` scan or to a scan that is
+    bounded, through any number of such joins)."""
+    out = [s.table == "traces" or "trace_id" in s.pins for s in scans]
+    changed = True
+    while changed:
+        changed = False
+        for i, scan in enumerate(scans):
+            if not out[i] and any(c == "trace_id" and oc == "trace_id" and out[o] for c, o, oc in scan.joins):
+                out[i] = changed = True
+    return out
 
 
 def _segments(con: duckdb.DuckDBPyConnection, reader: _Reader, columns: set[str]) -> pa.Table:
@@ -259,7 +297,26 @@ def _segments(con: duckdb.DuckDBPyConnection, reader: _Reader, columns: set[str]
             row_filter = And(row_filter, In("segment_id", sorted(used))) if used else AlwaysFalse()
     if not used:
         row_filter = AlwaysFalse()
-    raw = reader.scan("segments", row_filter, columns | {"segment_id"}, keys=("segment_id", used))
+    nodes = reader.read.get("nodes")
+    users = None
+    if used and nodes is not None and {"trace_id", "segment_id"} <= set(nodes.column_names):
+        wanted = pa.array(sorted(used), pa.binary())
+        using = nodes.filter(pc.is_in(nodes.column("segment_id"), value_set=wanted))
+        if pc.count_distinct(using.column("segment_id")).as_py() == len(wanted):
+            users = using
+    if users is not None:  # the nodes using them were read: their traces' buckets hold them
+        files: list[str] = []
+        batches = users.column(BATCH) if BATCH in users.column_names else None
+        segments = reader.lake.table("segments")
+        raw = read.trace_segments(
+            segments, users.column("trace_id"), wanted, sorted(columns | {"segment_id"}), files, batches
+        )
+        reader.report.files["segments"] = reader.report.files.get("segments", 0) + len(files)
+        reader.report.rows["segments"] = reader.report.rows.get("segments", 0) + raw.num_rows
+        traces = pc.count_distinct(users.column("trace_id")).as_py()
+        reader.report.filters["segments"] = f"segment_id in {len(used)} keys, of {traces} traces"
+    else:
+        raw = reader.scan("segments", row_filter, columns | {"segment_id"}, keys=("segment_id", used))
     return read.visible_segments(con, raw, used)
 
 

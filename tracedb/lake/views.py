@@ -1,12 +1,15 @@
 """Branch views of a lake, computed in Ray workers by the file store's own view code.
 
-A view task pulls its chunk of traces into an in-memory tracedb
-(:func:`tracedb.lake.move.write_into` of :func:`tracedb.lake.read.visible`) and calls
-:meth:`tracedb.Database.branches` there (the same kernels). Tasks take the traces in
-the order of their ``trace_id`` hash bucket (:func:`tracedb.lake.scan.bucket_order`), so
-a task reads the per-trace files of its own buckets only; the segments its nodes use
-are content-addressed, bucketed by segment id, and read from every bucket that holds
-one (see ``docs/scale.md``).
+The driver resolves the selection (the visible ``traces`` rows it takes, with their
+:data:`~tracedb.lake.catalog.BATCH`: :func:`tracedb.lake.select.resolve_rows`) and cuts it
+into tasks in the order of the traces' ``trace_id`` hash bucket, then trace id
+(:func:`tracedb.lake.scan.bucket_order`), so that a task reads the files of a few
+buckets, and in them the row groups of its traces. A view task reads its traces' nodes,
+branches and segments straight from the lake's files as Arrow
+(:func:`tracedb.lake.columns.visible_columns`: a trace's segments are stored in its own
+bucket) and runs the file store's kernels on them (:func:`tracedb.views.spread.branch_table`),
+the tokens' policy versions read of the lake when the views ask for them
+(:func:`tracedb.lake.versions.attach`).
 """
 
 from __future__ import annotations
@@ -16,12 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from tracedb.database import connect
-from tracedb.lake import catalog, move, read
+from tracedb.lake import catalog, versions
+from tracedb.lake.columns import resolve_credit, visible_columns
 from tracedb.lake.scan import bucket_order
-from tracedb.lake.select import select_ids
+from tracedb.lake.select import resolve_rows
 from tracedb.lake.workers import chunks, running_ray
+from tracedb.records import COMPACT_STREAMS
 from tracedb.selection import Selection
+from tracedb.views import branch_indices, token_columns
+from tracedb.views.spread import branch_table
 
 if TYPE_CHECKING:
     import ray.data
@@ -32,20 +38,38 @@ VIEW_TRACES = 256
 
 
 class _Views:
-    """What one view task computes: the branch views of a chunk of trace ids."""
+    """What one view task computes: the branch views of a chunk of visible traces."""
 
     def __init__(self, location: catalog.Location, options: dict[str, Any]) -> None:
         self.location = location
         self.options = options
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-
-        lake = catalog.Opened.at(self.location)
+        lake = catalog.Opened.worker(self.location)
         ids = [t for chunk in batch.column("trace_ids").to_pylist() for t in chunk]
-        with connect(":memory:") as db:
-            move.write_into(db, read.visible(lake, trace_ids=ids))
-            views = db.branches(**self.options)
-        return views.replace_schema_metadata(None)
+        batches = [b for chunk in batch.column("batches").to_pylist() for b in chunk]
+        return view(lake, pa.table({"trace_id": ids, catalog.BATCH: batches}), **self.options)
+
+
+def view(
+    lake: Any,
+    traces: pa.Table,
+    *,
+    columns: list[str],
+    train_once: bool,
+    trainable: bool | None,
+    branch_index: list[int] | None,
+    credit: str | None,
+) -> pa.Table:
+    """The branch views of the visible traces rows ``traces`` (``trace_id``,
+    :data:`~tracedb.lake.catalog.BATCH`), the arguments checked already
+    (``columns``: :func:`tracedb.views.token_columns`'s, ``credit``:
+    :func:`~tracedb.lake.columns.resolve_credit`'s)."""
+    streams = [c for c in COMPACT_STREAMS if c in columns]
+    data = visible_columns(lake, traces, streams, credit)
+    if "policy_version" in columns:
+        versions.attach(lake, traces, data)
+    return branch_table(data, columns, train_once, trainable, branch_index).replace_schema_metadata(None)
 
 
 def branches(
@@ -60,18 +84,27 @@ def branches(
     traces_per_task: int = VIEW_TRACES,
 ) -> ray.data.Dataset:
     """See :meth:`tracedb.lake.Lake.branches`."""
-    if not isinstance(traces_per_task, int) or traces_per_task < 1:
+    if not isinstance(traces_per_task, int) or isinstance(traces_per_task, bool) or traces_per_task < 1:
         raise ValueError(f"traces_per_task is a number of traces (an int >= 1), not {traces_per_task!r}")
-    ray = running_ray()
-    ids = select_ids(lake, selection)
     options = dict(
-        trainable=trainable, branch_index=branch_index, columns=columns, train_once=train_once, credit=credit
+        columns=token_columns(columns),
+        train_once=train_once,
+        trainable=trainable,
+        branch_index=branch_indices(branch_index),
+        credit=resolve_credit(lake, credit),
     )
-    parts = chunks(bucket_order(lake.table("traces"), "trace_id", ids), traces_per_task)
-    items = pa.table({"trace_ids": pa.array(parts, pa.list_(pa.string()))})
+    rows, _ = resolve_rows(lake, selection)
+    ray = running_ray()
+    batch_of = dict(zip(rows.column("trace_id").to_pylist(), rows.column(catalog.BATCH).to_pylist(), strict=True))
+    parts = chunks(bucket_order(lake.table("traces"), "trace_id", list(batch_of)), traces_per_task)
     if not parts:
-        with connect(":memory:") as db:
-            return ray.data.from_arrow(db.branches(**options).replace_schema_metadata(None))
+        return ray.data.from_arrow(view(lake, rows, **options))
+    items = pa.table(
+        {
+            "trace_ids": pa.array(parts, pa.list_(pa.string())),
+            "batches": pa.array([[batch_of[t] for t in part] for part in parts], pa.list_(pa.string())),
+        }
+    )
     return (
         ray.data.from_arrow(items)
         .repartition(len(parts))
@@ -79,4 +112,4 @@ def branches(
     )
 
 
-__all__ = ["VIEW_TRACES", "branches"]
+__all__ = ["VIEW_TRACES", "branches", "view"]

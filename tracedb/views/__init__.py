@@ -24,6 +24,7 @@ from tracedb.handle import Handle
 from tracedb.records import COMPACT_STREAMS
 from tracedb.selection import Selection, pages, resolve, watermark_of, with_watermark
 from tracedb.tables import BRANCH_SCHEMA, TOKEN_COLUMNS
+from tracedb.views import versions
 from tracedb.views.nodes import load_nodes
 from tracedb.views.spread import branch_table
 
@@ -77,6 +78,8 @@ def _view(
         data = load_nodes(handle, trace_ids, streams, credit)
         if cache and data.starts[-1] <= runtime.settings().view_cache_tokens:
             handle.view_cache = (key, data)
+    if "policy_version" in cols:
+        versions.attach(handle, data)
     table = branch_table(data, cols, train_once, trainable, branch_index)
     return with_watermark(table, data.watermark if mark is None else mark)
 

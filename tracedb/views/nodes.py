@@ -60,6 +60,8 @@ class NodeColumns:
     loss_weights: list[Any]  # per node: None or list of (name, values)
     branches: pa.Table  # trace_id, branch_index, trainable, path (sorted)
     watermark: int = 0  # the highest sequence number committed when the nodes were read
+    versions: np.ndarray | None = None  # int32 node-flat policy versions (views/versions.py), when read
+    versions_read: bool = False
     _mask: np.ndarray | None = None
 
     @property
@@ -160,6 +162,40 @@ def load_nodes(
 
 class _MissingSegment(Exception):
     pass
+
+
+def node_columns(
+    nodes: pa.Table,
+    segments: pa.Table,
+    branches: pa.Table,
+    streams: Sequence[str],
+    credit_rows: pa.Table | None = None,
+    *,
+    watermark: int = 0,
+) -> NodeColumns:
+    """:class:`NodeColumns` of Arrow tables read elsewhere (the lake's files): ``nodes``
+    (the columns of ``_META`` and the ``streams`` the nodes hold, as lists), the
+    ``segments`` they use (``segment_id``, ``token_ids``; a segment may be there twice),
+    their ``branches`` (``trace_id``, ``branch_index``, ``trainable``, ``path``) and, for a
+    named credit set, its ``credit_rows`` (``trace_id``, ``node_index``, ``value``,
+    ``advantages``: the advantages stream then). Decoded by the code a file's selection is
+    (:func:`load_nodes`), so views and plans made of them are the file store's.
+    ``KeyError`` naming a segment a node uses that ``segments`` lacks."""
+    node_streams = [s for s in streams if not (s == "advantages" and credit_rows is not None)]
+    lists = {s: list_parts(nodes.column(s)) for s in node_streams}
+    held = (segments.column("segment_id"), list_parts(segments.column("token_ids")))
+    ordered = branches.sort_by([("trace_id", "ascending"), ("branch_index", "ascending")])
+    try:
+        data = _decode(nodes, held, lists, ordered, credit_rows, streams)
+    except _MissingSegment:
+        at = pc.index_in(nodes.column("segment_id"), value_set=held[0].combine_chunks())
+        row = nodes.filter(pc.is_null(at)).slice(0, 1).to_pylist()[0]
+        raise KeyError(
+            f"trace {row['trace_id']!r} node {row['node_index']}: segment {row['segment_id'].hex()} is not among "
+            f"the {len(held[0])} segments read"
+        ) from None
+    data.watermark = watermark
+    return data
 
 
 _META = "trace_id, node_index, n_tokens, n_sampled, mask_prefix, mask_slots, loss_weights, segment_id"

@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from tracedb import policy
 from tracedb.graph import owning_branch
 from tracedb.tables import BRANCH_SCHEMA
 from tracedb.views import _buffers
@@ -106,8 +107,43 @@ def branch_table(
         out[name] = _list(values, offsets, pa.float32(), held)
     if "loss_weights" in columns:
         out["loss_weights"] = _loss_weights(data, path_off, path_rows)
+    if "policy_version" in columns:
+        out["policy_version"] = _policy_versions(data, n_branches, path_off, path_rows, out_off, offsets, total)
     fields = [BRANCH_SCHEMA.field(c) for c in ("trace_id", "branch_index", "trainable", *columns)]
     return pa.Table.from_arrays([out[f.name] for f in fields], schema=pa.schema(fields))
+
+
+def _policy_versions(
+    data: NodeColumns,
+    n_branches: int,
+    path_off: np.ndarray,
+    path_rows: np.ndarray,
+    out_off: np.ndarray,
+    offsets: pa.Array,
+    total: int,
+) -> pa.Array:
+    """Each branch's tokens' policy versions (null off-sample and where unknown; None for a
+    branch with no known one), gathered from ``data.versions`` along its path."""
+    if data.versions is None:
+        return pa.nulls(n_branches, pa.list_(pa.int32()))
+    values = _buffers.empty(total, np.int32)
+    scratch = _buffers.empty(total, np.bool_)
+    node_starts = data.starts[:-1].astype(np.int64)
+    no_prefix = np.zeros(len(data.n_tok), np.int64)  # the mask output is not used here
+    kernels().spread_tokens(
+        0, n_branches, path_off, path_rows, np.ones(len(path_rows), np.bool_), out_off, data.n_tok, node_starts,
+        data.versions, no_prefix, data.slot_src, data.slots, values, scratch,
+    )  # fmt: skip
+    known = values != policy.UNKNOWN
+    counts = np.zeros(total + 1, np.int64)
+    np.cumsum(known, out=counts[1:])
+    held = counts[out_off[1:]] > counts[out_off[:-1]]
+    flat = pa.Array.from_buffers(
+        pa.int32(),
+        total,
+        [pa.array(known).buffers()[1], values.base if isinstance(values.base, pa.Buffer) else pa.py_buffer(values)],
+    )
+    return pa.ListArray.from_arrays(offsets, flat, mask=None if held.all() else pa.array(~held))
 
 
 def first_use(data: NodeColumns, br: pa.Table) -> np.ndarray:
