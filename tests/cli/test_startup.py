@@ -61,13 +61,14 @@ def test_cec_plan_stays_the_function_whoever_imports_its_module_first():
 INGEST = """
 import gc, json, sys
 from tracedb.cli.main import main
+names = set(sys.argv[3:])  # before the command's own argv replaces them
 sys.argv = ["tracedb", "ingest", sys.argv[1], "--db", sys.argv[2], "--no-progress", "--json"]
 try:
     main()
 except SystemExit as e:
     code = e.code
 loaded = sorted({m.split(".")[0] for m in sys.modules} & {"pandas", "numba", "polars", "pyiceberg", "ray", "fastapi"})
-unused = sorted(set(sys.modules) & set(sys.argv[3:]))
+unused = sorted(set(sys.modules) & names)
 print(json.dumps([code, loaded, unused, gc.get_freeze_count() > 1000]))
 """
 

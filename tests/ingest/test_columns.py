@@ -41,3 +41,36 @@ def test_list_array_refuses_offsets_past_the_values():
 def test_numpy_lists_keeps_none_as_null():
     got = numpy_lists([np.array([1.5, 2.0]), None, np.array([], np.float32)], pa.float32())
     assert got.to_pylist() == [[1.5, 2.0], None, []]
+
+
+NEEDLE = b'"weight_versions"'
+TEXTS = [
+    '{"weight_versions":[]}',
+    None,
+    "",
+    '{"a":"weight_versions"}',  # the word, not the key
+    '{"b":1,"weight_versions":null}',
+    'x"weight_versions',  # the needle cut by the end of the value ...
+    '"weight_versions"...',  # ... and the next value holding it whole
+    '"weight_versions""weight_versions"',
+]
+
+
+@pytest.mark.parametrize("kind", [pa.string(), pa.large_string()])
+@pytest.mark.parametrize("cut", [(0, None), (1, None), (2, 5), (5, None)])
+def test_holding_equals_match_substring(kind, cut):
+    """The rows split_weight_versions rewrites, found on the column's buffers, are the
+    ones pyarrow.compute.match_substring finds: nulls, a needle across two values, a
+    sliced and a chunked column."""
+    import pyarrow.compute as pc
+
+    from tracedb.ingest.rows import holding
+
+    start, stop = cut
+    whole = pa.array(TEXTS * 3, kind)
+    part = whole[start:stop]
+    column = pa.chunked_array([part, pa.array([None, '{"weight_versions":[1]}'], kind), part[:0], part])
+    expected = np.flatnonzero(pc.fill_null(pc.match_substring(column, NEEDLE.decode()), False).to_numpy()).tolist()
+    assert holding(column, NEEDLE) == expected and expected
+    assert holding(pa.chunked_array([], kind), NEEDLE) == []
+    assert holding(pa.chunked_array([pa.array([None, None], kind)]), NEEDLE) == []
