@@ -133,6 +133,12 @@ class Settings:
     scanner_load_bytes: int = 32 << 20
     """With ``scanner="auto"`` and the scanner compiled but not loaded in this process:
     the input size from which loading it pays (measured: docs/performance.md)."""
+    scan_ahead: str = "auto"
+    """Whether the scanner reads the next chunk on a second thread while this one's lines
+    go into the batch. ``auto`` does when a core is to spare as the ingest starts (the
+    process may run on two CPUs or more and the 1-minute load average leaves one idle,
+    :func:`spare_core`): on a busy machine the second thread only waits its turn and
+    costs its hand-offs; ``always`` and ``never`` decide for every ingest."""
     follow_batch_bytes: int = 64 << 20
     """A follower reads about this many new bytes per transaction at most (more when one
     line is longer), so a backlog is committed in steps."""
@@ -425,6 +431,23 @@ def idle_mappings() -> deque[mmap.mmap]:
     """The buffer pool: idle anonymous mappings that view columns reuse (see
     :mod:`tracedb.views._buffers`)."""
     return _state.idle
+
+
+def spare_core() -> bool:
+    """Whether a second core is free for this process now: it may run on two CPUs or
+    more (``os.sched_getaffinity``) and the 1-minute load average is at most those CPUs
+    less one (the thread asking being the one)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    if cpus < 2:
+        return False
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # no load average to read: the CPUs decide
+        return True
+    return load <= cpus - 1
 
 
 def threads() -> ThreadPoolExecutor:

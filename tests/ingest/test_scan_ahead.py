@@ -1,7 +1,8 @@
 """The scanner reads one chunk ahead on another thread (``IngestRun.read``), into the
-other of two sets of buffers: whatever the chunking, the rows, their order (sequence
-numbers, line numbers), the rejects and the lines before a damaged part are what the
-parser alone stores."""
+other of two sets of buffers, or on the ingest's own thread (``scan_ahead``): whatever the
+chunking, the rows, their order (sequence numbers, line numbers), the rejects and the
+lines before a damaged part are what the parser alone stores; ``auto`` scans ahead only
+when a core is to spare."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import zstandard
 
 import tracedb
 from tracedb import runtime
+from tracedb.ingest import run
 
 from support import FIXTURES
 from support.faults import contents
@@ -33,8 +35,9 @@ def _ingest(path, scanner: str, **knobs):
         return report, order, contents(db)
 
 
+@pytest.mark.parametrize("ahead", ["always", "never"])
 @pytest.mark.parametrize("chunk_bytes", [1, 3000, 1 << 20], ids=["chunk-per-line", "few-lines", "one-chunk"])
-def test_scanning_ahead_stores_what_the_parser_stores(tmp_path, chunk_bytes):
+def test_scanning_ahead_stores_what_the_parser_stores(tmp_path, chunk_bytes, ahead):
     lines = _lines()
     bad = json.loads(lines[3])
     bad["traces"][0]["nodes"][0]["token_ids"] = "not a list"
@@ -45,7 +48,7 @@ def test_scanning_ahead_stores_what_the_parser_stores(tmp_path, chunk_bytes):
     path = tmp_path / "run.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
     knobs = {"chunk_bytes": chunk_bytes, "max_line_bytes": 20_000, "batch_tokens": 500}
-    scanned = _ingest(path, "always", **knobs)
+    scanned = _ingest(path, "always", scan_ahead=ahead, **knobs)
     parsed = _ingest(path, "never", **knobs)
     assert scanned[1] == parsed[1]  # the same traces, numbered in the file's order
     assert [r["line"] for r in scanned[1]] == sorted(r["line"] for r in scanned[1])
@@ -54,12 +57,60 @@ def test_scanning_ahead_stores_what_the_parser_stores(tmp_path, chunk_bytes):
     assert scanned[2] == parsed[2]
 
 
-def test_a_damaged_frame_keeps_the_chunks_scanned_before_it(tmp_path):
+@pytest.mark.parametrize("ahead", ["always", "never"])
+def test_a_damaged_frame_keeps_the_chunks_scanned_before_it(tmp_path, ahead):
     """The chunk scanned ahead when the reading fails further on is still taken."""
     lines = _lines()[:12]
     frames = b"".join(zstandard.ZstdCompressor().compress(line + b"\n") for line in lines)
     path = tmp_path / "cut.jsonl.zst"
     path.write_bytes(frames[: len(frames) - 40])  # inside the last frame
-    report, order, _ = _ingest(path, "always", chunk_bytes=1)
+    report, order, _ = _ingest(path, "always", chunk_bytes=1, scan_ahead=ahead)
     assert report.unreadable == [str(path)]
     assert [r["line"] for r in order] == list(range(1, 12))
+
+
+@pytest.mark.parametrize(
+    ("cpus", "load", "expected"),
+    [
+        ({0, 1}, 0.3, True),  # a quiet two-core machine
+        ({0, 1}, 1.0, True),  # one core busy elsewhere, the other this ingest's: the load leaves one
+        ({0, 1}, 1.6, False),  # both cores busy
+        ({0, 1, 2, 3}, 2.5, True),
+        ({0}, 0.0, False),  # pinned to one CPU: the threads would take turns on it
+        ({0, 1}, None, True),  # no load average to read: the CPUs decide
+    ],
+)
+def test_auto_scans_ahead_when_a_core_is_to_spare(monkeypatch, cpus, load, expected):
+    monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: cpus)
+
+    def loadavg():
+        if load is None:
+            raise OSError("no load average")
+        return (load, load, load)
+
+    monkeypatch.setattr(runtime.os, "getloadavg", loadavg)
+    assert runtime.spare_core() is expected
+    with runtime.configure(scan_ahead="auto"):
+        assert run.scans_ahead(runtime.settings()) is expected
+    for fixed, ahead in (("always", True), ("never", False)):
+        with runtime.configure(scan_ahead=fixed):
+            assert run.scans_ahead(runtime.settings()) is ahead
+
+
+@pytest.mark.parametrize(("setting", "threads"), [("always", True), ("never", False)])
+def test_the_scan_runs_on_the_thread_the_setting_says(tmp_path, monkeypatch, setting, threads):
+    """``never`` scans on the ingest's own thread: the thread pool is not asked."""
+    path = tmp_path / "run.jsonl"
+    path.write_bytes(b"\n".join(_lines()) + b"\n")
+    asked = []
+    pool = runtime.threads()
+    real = pool.submit
+
+    def submit(fn, *args, **kwargs):
+        asked.append(getattr(fn, "__name__", fn))
+        return real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(pool, "submit", submit)
+    report, _, _ = _ingest(path, "always", chunk_bytes=3000, scan_ahead=setting)
+    assert report.ok and report.traces
+    assert ("scan_only" in asked) is threads

@@ -160,7 +160,8 @@ class IngestRun:
         self.parser = simdjson.Parser()
         self.scan: Any = None  # the compiled scanner (scan_only, then collect), when this ingest uses it
         self.collect: Any = None
-        self.scanners: tuple[Any, Any] = (None, None)  # two sets of its buffers: one scan runs ahead
+        self.scanners: tuple[Any, Any] = (None, None)  # its buffers (two sets when one scan runs ahead)
+        self.ahead = False  # whether the next chunk is scanned on another thread meanwhile
         self.turn = 0
         self.compiling = False
         self.rejects: list[tuple[Reject, bytes | Raw]] = []
@@ -183,7 +184,8 @@ class IngestRun:
             from tracedb.ingest import scanned
 
             self.scan, self.collect = scanned.scan_only, scanned.collect
-            self.scanners = (scanned.Scanner(), scanned.Scanner())
+            self.ahead = scans_ahead(self.knobs)
+            self.scanners = (scanned.Scanner(), scanned.Scanner() if self.ahead else None)
             if not jitcache.is_compiled(SCANNER_SOURCE):
                 self.compiling = True
                 self.notice(
@@ -232,6 +234,10 @@ class IngestRun:
             if self.scan is None:
                 self.take(source, chunk, None, None)
                 continue
+            if not self.ahead:  # one thread: scan the chunk, take its lines
+                self.scan(chunk, self.scanners[0], allow_ragged=self.allow_ragged)
+                self.take(source, chunk, None, self.scanners[0])
+                continue
             # The other thread runs only the kernel, which holds no GIL; the Python half
             # (collect) runs here. Python on both threads made each DuckDB call and read of
             # this one wait for the GIL behind the other's (a 5 ms switch interval each).
@@ -245,13 +251,15 @@ class IngestRun:
             self.take(source, *ahead)
 
     def take(self, source: str, chunk: Chunk, scanning: Future[Any] | None, scanner: Any) -> None:
-        """The lines of one chunk into the batch (``scanning``: its scan into ``scanner``'s
-        buffers, else the parser reads every line); a full batch is flushed at the chunk's end."""
+        """The lines of one chunk into the batch (``scanner``: the buffers it was scanned
+        into, by ``scanning`` when that ran on another thread; else the parser reads every
+        line); a full batch is flushed at the chunk's end."""
         limit = self.knobs.max_line_bytes
-        if scanning is None:
+        if scanner is None:
             lines: list[Any] = [None] * len(chunk.starts)
         else:
-            scanning.result()
+            if scanning is not None:
+                scanning.result()
             _, lines = self.collect(chunk, scanner)
             if self.compiling:
                 self.compiling = False
@@ -444,6 +452,14 @@ def uses_scanner(knobs: runtime.Settings, files: Sequence[Path | ByteRange]) -> 
         return True
     threshold = knobs.scanner_load_bytes if jitcache.is_compiled(SCANNER_SOURCE) else knobs.scanner_min_bytes
     return sum(_size(p) for p in files) >= threshold
+
+
+def scans_ahead(knobs: runtime.Settings) -> bool:
+    """Whether the scanner reads the next chunk on a second thread (the ``scan_ahead``
+    setting; with ``auto``: when a core is to spare, :func:`tracedb.runtime.spare_core`)."""
+    if knobs.scan_ahead != "auto":
+        return knobs.scan_ahead != "never"
+    return runtime.spare_core()
 
 
 def _scanner_loaded() -> bool:
