@@ -84,6 +84,8 @@ def open_handle(path: str | Path = ":memory:", *, read_only: bool = False, isola
         if not read_only and fresh:  # an attachment shared with another handle is installed
             install(handle)
         check_version(handle)
+        if read_only:
+            _session_macros(handle)
     except BaseException:
         handle.close()  # a refused file is not kept open
         raise
@@ -129,6 +131,22 @@ def _install_macros(handle: Handle) -> None:
     writing them again: each rewrite grows the WAL)."""
     handle.con.execute(load_sql("macros.sql"))
     handle.con.execute("INSERT OR REPLACE INTO tracedb_meta VALUES ('macros_sha256', ?)", [_macros_digest()])
+
+
+def _session_macros(handle: Handle) -> None:
+    """A file opened read-only whose stored macros are not this tracedb's (written by an
+    older or newer release of the same schema) gets this tracedb's macros as temporary
+    ones, on this connection and every cursor the handle makes: they are found before the
+    file's, so the views and SQL a reader runs are the ones its code expects, and nothing
+    is written to the file."""
+    if handle.scalar("SELECT value FROM tracedb_meta WHERE key = 'macros_sha256'") == _macros_digest():
+        return
+    text = _TEMP_MACRO.sub("CREATE OR REPLACE TEMP MACRO", load_sql("macros.sql"))
+    handle.session_sql = text
+    handle.con.execute(text)
+
+
+_TEMP_MACRO = re.compile(r"^CREATE OR REPLACE MACRO", re.MULTILINE)
 
 
 def _repair(handle: Handle) -> None:

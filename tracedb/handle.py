@@ -63,6 +63,10 @@ class Handle:
         """True inside :meth:`transaction` (a nested one joins it)."""
         self._sequencing = 0
         self._release = release
+        self.session_sql: str | None = None
+        """SQL every new connection of this handle runs first (:meth:`cursor`): this
+        tracedb's macros as temporary ones, on a file opened read-only whose stored macros
+        differ (:mod:`tracedb.dbfile`)."""
 
     def release_when_dropped(self) -> None:
         """Detach the file when this handle is garbage-collected without :meth:`close`."""
@@ -72,7 +76,7 @@ class Handle:
         """A handle of its own (a new cursor) on the same database, for another thread;
         it shares this handle's write counter. Closing it closes only its cursor."""
         con = self.cursor()
-        return Handle(
+        child = Handle(
             con,
             path=self.path,
             catalog=self.catalog,
@@ -81,6 +85,8 @@ class Handle:
             release=con.close,
             shared=self.shared,
         )
+        child.session_sql = self.session_sql
+        return child
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -109,6 +115,8 @@ class Handle:
         con = self.con.cursor()
         if self.catalog is not None:
             con.execute(f"USE {quote_identifier(self.catalog)}")
+        if self.session_sql is not None:
+            con.execute(self.session_sql)
         return con
 
     # ----------------------------------------------------------------- writes

@@ -18,11 +18,7 @@ from tracedb.credit import returns as R
 from tracedb.credit.layouts import NODE_CREDIT
 
 from support import FIXTURES, FIXTURES_041
-
-LIMITS = (
-    *("max_turns", "max_input_tokens", "max_output_tokens", "max_total_tokens"),
-    *("max_turn_tokens", "compaction_failed"),
-)
+from support.turn_reference import LIMITS, Branch, assert_close, credited, node_constants, num, per_node
 
 
 def _fixture(name: str) -> dict[str, Any]:
@@ -75,11 +71,6 @@ def _set_fields(ep: dict, fields: dict[int, dict[str, Any]]) -> dict:
 # ----------------------------------------------------------------------------- reference
 
 
-def _num(node: dict, field: str | None) -> float:
-    value = node.get(field) if field else None
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
-
-
 def _outcome(trace: dict, reward: str | None) -> float | None:
     rewards = trace.get("rewards") or {}
     if reward is not None:
@@ -107,70 +98,31 @@ def reference(
     for ep in episodes:
         for trace in ep["traces"]:
             outcome = _outcome(trace, reward)
-            if terminal_reward and outcome is None:
+            if not credited(trace, outcome, terminal_reward, include_failed):
                 continue
-            if not include_failed and (not trace.get("ok") or trace.get("is_timeout")):
-                continue
-            nodes = trace["nodes"]
-            parents = [n.get("parent") for n in nodes]
-            resumed = {
-                link["node"] for n in nodes for link in n.get("semantic_parents") or [] if link["type"] == "compaction"
-            }
-            limit = trace.get("stop_condition") in LIMITS or bool(trace.get("is_timeout"))
-            per_branch = []
-            for leaf in [i for i in range(len(nodes)) if i not in parents]:
-                path, node = [], leaf
-                while node is not None:
-                    path.insert(0, node)
-                    node = parents[node]
-                attempt = any(
-                    link["type"] == "compaction_attempt" for link in nodes[leaf].get("semantic_parents") or []
-                )
-                trainable = not attempt or leaf in resumed
-                turns = [i for i in path if sum(nodes[i].get("mask") or [])]
-                credit: dict[int, float] = {}
-                if turns:
-                    truncated = limit or attempt or not trainable
-                    r = [_num(nodes[i], reward_field) for i in turns]
-                    if terminal_reward:
-                        r[-1] += outcome
-                    v = [_num(nodes[i], value_field) for i in turns]
-                    v_end = 0.0
-                    if truncated:
-                        v_end = _num(nodes[turns[-1]], bootstrap_field) if bootstrap_field else v[-1]
-                    g, a = v_end, 0.0
-                    for t in reversed(range(len(turns))):
-                        g = r[t] + gamma * g
-                        v_next = v[t + 1] if t + 1 < len(turns) else v_end
-                        a = r[t] + gamma * v_next - v[t] + gamma * lam * a
-                        if algorithm == "gae":
-                            credit[turns[t]] = a
-                        else:
-                            credit[turns[t]] = g - v[t] if subtract_values else g
-                per_branch.append((trainable, credit))
-            # A shared node takes the first trainable branch's value, else the first branch's.
-            for prefer in (True, False):
-                for trainable, credit in per_branch:
-                    if trainable == prefer:
-                        for node, value in credit.items():
-                            out.setdefault((trace["id"], node), value)
+
+            def branch_credit(branch: Branch, nodes: list[dict], outcome: float | None) -> dict[int, float]:
+                turns, credit = branch.turns, {}
+                r = [num(nodes[i], reward_field) for i in turns]
+                if terminal_reward:
+                    r[-1] += outcome
+                v = [num(nodes[i], value_field) for i in turns]
+                v_end = 0.0
+                if branch.bootstraps:
+                    v_end = num(nodes[turns[-1]], bootstrap_field) if bootstrap_field else v[-1]
+                g, a = v_end, 0.0
+                for t in reversed(range(len(turns))):
+                    g = r[t] + gamma * g
+                    v_next = v[t + 1] if t + 1 < len(turns) else v_end
+                    a = r[t] + gamma * v_next - v[t] + gamma * lam * a
+                    if algorithm == "gae":
+                        credit[turns[t]] = a
+                    else:
+                        credit[turns[t]] = g - v[t] if subtract_values else g
+                return credit
+
+            per_node(trace, outcome, branch_credit, out)
     return out
-
-
-def _result(table) -> dict[tuple[str, int], float]:
-    """(trace_id, node) -> the node's constant; checks it is one constant over n_sampled tokens."""
-    out = {}
-    for row in table.to_pylist():
-        values = row["values"]
-        assert values and all(x == values[0] for x in values)
-        out[(row["trace_id"], row["node_index"])] = values[0]
-    return out
-
-
-def _assert_close(got: dict, want: dict) -> None:
-    assert set(got) == set(want)
-    for key, value in want.items():
-        assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-5), key
 
 
 def _n_sampled(db: tracedb.Database) -> dict[tuple[str, int], int]:
@@ -264,8 +216,8 @@ def test_random_traces_match_reference(random_db, algorithm, params):
     db, episodes = random_db
     table = getattr(R, algorithm)(db, **params)
     assert table.schema == NODE_CREDIT
-    got = _result(table)
-    _assert_close(got, reference(episodes, algorithm, **params))
+    got = node_constants(table)
+    assert_close(got, reference(episodes, algorithm, **params))
     sizes = _n_sampled(db)
     assert all(len(row["values"]) == sizes[(row["trace_id"], row["node_index"])] for row in table.to_pylist())
     keys = [(row["trace_id"], row["node_index"]) for row in table.to_pylist()]
@@ -301,15 +253,15 @@ def test_terminated_vs_truncated_bootstrap(tmp_path):
     timeout = _set_fields(_episode(trace_id="timeout", is_timeout=True), values)
     db = _db(tmp_path, [done, cut, boot, timeout])
     g = 0.5
-    out = _result(R.returns(db, gamma=g, value_field="value", include_failed=True))
+    out = node_constants(R.returns(db, gamma=g, value_field="value", include_failed=True))
     assert out[("done", 10)] == 1.0 and out[("done", 2)] == pytest.approx(g**4)
     assert out[("cut", 10)] == pytest.approx(1.0 + g * 0.75)  # V_T := V_{T-1}
     assert out[("timeout", 10)] == pytest.approx(1.0 + g * 0.75)
     assert out[("cut", 2)] == pytest.approx(g**4 * (1.0 + g * 0.75))
-    out = _result(R.returns(db, gamma=g, value_field="value", bootstrap_field="v_end"))
+    out = node_constants(R.returns(db, gamma=g, value_field="value", bootstrap_field="v_end"))
     assert out[("boot", 10)] == pytest.approx(1.0 + g * 4.0)
     assert ("timeout", 10) not in out  # timed out: excluded unless include_failed
-    out = _result(R.gae(db, gamma=g, lam=0.0, value_field="value"))
+    out = node_constants(R.gae(db, gamma=g, lam=0.0, value_field="value"))
     assert out[("done", 10)] == pytest.approx(1.0 - 0.75)
     assert out[("cut", 10)] == pytest.approx(1.0 + g * 0.75 - 0.75)
     assert out[("done", 8)] == pytest.approx(g * 0.75 - 2.0)
@@ -329,7 +281,7 @@ def test_a_response_cut_at_max_turn_tokens_is_truncated(tmp_path):
                     node["value"] = 0.5
     assert "max_turn_tokens" in stops.values()
     db = _db(tmp_path, episodes)
-    out = _result(R.returns(db, gamma=1.0, value_field="value", reward="correct"))
+    out = node_constants(R.returns(db, gamma=1.0, value_field="value", reward="correct"))
     rewards = {r["trace_id"]: r["reward"] for r in R.trace_rewards(db, reward="correct").to_dicts()}
     last = {}
     for (tid, node), value in sorted(out.items()):
@@ -350,8 +302,8 @@ def test_compaction_attempts_are_truncated(tmp_path):
     assert db.sql("SELECT trainable FROM branches WHERE trace_id = 'dropped' ORDER BY branch_index").column(
         "trainable"
     ).to_pylist() == [False, True]
-    returns = _result(R.returns(db, value_field="value"))
-    gae = _result(R.gae(db, gamma=0.9, lam=0.9, value_field="value"))
+    returns = node_constants(R.returns(db, value_field="value"))
+    gae = node_constants(R.gae(db, gamma=0.9, lam=0.9, value_field="value"))
     for tid in ("resumed", "dropped"):
         assert returns[(tid, 8)] == pytest.approx(1.0 + 3.0)  # truncated: bootstrapped from V_{T-1}
         assert returns[(tid, 12)] == pytest.approx(1.0)  # terminated
@@ -367,7 +319,7 @@ def test_shared_prefix_takes_first_trainable_branch(tmp_path):
     first_untrainable["id"] = "ep-skip"
     first_untrainable["traces"][0]["nodes"][8]["semantic_parents"] = [{"node": 7, "type": "compaction_attempt"}]
     db = _db(tmp_path, [plain, first_untrainable])
-    out = _result(R.returns(db, gamma=0.5, reward_field="reward"))
+    out = node_constants(R.returns(db, gamma=0.5, reward_field="reward"))
     # plain: both branches trainable, the first (branch 0) decides the shared turns.
     assert out[("plain", 4)] == pytest.approx(0.5 * 1.0 + 0.5**2 * 1.0)
     assert out[("plain", 2)] == pytest.approx(0.5 * out[("plain", 4)])
@@ -375,7 +327,7 @@ def test_shared_prefix_takes_first_trainable_branch(tmp_path):
     assert out[("skip", 4)] == pytest.approx(0.5 * 10.0 + 0.5**2 * 1.0)
     assert out[("skip", 8)] == pytest.approx(1.0 + 0.0)  # truncated with V = 0
     episodes = [plain, first_untrainable]
-    _assert_close(out, reference(episodes, "returns", gamma=0.5, reward_field="reward"))
+    assert_close(out, reference(episodes, "returns", gamma=0.5, reward_field="reward"))
     # Every branch through a shared node shows the same value, whichever branch computed it.
     tracedb.credit.run(db, "returns", "shared", gamma=0.5, reward_field="reward")
     view = db.branches(credit="shared", columns=["advantages"]).to_pylist()
@@ -389,16 +341,16 @@ def test_shared_prefix_takes_first_trainable_branch(tmp_path):
 def test_lambda_one_is_returns_minus_values(random_db):
     db, _ = random_db
     fields = {"reward_field": "reward", "value_field": "value", "gamma": 0.9}
-    gae1 = _result(R.gae(db, lam=1.0, **fields))
-    returns = _result(R.returns(db, subtract_values=True, **fields))
-    _assert_close(gae1, returns)  # lambda = 1: the return minus the value
+    gae1 = node_constants(R.gae(db, lam=1.0, **fields))
+    returns = node_constants(R.returns(db, subtract_values=True, **fields))
+    assert_close(gae1, returns)  # lambda = 1: the return minus the value
 
 
 def test_lambda_zero_is_one_step_td(tmp_path):
     values = {2: {"value": 0.5, "reward": 0.1}, 4: {"value": 0.25}, 6: {"value": -1.0, "reward": -0.2}}
     values.update({8: {"value": 2.0}, 10: {"value": 0.75, "reward": 0.3}})
     db = _db(tmp_path, [_set_fields(_episode(trace_id="x"), values)])
-    out = _result(R.gae(db, gamma=0.8, lam=0.0, reward_field="reward", value_field="value"))
+    out = node_constants(R.gae(db, gamma=0.8, lam=0.0, reward_field="reward", value_field="value"))
     turns = [2, 4, 6, 8, 10]
     r = [0.1, 0.0, -0.2, 0.0, 0.3 + 1.0]
     v = [0.5, 0.25, -1.0, 2.0, 0.75, 0.0]
@@ -409,9 +361,9 @@ def test_lambda_zero_is_one_step_td(tmp_path):
 def test_missing_fields_read_zero(tmp_path):
     fields = {2: {"value": None, "reward": "high"}, 4: {"value": [1, 2]}, 6: {"value": {"x": 1}, "reward": True}}
     db = _db(tmp_path, [_set_fields(_episode(trace_id="odd"), fields)])
-    out = _result(R.gae(db, gamma=0.9, lam=0.9, reward_field="reward", value_field="value"))
-    plain = _result(R.gae(db, gamma=0.9, lam=0.9))
-    _assert_close(out, plain)
+    out = node_constants(R.gae(db, gamma=0.9, lam=0.9, reward_field="reward", value_field="value"))
+    plain = node_constants(R.gae(db, gamma=0.9, lam=0.9))
+    assert_close(out, plain)
     assert out[("odd", 10)] == 1.0 and out[("odd", 2)] == pytest.approx(0.81**4)
 
 
@@ -425,7 +377,7 @@ def test_field_can_be_a_nodes_column(tmp_path):
     ep = _episode(trace_id="col", stop_condition="max_turns")
     db = _db(tmp_path, [ep])
     stamp = ep["traces"][0]["nodes"][10]["timestamp"]
-    out = _result(R.returns(db, gamma=1.0, bootstrap_field="timestamp"))
+    out = node_constants(R.returns(db, gamma=1.0, bootstrap_field="timestamp"))
     assert out[("col", 10)] == pytest.approx(1.0 + stamp, rel=1e-6)
 
 
@@ -437,10 +389,10 @@ def test_excluded_traces_stay_unassigned(tmp_path):
         _episode(trace_id="timeout", is_timeout=True),
     ]
     db = _db(tmp_path, episodes)
-    assert {k[0] for k in _result(R.gae(db))} == {"good"}
-    assert {k[0] for k in _result(R.gae(db, include_failed=True))} == {"good", "failed", "timeout"}
-    assert {k[0] for k in _result(R.gae(db, terminal_reward=False))} == {"good", "unscored"}
-    assert {k[0] for k in _result(R.returns(db, terminal_reward=False, include_failed=True))} == {
+    assert {k[0] for k in node_constants(R.gae(db))} == {"good"}
+    assert {k[0] for k in node_constants(R.gae(db, include_failed=True))} == {"good", "failed", "timeout"}
+    assert {k[0] for k in node_constants(R.gae(db, terminal_reward=False))} == {"good", "unscored"}
+    assert {k[0] for k in node_constants(R.returns(db, terminal_reward=False, include_failed=True))} == {
         "good",
         "unscored",
         "failed",
@@ -495,8 +447,8 @@ def test_long_branch_against_loop(tmp_path, gamma, lam):
     ]
     db = _db(tmp_path, episodes)
     params = {"gamma": gamma, "reward_field": "reward", "value_field": "value"}
-    _assert_close(_result(R.gae(db, lam=lam, **params)), reference(episodes, "gae", lam=lam, **params))
-    _assert_close(_result(R.returns(db, **params)), reference(episodes, "returns", **params))
+    assert_close(node_constants(R.gae(db, lam=lam, **params)), reference(episodes, "gae", lam=lam, **params))
+    assert_close(node_constants(R.returns(db, **params)), reference(episodes, "returns", **params))
 
 
 def test_reverse_scan_segments():

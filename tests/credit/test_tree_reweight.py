@@ -25,21 +25,17 @@ import tracedb
 import tracedb.credit
 from tracedb.errors import NotFound
 
-from support import FIXTURES
-
-FIXTURE = FIXTURES / "groups.traces.jsonl"
-
-
-def _template() -> tuple[dict[str, Any], dict[str, Any]]:
-    episode = json.loads(FIXTURE.read_text().splitlines()[0])
-    trace = episode.pop("traces")[0]
-    trace.pop("nodes")
-    return episode, trace
-
-
-EPISODE, TRACE = _template()
-SYSTEM = [101, 102, 103, 104]
-"""One system prompt in every group: the same segment, a different trie node per group."""
+from support.credit_groups import (
+    EPISODE,
+    TRACE,
+    all_traces,
+    forest,
+    ingest,
+    key_path,
+    leaf_paths,
+    n_sampled,
+    reward_of,
+)
 
 # --------------------------------------------------------------------------- data
 
@@ -81,25 +77,6 @@ def _node(rng: random.Random, parent: int | None, tokens: list[int], assign: boo
     return node
 
 
-def _trace_nodes(rng: random.Random, pool: list[list[int]], assign: bool) -> list[dict[str, Any]]:
-    """A forest over pool segments: a main chain, sometimes forks and a second root."""
-    nodes: list[dict[str, Any]] = []
-
-    def chain(parent: int | None, length: int) -> None:
-        for _ in range(length):
-            nodes.append(_node(rng, parent, list(rng.choice(pool)), assign))
-            parent = len(nodes) - 1
-
-    nodes.append(_node(rng, None, list(SYSTEM) if rng.random() < 0.85 else list(rng.choice(pool)), assign))
-    chain(0, rng.randint(0, 4))
-    for _ in range(rng.choice([0, 0, 1, 2])):
-        chain(rng.randrange(len(nodes)), rng.randint(1, 2))
-    if rng.random() < 0.15:
-        nodes.append(_node(rng, None, list(rng.choice(pool)), assign))
-        chain(len(nodes) - 1, rng.randint(0, 2))
-    return nodes
-
-
 def _rewards(rng: random.Random, value: float | None) -> Any:
     if value is None:
         return None if rng.random() < 0.5 else {}
@@ -137,7 +114,7 @@ def make_episodes(
             elif kind < invalid:
                 reward = None
             trace["rewards"] = _rewards(rng, reward)
-            trace["nodes"] = _trace_nodes(rng, pool, assign)
+            trace["nodes"] = forest(rng, pool, lambda parent, tokens: _node(rng, parent, tokens, assign))
             episode = copy.deepcopy(EPISODE)
             episode["id"] = f"e-{trace['id']}"
             if grouped:
@@ -149,44 +126,13 @@ def make_episodes(
     return episodes
 
 
-def ingest(tmp_path: Path, episodes: list[dict[str, Any]]) -> tracedb.Database:
-    path = tmp_path / "traces.jsonl"
-    path.write_text("".join(json.dumps(e) + "\n" for e in episodes))
-    db = tracedb.connect(":memory:")
-    report = db.ingest(path)
-    assert report.ok, report.rejected
-    return db
-
-
-def all_traces(episodes: list[dict[str, Any]]) -> list[tuple[str | None, dict[str, Any]]]:
-    return [((e.get("group") or {}).get("id"), t) for e in episodes for t in e["traces"]]
-
-
 # --------------------------------------------------------------------------- references
-
-
-def reward_of(trace: dict[str, Any]) -> float | None:
-    scored = [r for r in (trace.get("rewards") or {}).values() if r.get("score") is not None]
-    return sum(r["score"] * r["weight"] for r in scored) if scored else None
 
 
 def is_valid(trace: dict[str, Any], include_failed: bool = False) -> bool:
     if reward_of(trace) is None:
         return False
     return include_failed or (trace["ok"] and not trace["is_timeout"])
-
-
-def n_sampled(node: dict[str, Any]) -> int:
-    return sum(node["mask"])
-
-
-def key_path(nodes: list[dict[str, Any]], i: int) -> tuple[tuple[int, ...], ...]:
-    """The node's trie key: the token tuples from its root down to it."""
-    path = []
-    while i is not None:
-        path.append(tuple(nodes[i]["token_ids"]))
-        i = nodes[i].get("parent")
-    return tuple(reversed(path))
 
 
 def reference_tree(
@@ -319,21 +265,6 @@ def spread(trace: dict[str, Any], path: list[int], credit: dict[tuple[str, int],
     return out
 
 
-def leaf_paths(trace: dict[str, Any]) -> list[list[int]]:
-    nodes = trace["nodes"]
-    parents = {n.get("parent") for n in nodes}
-    paths = []
-    for leaf in range(len(nodes)):
-        if leaf in parents:
-            continue
-        path, at = [], leaf
-        while at is not None:
-            path.append(at)
-            at = nodes[at].get("parent")
-        paths.append(path[::-1])
-    return paths
-
-
 # --------------------------------------------------------------------------- tree
 
 
@@ -439,7 +370,7 @@ def test_tree_run_spreads_and_records(tmp_path: Path) -> None:
         seen = set()
         for row in view:
             trace = traces[row["trace_id"]]
-            path = leaf_paths(trace)[row["branch_index"]]
+            path = leaf_paths(trace["nodes"])[row["branch_index"]]
             expected = spread(trace, path, want)
             if expected is None:
                 assert row["advantages"] is None
@@ -523,7 +454,7 @@ def test_reweight_run_spreads_and_records(tmp_path: Path) -> None:
         traces = {t["id"]: t for _, t in all_traces(episodes)}
         for row in db.branches(credit="rw", columns=["advantages"]).to_pylist():
             trace = traces[row["trace_id"]]
-            expected = spread(trace, leaf_paths(trace)[row["branch_index"]], want)
+            expected = spread(trace, leaf_paths(trace["nodes"])[row["branch_index"]], want)
             if expected is None:
                 assert row["advantages"] is None
             else:

@@ -21,13 +21,9 @@ from tracedb.credit.layouts import NODE_CREDIT
 
 from support.credit_groups import reward_of, shared_sampled_nodes, stored
 from support.offpolicy import episodes, ingest
+from support.turn_reference import Branch, assert_close, credited, node_constants, num, per_node
 
 # ----------------------------------------------------------------------------- reference
-
-
-def _num(node: dict[str, Any], field: str | None) -> float:
-    value = node.get(field) if field else None
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
 
 
 def _log_ratio(node: dict[str, Any]) -> float:
@@ -57,69 +53,33 @@ def reference(
     for episode in eps:
         for trace in episode["traces"]:
             outcome = reward_of(trace, reward)
-            if terminal_reward and outcome is None:
+            if not credited(trace, outcome, terminal_reward, include_failed):
                 continue
-            if not include_failed and (not trace.get("ok") or trace.get("is_timeout")):
-                continue
-            nodes = trace["nodes"]
-            parents = [n.get("parent") for n in nodes]
-            resumed = {
-                link["node"] for n in nodes for link in n.get("semantic_parents") or [] if link["type"] == "compaction"
-            }
-            limit = trace.get("stop_condition") in R.LIMITS or bool(trace.get("is_timeout"))
-            per_branch = []
-            for leaf in [i for i in range(len(nodes)) if i not in parents]:
-                path, at = [], leaf
-                while at is not None:
-                    path.insert(0, at)
-                    at = parents[at]
-                attempt = any(
-                    link["type"] == "compaction_attempt" for link in nodes[leaf].get("semantic_parents") or []
-                )
-                trainable = not attempt or leaf in resumed
-                turns = [i for i in path if sum(nodes[i]["mask"])]
-                credit: dict[int, float] = {}
-                if turns:
-                    n = len(turns)
-                    r = [_num(nodes[i], reward_field) for i in turns]
-                    if terminal_reward:
-                        r[-1] += outcome
-                    values = [_num(nodes[i], value_field) for i in turns]
-                    v_end = 0.0
-                    if limit or attempt or not trainable:
-                        v_end = _num(nodes[turns[-1]], bootstrap_field) if bootstrap_field else values[-1]
-                    ratio = [math.exp(_log_ratio(nodes[i])) for i in turns]
-                    rho = [min(rho_bar, x) for x in ratio]
-                    c = [min(c_bar, x) for x in ratio]
-                    big_v = values + [v_end]
-                    target = [0.0] * n + [v_end]
-                    for s in reversed(range(n)):
-                        delta = rho[s] * (r[s] + gamma * big_v[s + 1] - big_v[s])
-                        target[s] = big_v[s] + delta + gamma * c[s] * (target[s + 1] - big_v[s + 1])
-                    for s in range(n):
-                        credit[turns[s]] = rho[s] * (r[s] + gamma * target[s + 1] - big_v[s])
-                per_branch.append((trainable, credit))
-            for prefer in (True, False):  # a shared node: the first trainable branch's value
-                for trainable, credit in per_branch:
-                    if trainable == prefer:
-                        for node, value in credit.items():
-                            out.setdefault((trace["id"], node), value)
+
+            def branch_credit(branch: Branch, nodes: list[dict], outcome: float | None) -> dict[int, float]:
+                turns, credit = branch.turns, {}
+                n = len(turns)
+                r = [num(nodes[i], reward_field) for i in turns]
+                if terminal_reward:
+                    r[-1] += outcome
+                values = [num(nodes[i], value_field) for i in turns]
+                v_end = 0.0
+                if branch.bootstraps:
+                    v_end = num(nodes[turns[-1]], bootstrap_field) if bootstrap_field else values[-1]
+                ratio = [math.exp(_log_ratio(nodes[i])) for i in turns]
+                rho = [min(rho_bar, x) for x in ratio]
+                c = [min(c_bar, x) for x in ratio]
+                big_v = values + [v_end]
+                target = [0.0] * n + [v_end]
+                for s in reversed(range(n)):
+                    delta = rho[s] * (r[s] + gamma * big_v[s + 1] - big_v[s])
+                    target[s] = big_v[s] + delta + gamma * c[s] * (target[s + 1] - big_v[s + 1])
+                for s in range(n):
+                    credit[turns[s]] = rho[s] * (r[s] + gamma * target[s + 1] - big_v[s])
+                return credit
+
+            per_node(trace, outcome, branch_credit, out)
     return out
-
-
-def _result(table) -> dict[tuple[str, int], float]:
-    out = {}
-    for row in table.to_pylist():
-        values = row["values"]
-        assert values and all(x == values[0] for x in values)
-        out[(row["trace_id"], row["node_index"])] = values[0]
-    return out
-
-
-def _assert_close(got: dict, want: dict) -> None:
-    assert set(got) == set(want)
-    for key, value in want.items():
-        assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-5), key
 
 
 # ----------------------------------------------------------------------------- random groups
@@ -173,12 +133,12 @@ def test_random_groups_match_the_loop(groups, params):
     db, eps = groups
     table = V.vtrace(db, **params)
     assert table.schema == NODE_CREDIT
-    _assert_close(_result(table), reference(eps, **params))
+    assert_close(node_constants(table), reference(eps, **params))
     keys = [(r["trace_id"], r["node_index"]) for r in table.to_pylist()]
     assert keys == sorted(keys)
     per_node = {(r["trace_id"], r["node_index"]): r["value"] for r in V.vtrace_per_node(db, **params).to_pylist()}
-    assert per_node.keys() == _result(table).keys()
-    assert all(np.float32(per_node[k]) == np.float32(v) for k, v in _result(table).items())
+    assert per_node.keys() == node_constants(table).keys()
+    assert all(np.float32(per_node[k]) == np.float32(v) for k, v in node_constants(table).items())
 
 
 def test_the_groups_hold_what_the_loop_is_meant_to_check(groups):
@@ -204,8 +164,8 @@ def test_on_policy_it_is_gae_with_lambda_one(tmp_path):
                 node["trainer_logprobs"] = list(node["logprobs"])
     db = ingest(tmp_path, eps)
     params = {"gamma": 0.9, "value_field": "v", "reward_field": "w", "bootstrap_field": "boot"}
-    got = _result(V.vtrace(db, rho_bar=3.0, c_bar=3.0, **params))
-    gae = _result(R.gae(db, lam=1.0, **params))
+    got = node_constants(V.vtrace(db, rho_bar=3.0, c_bar=3.0, **params))
+    gae = node_constants(R.gae(db, lam=1.0, **params))
     assert got.keys() == gae.keys() and len(got) > 10
     for key, value in gae.items():
         assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
@@ -244,9 +204,9 @@ def test_excluded_traces_need_no_trainer_logprobs(tmp_path):
     for node in failed["nodes"]:
         node.pop("trainer_logprobs", None)
     db = ingest(tmp_path, eps)
-    got = _result(V.vtrace(db, value_field="v"))
+    got = node_constants(V.vtrace(db, value_field="v"))
     assert failed["id"] not in {k[0] for k in got}
-    _assert_close(got, reference(eps, value_field="v"))
+    assert_close(got, reference(eps, value_field="v"))
 
 
 def test_run_stamps_what_compute_gives(groups):
@@ -254,7 +214,7 @@ def test_run_stamps_what_compute_gives(groups):
     params = {"gamma": 0.9, "rho_bar": 1.2, "c_bar": 1.0, "value_field": "v"}
     info = tracedb.credit.run(db, "vtrace", "vt", replace=True, **params)
     assert info["params"]["rho_bar"] == 1.2 and info["params"]["c_bar"] == 1.0 and info["params"]["gamma"] == 0.9
-    want = _result(tracedb.credit.compute(db, "vtrace", **params))
+    want = node_constants(tracedb.credit.compute(db, "vtrace", **params))
     got = {k: v[0] for k, v in stored(db, "vt").items()}
     assert got.keys() == want.keys()
     assert all(np.float32(got[k]) == np.float32(v) for k, v in want.items())

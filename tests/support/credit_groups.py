@@ -18,6 +18,7 @@ import json
 import math
 import random
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -104,23 +105,41 @@ def _node(rng: random.Random, parent: int | None, tokens: list[int], weights: fl
     return node
 
 
-def _trace_nodes(rng: random.Random, pool: list[list[int]], weights: float) -> list[dict[str, Any]]:
-    """A forest over pool segments: a main chain, sometimes forks and a second root."""
+def forest(
+    rng: random.Random, pool: list[list[int]], node: Callable[[int | None, list[int]], dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """A trace's nodes over pool segments: a main chain from the system prompt, sometimes
+    forks and a second root; ``node(parent, tokens)`` makes each node."""
     nodes: list[dict[str, Any]] = []
 
     def chain(parent: int | None, length: int) -> None:
         for _ in range(length):
-            nodes.append(_node(rng, parent, list(rng.choice(pool)), weights))
+            nodes.append(node(parent, list(rng.choice(pool))))
             parent = len(nodes) - 1
 
-    nodes.append(_node(rng, None, list(SYSTEM) if rng.random() < 0.85 else list(rng.choice(pool)), weights))
+    nodes.append(node(None, list(SYSTEM) if rng.random() < 0.85 else list(rng.choice(pool))))
     chain(0, rng.randint(0, 4))
     for _ in range(rng.choice([0, 0, 1, 2])):
         chain(rng.randrange(len(nodes)), rng.randint(1, 2))
     if rng.random() < 0.15:
-        nodes.append(_node(rng, None, list(rng.choice(pool)), weights))
+        nodes.append(node(None, list(rng.choice(pool))))
         chain(len(nodes) - 1, rng.randint(0, 2))
     return nodes
+
+
+def leaf_paths(nodes: list[dict[str, Any]]) -> list[list[int]]:
+    """Root-to-leaf node paths, one per leaf in node order."""
+    parents = {n.get("parent") for n in nodes}
+    paths = []
+    for leaf in range(len(nodes)):
+        if leaf in parents:
+            continue
+        path, at = [], leaf
+        while at is not None:
+            path.append(at)
+            at = nodes[at].get("parent")
+        paths.append(path[::-1])
+    return paths
 
 
 def _rewards(rng: random.Random, values: tuple[float, ...], scored: bool) -> Any:
@@ -158,7 +177,7 @@ def make_episodes(
             elif kind < 2 * invalid / 3:
                 trace["is_timeout"] = True
             trace["rewards"] = _rewards(rng, rewards, scored=not (2 * invalid / 3 <= kind < invalid))
-            trace["nodes"] = _trace_nodes(rng, pool, weights)
+            trace["nodes"] = forest(rng, pool, lambda parent, tokens: _node(rng, parent, tokens, weights))
             episode = copy.deepcopy(EPISODE)
             episode["id"] = f"e-{trace['id']}"
             if grouped:

@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 import tracedb
 
 from support import FIXTURES
+from support.credit_groups import leaf_paths
 
 COMPACT = ("advantages", "reference_logprobs", "trainer_logprobs", "entropies")
 
@@ -69,18 +70,7 @@ def sampled_nodes(tid: str) -> list[int]:
 
 def paths(tid: str) -> list[list[int]]:
     """Root-to-leaf node paths, one per leaf in node order."""
-    nodes = nodes_of(tid)
-    parents = {n.get("parent") for n in nodes}
-    out = []
-    for leaf in range(len(nodes)):
-        if leaf in parents:
-            continue
-        path, at = [], leaf
-        while at is not None:
-            path.append(at)
-            at = nodes[at].get("parent")
-        out.append(path[::-1])
-    return out
+    return leaf_paths(nodes_of(tid))
 
 
 def widen(mask: list[bool], values: list[float] | None) -> list[float]:
