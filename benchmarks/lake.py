@@ -13,10 +13,11 @@ trace_id = ?")`` in this process beside ``db.sql`` of the same on the file store
 incremental compaction's proportionality: the same new traces compacted on a lake and on
 one 4x larger (``GROWTH``).
 
-Many writers: the workload cut into 16 shard files ingested by
-``lake.ingest(..., workers=N)`` into a fresh lake on each catalog, N = 1, 2, 4, 8 writes at
-once (one local Ray of 8 CPUs): commits per second and retries per commit, as the writes'
-reports count them. The PostgreSQL catalog is a throwaway server
+Many writers: 256 of the SQL lake's 3k-token traces cut into 16 shard files, each
+written and committed by a Ray task of its own into a fresh lake on each catalog, N = 1,
+2, 4, 8 writes at once (one local Ray of 8 CPUs): commits per second and retries per
+commit, as the writes' reports count them (small writes, bounded in time:
+:data:`WRITER_SECONDS`). The PostgreSQL catalog is a throwaway server
 (``benchmarks/postgres.py``) started and stopped by the benchmark; with ``both`` and no
 server to be had it is left out, saying why.
 
@@ -62,6 +63,12 @@ SQL_RUNS = 7
 CATALOGS = ("sqlite", "postgres")
 WRITERS = (1, 2, 4, 8)
 WRITER_SHARDS = 16
+WRITER_TRACES = 256
+"""Traces the many-writers figure writes (of the SQL lake's 3k-token traces, 16 a write):
+small writes, so that eight at once hold little memory (Ray's memory monitor killed
+writers of 16 shards of the core workload when another job held most of the machine's)."""
+WRITER_SECONDS = 600.0
+"""The many-writers phase of one catalog stops starting new N past this (reported)."""
 
 TARGET = {
     "rollouts": 1_000_000,
@@ -277,11 +284,23 @@ def _write_alone(location: Any, files: list[str]) -> dict[str, int]:
     return {"traces": report.traces, "commits": report.commits, "retries": report.retries}
 
 
-def measure_writers(jsonl: Path, scratch: Path, catalogs: dict[str, Lakes | str], expected: int) -> dict[str, Any]:
+def writer_input(jsonl: Path, out: Path, traces: int = WRITER_TRACES) -> tuple[Path, int]:
+    """The first ``traces`` lines (one trace each) of ``jsonl`` as the many-writers input."""
+    with jsonl.open("rb") as f:
+        lines = [line for _, line in zip(range(traces), f, strict=False)]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(b"".join(lines))
+    return out, len(lines)
+
+
+def measure_writers(
+    jsonl: Path, scratch: Path, catalogs: dict[str, Lakes | str], expected: int, budget: float = WRITER_SECONDS
+) -> dict[str, Any]:
     """Commits per second and retries per commit of N writers at once (:data:`WRITERS`),
     each a Ray task writing and committing one shard file itself, on each catalog (Ray
     running, with at least 8 CPUs); ``expected``: the traces of ``jsonl``, which every
-    run must add."""
+    run must add. A catalog's N not started within ``budget`` seconds of its first are
+    reported as not measured."""
     import ray
 
     from tracedb.lake.ingest import run_limited
@@ -293,8 +312,12 @@ def measure_writers(jsonl: Path, scratch: Path, catalogs: dict[str, Lakes | str]
         if isinstance(lakes, str):
             out[name] = {"skipped": lakes}
             continue
-        figures = {}
+        figures: dict[str, Any] = {}
+        began = time.perf_counter()
         for writers in WRITERS:
+            if time.perf_counter() - began > budget:
+                figures[str(writers)] = {"skipped": f"the phase passed its {budget:.0f} s"}
+                continue
             lake = lakes.make(f"w{writers}")
             started = time.perf_counter()
             calls = [(task, (lake.location, [str(r / "traces.jsonl")])) for r in runs]
@@ -384,7 +407,8 @@ def measure(
             ray.init(num_cpus=max(WRITERS), include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
             try:
                 log("lake: many writers")
-                out["writers"] = measure_writers(jsonl, scratch, chosen, n_traces)
+                small, count = writer_input(sql_jsonl, scratch / "writers" / "traces.jsonl")
+                out["writers"] = measure_writers(small, scratch, chosen, count)
             finally:
                 ray.shutdown()
         out["load"]["end"] = os.getloadavg()
@@ -561,7 +585,9 @@ def render(results: dict[str, Any]) -> str:
             lines.append(f"writers on {name}: not measured ({figures['skipped']})")
             continue
         cells = ", ".join(
-            f"{n}: {f['commits_per_s']:.1f} commits/s, {f['retries_per_commit']:.2f} retries/commit"
+            f"{n}: not measured ({f['skipped']})"
+            if "skipped" in f
+            else f"{n}: {f['commits_per_s']:.1f} commits/s, {f['retries_per_commit']:.2f} retries/commit"
             for n, f in figures.items()
         )
         lines.append(f"writers on {name} ({WRITER_SHARDS} writes; N at once): {cells}")

@@ -117,7 +117,11 @@ def test_catalogs_are_chosen_and_rendered() -> None:
         lake.run(None, None, 1, catalog="oracle")  # type: ignore[arg-type]  # refused before any work
     figures = {"seconds": 2.0, "writes": 16, "commits": 40, "retries": 10, "commits_per_s": 20.0}
     writers = {
-        "sqlite": {"1": {**figures, "retries_per_commit": 0.0}, "8": {**figures, "retries_per_commit": 0.25}},
+        "sqlite": {
+            "1": {**figures, "retries_per_commit": 0.0},
+            "4": {"skipped": "the phase passed its 600 s"},
+            "8": {**figures, "retries_per_commit": 0.25},
+        },
         "postgres": {"skipped": "no PostgreSQL server here (apt-get install postgresql)"},
     }
     measured = _measured(writers)
@@ -129,9 +133,25 @@ def test_catalogs_are_chosen_and_rendered() -> None:
     text = lake.render(results)
     lines = text.splitlines()
     writers_text = "\n".join(line for line in lines if line.startswith("writers"))
-    assert "writers on sqlite (16 writes; N at once): 1: 20.0 commits/s, 0.00 retries/commit, 8: 20.0" in writers_text
+    assert (
+        "writers on sqlite (16 writes; N at once): 1: 20.0 commits/s, 0.00 retries/commit, 4: not measured"
+        in writers_text
+    )
+    assert "(the phase passed its 600 s), 8: 20.0 commits/s, 0.25 retries/commit" in writers_text
     assert "writers on postgres: not measured (no PostgreSQL server here" in writers_text
     assert "load average at start 3.5, at end 4.0" in lines[0]
     postgres = lines[lines.index("postgres catalog:") + 1 :]
     marks = next(line for line in postgres if line.strip().startswith("targets:"))
     assert "ingest 5.00 (MISSED <= 4)" in marks and "views_compacted 2.50 (MET <= 3)" in marks
+
+
+def test_the_many_writers_input_is_small(tmp_path) -> None:
+    """The writers write the first WRITER_TRACES lines (one trace each), not the workload."""
+    from benchmarks import lake
+
+    source = tmp_path / "traces.jsonl"
+    source.write_bytes(b"".join(b'{"trace": %d}\n' % i for i in range(300)))
+    out, count = lake.writer_input(source, tmp_path / "w" / "traces.jsonl", traces=256)
+    assert count == 256 and out.read_bytes().splitlines()[-1] == b'{"trace": 255}'
+    _, few = lake.writer_input(source, tmp_path / "w2" / "traces.jsonl", traces=1000)
+    assert few == 300

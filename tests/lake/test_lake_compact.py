@@ -342,3 +342,39 @@ def test_a_write_stores_its_segments_beside_its_traces(tmp_path, store):
                 write_into(local, read.visible(lake, trace_ids=[trace_id]))
                 assert local.trace(trace_id) == db.trace(trace_id)
     assert got["segments"].num_rows == len(set(got["nodes"].column("segment_id").to_pylist()))
+
+
+def test_a_compaction_reads_the_visible_traces_once_of_the_buckets_it_rewrites(tmp_path, store, monkeypatch):
+    """The visible traces rows decide every table's rewrite: they are read once per
+    compaction (not once per table), of the trace-id buckets of the files rewritten
+    (every bucket when episodes are rewritten: an episode shows through a trace of any)."""
+    ids = _ids(store)
+    lake = lakes.init(tmp_path / "L")  # 64 buckets: a few traces touch a few
+    for start in range(0, len(ids), WRITE):
+        lake.append(_rows(store, ids[start : start + WRITE]))
+    lake.compact(grace=0)
+    real, reads = compact.visible_traces, []
+
+    def counting(table, *args, **kwargs):
+        got = real(table, *args, **kwargs)
+        reads.append((kwargs.get("buckets"), got.num_rows))
+        return got
+
+    monkeypatch.setattr(compact, "visible_traces", counting)
+    leftover = _rows(store, ids[:2])
+    for name in ("nodes", "branches"):  # a killed writer's rows of two traces: only their buckets need reading
+        lake.table(name).append(write.lake_rows(name, leftover[name], "killed-writer"))
+    before = _answers(lake, plan=False)
+    report = lake.compact(grace=0)
+    traces = lake.table("traces")
+    buckets = set(files.buckets(traces, "trace_id", pa.array(ids[:2])).to_pylist())
+    assert [b for b, _ in reads] == [buckets]
+    assert reads[0][1] < len(ids)  # the visible traces of those buckets only
+    assert report.tables["nodes"]["rows_before"] == leftover["nodes"].num_rows + report.tables["nodes"]["rows_after"]
+    assert _answers(lake, plan=False) == before
+    reads.clear()
+    lake.table("nodes").append(write.lake_rows("nodes", leftover["nodes"], "killed-writer"))
+    lake.table("episodes").append(write.lake_rows("episodes", leftover["episodes"], "killed-writer"))
+    lake.compact(grace=0)
+    assert reads == [(None, len(ids))]  # episodes rewritten: every bucket, still once
+    assert _answers(lake, plan=False) == before

@@ -136,27 +136,17 @@ def _data_files(lake, name):
     return sum(1 for _ in lake.table(name).scan().plan_files())
 
 
-REASON_EPISODES = (
-    "node_tokens()/branch_tokens() join node_policy_versions(), which reads episodes; sqlscan reads "
-    "every table whole once a query touches episodes (an episode is visible through any of its "
-    "traces): narrowing episodes to the selected traces' episode ids in sqlscan.read_for is the fix"
-)
-EPISODES_READ_WHOLE = pytest.mark.xfail(strict=True, reason=REASON_EPISODES)
-
-
 @pytest.mark.parametrize(
     "query, tables",
     [
         ("SELECT * FROM nodes WHERE trace_id = $one", {"traces", "nodes"}),
-        pytest.param(
+        (  # the policy versions read the trace's episode: one episodes file (its bucket) too
             "SELECT * FROM node_tokens() WHERE trace_id = $one",
-            {"traces", "nodes", "segments"},
-            marks=EPISODES_READ_WHOLE,
+            {"traces", "nodes", "segments", "episodes"},
         ),
-        pytest.param(
+        (
             "SELECT * FROM branch_tokens() WHERE trace_id = $one",
-            {"traces", "nodes", "segments", "branches"},
-            marks=EPISODES_READ_WHOLE,
+            {"traces", "nodes", "segments", "branches", "episodes"},
         ),
         (  # credit values show with their set's row: credit_sets is read too (small, whole)
             "SELECT * FROM credit_dose(credit := 'grpo') WHERE trace_id = $one",
@@ -165,11 +155,7 @@ EPISODES_READ_WHOLE = pytest.mark.xfail(strict=True, reason=REASON_EPISODES)
         ("SELECT * FROM branch_stats() WHERE trace_id = $one", {"traces", "nodes", "branches"}),
         ("SELECT * FROM trace_summary() WHERE trace_id = $one", {"traces", "nodes"}),
         ("SELECT * FROM branch_stats() WHERE trace_id = ?", {"traces", "nodes", "branches"}),
-        pytest.param(
-            "SELECT * FROM branch_tokens() WHERE trace_id = ?",
-            {"traces", "nodes", "segments", "branches"},
-            marks=EPISODES_READ_WHOLE,
-        ),
+        ("SELECT * FROM branch_tokens() WHERE trace_id = ?", {"traces", "nodes", "segments", "branches", "episodes"}),
     ],
 )
 def test_a_one_trace_query_reads_a_file_per_table(lake, store, picks, monkeypatch, query, tables):
@@ -348,3 +334,51 @@ def test_lake_sql_prints_every_type(lake):
     assert table.exit_code == 0 and "Traceback" not in table.output, table.output[-2000:]
     edges = lake.sql("SELECT 'infinity'::TIMESTAMP AS t, '10000-01-01'::DATE AS d", portable=True).to_pylist()
     assert edges == [{"t": "infinity", "d": "10000-01-01"}]
+
+
+def _with_episode(rows, episode, policy_start, ingested_at):
+    """``rows`` (a trace's, of file_rows) moved to episode ``episode`` with that episode row."""
+    out = dict(rows)
+    traces = rows["traces"]
+    out["traces"] = traces.set_column(
+        traces.schema.get_field_index("episode_id"), "episode_id", pa.array([episode] * traces.num_rows, pa.string())
+    )
+    row = rows["episodes"].slice(0, 1)
+    for column, value in (("episode_id", episode), ("policy_start", policy_start), ("ingested_at", ingested_at)):
+        at = row.schema.get_field_index(column)
+        row = row.set_column(at, row.schema.field(at), pa.array([value], row.schema.field(at).type))
+    out["episodes"] = row
+    return out
+
+
+def test_a_one_trace_query_shows_the_episode_row_every_reader_shows(tmp_path):
+    """An episode of traces in several writes shows one row, the first (by ingest time)
+    of a write with a visible trace of it: a query about one of them that reads only the
+    trace's episode (not every visible trace) finds the same row, through the episode's
+    other traces when another write's row comes first, and never a killed writer's."""
+    import datetime
+
+    from tracedb.lake import write
+    from tracedb.lake.move import file_rows
+
+    store = tmp_path / "runs.duckdb"
+    with tracedb.connect(store) as db:
+        db.ingest([FIXTURES / "linear.traces.jsonl", FIXTURES / "forest.traces.jsonl"])
+        first, second = db.sql("SELECT trace_id FROM traces ORDER BY trace_id LIMIT 2").column(0).to_pylist()
+        rows = {t: file_rows(db, [t], rejects=False) for t in (first, second)}
+    day = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+    lake = lakes.init(tmp_path / "L")
+    killed = _with_episode(rows[first], "shared", 1, day)  # the earliest row, of a write never committed
+    lake.table("episodes").append(write.lake_rows("episodes", killed["episodes"], "killed-writer"))
+    lake.append(_with_episode(rows[first], "shared", 5, day + datetime.timedelta(hours=1)))
+    lake.append(_with_episode(rows[second], "shared", 9, day + datetime.timedelta(hours=2)))
+    for trace in (first, second):
+        for query in (
+            "SELECT trace_id, node_index, policy_version FROM node_tokens() WHERE trace_id = ? ORDER BY ALL",
+            "SELECT e.policy_start FROM traces t JOIN episodes e USING (episode_id) WHERE t.trace_id = ?",
+        ):
+            got, report = sqlscan.run(lake, query, [trace])
+            assert report.pushed and report.rows["traces"] < 3
+            assert got.num_rows > 0 and got.equals(_full(lake, query, [trace])), (trace, query)
+    query = "SELECT e.policy_start FROM traces t JOIN episodes e USING (episode_id) WHERE t.trace_id = ?"
+    assert lake.sql(query, [second]).column(0).to_pylist() == [5]  # the first committed write's row

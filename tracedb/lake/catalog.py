@@ -424,12 +424,15 @@ class Opened:
     def worker(cls, location: Location) -> Opened:
         """The lake a Ray task of a call on an opened lake works on: its tables loaded when
         first asked for, through one catalog connection per process and location (the
-        driver checked the lake when it was opened)."""
+        driver checked the lake when it was opened), and kept for the process's later
+        tasks: :meth:`table` reloads one only when the catalog's metadata pointer for it
+        moved (a load reads and parses the metadata file: milliseconds per table per task)."""
         key = (location.name, location.namespace, tuple(sorted(location.properties.items())))
         made = _worker_catalogs.get(key)
         if made is None:
             made = _worker_catalogs[key] = location.catalog()
-        return cls(location, {}, made)
+            _worker_tables[key] = {}
+        return cls(location, _worker_tables[key], made)
 
     @property
     def commits(self) -> Commits:
@@ -472,3 +475,4 @@ def current_location(catalog: Catalog, namespace: str, name: str) -> str | None:
 
 
 _worker_catalogs: dict[tuple[Any, ...], Catalog] = {}
+_worker_tables: dict[tuple[Any, ...], dict[str, Table]] = {}

@@ -153,6 +153,13 @@ def _added_ms(table: Any, files: list[lake_files.LiveFile]) -> list[int]:
     return out
 
 
+def _chosen(table: Any, full: bool) -> tuple[list[lake_files.LiveFile], list[lake_files.LiveFile]]:
+    """A table's live files and those a compaction rewrites (``full``: all; else those
+    added since the last compaction)."""
+    live = lake_files.live_files(table)
+    return live, (live if full else [f for f in live if not compacted(f.path)])
+
+
 def compact_table(
     load: Any,
     name: str,
@@ -164,6 +171,7 @@ def compact_table(
     force: bool = False,
     properties: dict[str, str] | None = None,
     change: Callable[[pa.Table], pa.Table] | None = None,
+    table: Any = None,
 ) -> dict[str, int] | None:
     """Rewrite table ``name`` (from ``load``): its files added since the last compaction
     (``full``: every file) that hold nothing a writer at work may still commit (see
@@ -172,11 +180,12 @@ def compact_table(
     replacing them (``properties`` in its summary). Nothing is done when those files are
     one per partition already and lose no row (unless ``force``). Returns the entry of
     the report; None when the commit conflicted (plan again). ``change`` changes the kept
-    rows before they are written (see :func:`rewrite_traces`)."""
+    rows before they are written (see :func:`rewrite_traces`); ``table``: the table object
+    to rewrite (default: ``load(name)``; ``traces`` must be the one ``vis`` was read of, so
+    that a traces commit after that read makes the rewrite's commit conflict)."""
     schema = catalog.lake_tables()[name]
-    table = load(name)
-    live = lake_files.live_files(table)
-    chosen = live if full else [f for f in live if not compacted(f.path)]
+    table = load(name) if table is None else table
+    live, chosen = _chosen(table, full)
     entry = {"files_before": len(live), "files_rewritten": 0, "rows_before": 0, "rows_after": 0}
     if not chosen:
         return {**entry, "files_after": len(live)}
@@ -216,11 +225,49 @@ def compact_table(
     return {**entry, "files_after": len(lake_files.live_files(load(name)))}
 
 
-def _visible(load: Any, stored_from: Collection[int] | None = None) -> tuple[pa.Table, pa.Table]:
-    """The visible traces rows (trace id, batch, episode, seq) and the credit set names."""
-    vis = visible_traces(load("traces"), columns=["episode_id"], stored_from=stored_from)
+def _visible(
+    load: Any, stored_from: Collection[int] | None = None, *, traces: Any = None, buckets: Collection[int] | None = None
+) -> tuple[pa.Table, pa.Table]:
+    """The visible traces rows (trace id, batch, episode, seq; of ``traces``, default
+    ``load("traces")``; ``buckets``: of those buckets of the trace id only) and the credit
+    set names."""
+    traces = load("traces") if traces is None else traces
+    vis = visible_traces(traces, columns=["episode_id"], stored_from=stored_from, buckets=buckets)
     sets = lake_files.read(load("credit_sets"), lake_files.live_files(load("credit_sets")), ["name"])
     return vis.select(["trace_id", catalog.BATCH, "episode_id", "seq"]), sets
+
+
+def _buckets(load: Any, names: Collection[str], full: bool) -> set[int] | None:
+    """The buckets of the trace id whose visible traces a compaction of tables ``names``
+    needs: those of the files it rewrites of the per-trace tables and of segments (homed
+    in their traces' buckets). None (every bucket) when episodes are rewritten (an
+    episode row is visible through a trace of any bucket), or a table's files are not
+    bucketed as ``traces`` is."""
+    traces = load("traces")
+    home = lake_files.bucket_of(traces, "trace_id")
+    if home is None:
+        return None
+    out: set[int] = set()
+    schemas = catalog.lake_tables()
+    for name in names:
+        schema = schemas[name]
+        if name == "episodes":
+            table = load(name)
+            if _chosen(table, full)[1]:
+                return None
+            continue
+        if not (catalog.per_trace(name, schema) or name == "segments"):
+            continue  # rejects, credit sets: their rewrite reads no traces
+        table = load(name)
+        where = lake_files.bucket_of(table, catalog.SEGMENT_HOME if name == "segments" else "trace_id")
+        if where is None or where[1].num_buckets != home[1].num_buckets:
+            return None
+        spec = table.spec().spec_id
+        for f in _chosen(table, full)[1]:
+            if f.spec_id != spec:
+                return None
+            out.add(f.partition[where[0]])
+    return out
 
 
 def rewrite_traces(
@@ -241,13 +288,66 @@ def rewrite_traces(
     upgrade's) changes the rows before they are written (their columns, never which rows
     or their seq). Returns the report's entry."""
     for _ in range(ATTEMPTS):
-        vis, sets = _visible(load, stored_from)
-        done = compact_table(
-            load, "traces", vis, sets, cutoff_ms=0, full=full, force=force, properties=properties, change=change
-        )
+        done = _rewrite_traces(load, None, stored_from, properties, force, full, change)
         if done is not None:
             return done
     raise CommitFailedException(f"traces: {ATTEMPTS} rewrites conflicted with other writers")
+
+
+def _rewrite_traces(
+    load: Any,
+    read: tuple[Any, pa.Table, pa.Table] | None,
+    stored_from: Collection[int] | None,
+    properties: dict[str, str] | None,
+    force: bool,
+    full: bool,
+    change: Callable[[pa.Table], pa.Table] | None,
+) -> dict[str, int] | None:
+    """One attempt of :func:`rewrite_traces`; ``read``: a traces table object and the
+    visible rows and set names read of it, when they hold every bucket its rewrite needs
+    (else they are read here, of the buckets of the files rewritten)."""
+    if read is None:
+        table = load("traces")
+        buckets = None
+        where = lake_files.bucket_of(table, "trace_id")
+        if where is not None:
+            spec = table.spec().spec_id
+            chosen = _chosen(table, full)[1]
+            if all(f.spec_id == spec for f in chosen):
+                buckets = {f.partition[where[0]] for f in chosen}
+        vis, sets = _visible(load, stored_from, traces=table, buckets=buckets)
+    else:
+        table, vis, sets = read
+    return compact_table(
+        load,
+        "traces",
+        vis,
+        sets,
+        cutoff_ms=0,
+        full=full,
+        force=force,
+        properties=properties,
+        change=change,
+        table=table,
+    )
+
+
+def _snapshot(table: Any) -> int | None:
+    current = table.current_snapshot()
+    return None if current is None else current.snapshot_id
+
+
+def _read_visible(load: Any, names: Collection[str], full: bool, grace: float) -> tuple[int, Any, pa.Table, pa.Table]:
+    """What a compaction's rewrites decide by, read once for all its tables: the cutoff
+    (ms), the traces table object, its visible rows of the buckets the rewrites need
+    (:func:`_buckets`) and the credit set names. The cutoff is taken first: a file added
+    after the buckets were chosen, or after the read, is younger than it, so rows the
+    read does not show as visible there are left for a later compaction, not removed."""
+    cutoff = int((time.time() - grace) * 1000)
+    buckets = _buckets(load, names, full)
+    traces = load("traces")
+    vis, sets = _visible(load, traces=traces, buckets=buckets)
+    return cutoff, traces, vis, sets
 
 
 def compact(
@@ -260,19 +360,30 @@ def compact(
         raise ValueError(f"expire_older_than is a number of seconds >= 0, not {expire_older_than!r}")
     load = own_tables(lake.location)
     report = CompactReport()
-    for name in catalog.lake_tables():
+    names = list(catalog.lake_tables())
+    cutoff, traces, vis, sets = _read_visible(load, names, full, grace)
+    for name in names:
         if name == "traces":
             continue
         for attempt in range(1, ATTEMPTS + 1):
-            cutoff = int((time.time() - grace) * 1000)
-            vis, sets = _visible(load)
+            if attempt > 1 or _snapshot(load("traces")) != _snapshot(traces):  # conflicted, or traces moved
+                cutoff, traces, vis, sets = _read_visible(load, names, full, grace)
             done = compact_table(load, name, vis, sets, cutoff_ms=cutoff, full=full)
             if done is not None:
                 report.tables[name] = done
                 break
             if attempt == ATTEMPTS:
                 raise CommitFailedException(f"{name}: {ATTEMPTS} rewrites conflicted with other writers")
-    report.tables["traces"] = rewrite_traces(load, full=full)
+    # traces: the rows read above when it has not moved since (the rewrite's commit then
+    # conflicts with any traces commit after that read), else read again.
+    first = (traces, vis, sets) if _snapshot(load("traces")) == _snapshot(traces) else None
+    for attempt in range(1, ATTEMPTS + 1):
+        done = _rewrite_traces(load, first if attempt == 1 else None, None, None, False, full, None)
+        if done is not None:
+            report.tables["traces"] = done
+            break
+        if attempt == ATTEMPTS:
+            raise CommitFailedException(f"traces: {ATTEMPTS} rewrites conflicted with other writers")
     if expire_older_than is not None:
         report.expired = expire(lake, older_than=expire_older_than, grace=grace)
     return report

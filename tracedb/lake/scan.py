@@ -31,9 +31,11 @@ def scan_traces(
     *,
     stored_from: Collection[int] | None = None,
     trace_ids: Sequence[str] | None = None,
+    buckets: Collection[int] | None = None,
 ) -> pa.Table:
     """The traces rows (with :data:`BATCH`) that ``row_filter`` keeps (and, given
-    ``trace_ids``, of those ids: read by key as :func:`scan_keys` reads), with their ``seq``:
+    ``trace_ids``, of those ids: read by key as :func:`scan_keys` reads; given ``buckets``,
+    of the files of those buckets of ``trace_id`` only), with their ``seq``:
     the value stored in the row when there is one (a compaction of ``traces`` writes each
     row's seq into it), else the data sequence number of the file holding the row (the
     commit of a write, whose rows carry no seq); ``columns`` (with ``seq``) reads only
@@ -42,6 +44,8 @@ def scan_traces(
     whose writers stored the file store's seq, reads: see :mod:`tracedb.lake.upgrade`)."""
     names = None if columns is None else list(dict.fromkeys([*columns, "seq"]))
     found = live_files(table)
+    if buckets is not None:
+        found = in_buckets(table, found, buckets)
     key = None
     if trace_ids is not None:
         wanted = pa.array(list(dict.fromkeys(trace_ids)), pa.string())
@@ -70,15 +74,17 @@ def visible_traces(
     *,
     stored_from: Collection[int] | None = None,
     trace_ids: Sequence[str] | None = None,
+    buckets: Collection[int] | None = None,
 ) -> pa.Table:
-    """The visible ``traces`` rows among those ``row_filter`` (and ``trace_ids``) keeps:
+    """The visible ``traces`` rows among those ``row_filter`` (and ``trace_ids``, and
+    ``buckets`` of ``trace_id``: every row of a trace id is in its bucket) keeps:
     one per trace id, the first by ``seq`` then :data:`BATCH` of all its rows (a trace id
     two racing writers committed shows its first commit, whether or not ``row_filter``
     keeps that row), ordered by ``seq`` then trace id; ``columns`` reads only those (with
     ``trace_id``, :data:`BATCH` and ``seq``). ``seq`` and ``stored_from`` are
     :func:`scan_traces`'."""
     picked = None if columns is None else [*columns, "trace_id", BATCH]
-    raw = scan_traces(table, row_filter, picked, stored_from=stored_from, trace_ids=trace_ids)
+    raw = scan_traces(table, row_filter, picked, stored_from=stored_from, trace_ids=trace_ids, buckets=buckets)
     first = f"QUALIFY row_number() OVER (PARTITION BY trace_id ORDER BY seq, {BATCH}) = 1"
     con = lake_files.duck()
     try:
@@ -99,6 +105,16 @@ def visible_traces(
         return con.sql(f"SELECT * FROM raw_traces {first} ORDER BY seq, trace_id").to_arrow_table()
     finally:
         con.close()
+
+
+def in_buckets(table: Any, files: Sequence[lake_files.LiveFile], buckets: Collection[int]) -> list[lake_files.LiveFile]:
+    """The ``files`` of ``table`` in the given buckets of ``trace_id`` (every file when the
+    table is not bucketed on it, or of a partition spec that is not)."""
+    where = bucket_of(table, "trace_id")
+    if where is None:
+        return list(files)
+    spec = table.spec().spec_id
+    return [f for f in files if f.spec_id != spec or f.partition[where[0]] in buckets]
 
 
 def bucket_order(table: Any, column: str, keys: Sequence[Any]) -> list[Any]:
@@ -133,4 +149,4 @@ def scan_keys(
     return lake_files.read(table, chosen, names, key=(column, wanted))
 
 
-__all__ = ["bucket_of", "bucket_order", "scan_keys", "scan_traces", "visible_traces"]
+__all__ = ["bucket_of", "bucket_order", "in_buckets", "scan_keys", "scan_traces", "visible_traces"]

@@ -229,6 +229,8 @@ def _walk(
         ctes[str(node.get("table_index"))] = _walk(below[0], scans, params, names, ctes)
         return _walk(below[1], scans, params, names, ctes)
     children = [_walk(child, scans, params, names, ctes) for child in below]
+    if kind == "LOGICAL_GET" and len(children) == 1:
+        return _in_out(node, children[0])
     if kind == "LOGICAL_GET":
         return _get(node, scans, params, names)
     if kind == "LOGICAL_CTE_REF":
@@ -289,6 +291,16 @@ def _get(node: dict, scans: list[Scan], params: _Parameters, names: set[str]) ->
     scans.append(Scan(table, {c for c in columns if c is not None}, all_of(terms), pins))
     projection = node.get("projection_ids") or range(len(columns))
     return [(index, columns[i]) if i < len(columns) and columns[i] is not None else None for i in projection]
+
+
+def _in_out(node: dict, below: list[Origin] | None) -> list[Origin] | None:
+    """The origins of a table in-out function's output (``unnest(n.weight_versions)`` in a
+    ``FROM`` list, a lateral join): its own columns (new values), then the input columns it
+    passes through unchanged (``projected_input``), as DuckDB binds them."""
+    passed = node.get("projected_input") or []
+    if node.get("projection_ids") or (below is None and passed):
+        return None  # a projection over both parts: not followed
+    return [None] * len(node.get("column_indexes") or []) + [_at(below, i) for i in passed]
 
 
 def _join(node: dict, children: list[list[Origin] | None], scans: list[Scan]) -> list[Origin] | None:

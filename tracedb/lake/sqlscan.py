@@ -215,7 +215,9 @@ def read_for(lake: Any, scans: list[Scan]) -> tuple[dict[str, pa.Table], ScanRep
     try:
         # The traces the other tables' visibility needs, with the query's own traces rows.
         wanted: set[str] | None = set()
-        everything = "episodes" in used  # an episode row is visible through any of its traces
+        # An episode row is visible through any of its traces: a scan of episodes not held
+        # to the episodes of the traces read (or pinned ones) needs every visible trace.
+        everything = not all(_episodes_bounded(scans, s) for s in scans if s.table == "episodes")
         bounded = _bounded(scans)
         for name in used:
             if per_trace(name, schemas[name]) and name != "traces":
@@ -246,6 +248,10 @@ def read_for(lake: Any, scans: list[Scan]) -> tuple[dict[str, pa.Table], ScanRep
             keys = {"trace_id", BATCH} if per_trace(name, schemas[name]) else {"episode_id", BATCH}
             keys |= {"credit_set"} & set(schemas[name].names)  # credit values show with their set's row
             need = columns.get(name, set()) | (keys if not whole else set(schemas[name].names))
+            if name == "episodes" and not everything:
+                out[name] = _episodes(con, reader, vis, keys_of.get("episode_id"), need)
+                reader.read[name] = out[name]
+                continue
             held = keys_of.get("trace_id") if per_trace(name, schemas[name]) else None
             if held is None and per_trace(name, schemas[name]) and not everything:
                 # Every scan of it joins (through others) the traces read or pinned ones:
@@ -262,6 +268,52 @@ def read_for(lake: Any, scans: list[Scan]) -> tuple[dict[str, pa.Table], ScanRep
     finally:
         con.close()
     return {name: read.stored(name, out.get(name)) for name in schemas}, reader.report
+
+
+def _episodes_bounded(scans: list[Scan], scan: Scan) -> bool:
+    """Whether an episodes scan needs only the episodes of the traces read: its episode id
+    pinned, or joined on it to a ``traces`` scan (whose rows are among those read)."""
+    joined = any(c == oc == "episode_id" and scans[o].table == "traces" for c, o, oc in scan.joins)
+    return joined or "episode_id" in scan.pins
+
+
+def _episodes(
+    con: duckdb.DuckDBPyConnection, reader: _Reader, vis: pa.Table, held: set[Any] | None, columns: set[str]
+) -> pa.Table:
+    """The visible episode rows of the episode ids ``held`` (None: those of the traces read,
+    ``vis``). Every row of those ids is read (by key: the table is bucketed on it), and
+    which one shows is decided as over every visible trace (:func:`read.visible_rows`):
+    the first, by ingest time then write, of the writes of a visible trace of the episode.
+    The traces read are enough to decide it for an episode whose first row is of a write
+    of one of them; for any other, that episode's visible traces are read (by episode id)."""
+    names = lake_tables()["episodes"].names
+    if held is None:  # too many to send as a reduction: those of the traces read, and any pinned
+        held = set(pc.unique(vis.column("episode_id").drop_null()).to_pylist())
+        held |= set().union(*(s.pins.get("episode_id", set()) for s in reader.scans if s.table == "episodes"))
+    need = columns | {"episode_id", BATCH} | ({"ingested_at"} & set(names))
+    keys = ("episode_id", held)
+    raw = reader.scan("episodes", In("episode_id", sorted(held)) if held else AlwaysFalse(), need, keys=keys)
+    pairs = vis.select(["trace_id", BATCH, "episode_id"])
+    order = "r.ingested_at, " if "ingested_at" in raw.column_names else ""
+    con.register("ep_raw", raw)
+    con.register("ep_vis", pairs)
+    try:
+        unsure = con.sql(
+            f"SELECT episode_id FROM (SELECT r.episode_id, EXISTS (SELECT 1 FROM ep_vis v WHERE v.episode_id = "
+            f"r.episode_id AND v.{BATCH} = r.{BATCH}) AS seen, row_number() OVER (PARTITION BY r.episode_id "
+            f"ORDER BY {order}r.{BATCH}) AS k FROM ep_raw r) WHERE k = 1 AND NOT seen"
+        ).fetchall()
+    finally:
+        con.unregister("ep_raw")
+        con.unregister("ep_vis")
+    if unsure:  # a row of another write comes first: is a trace of that write visible?
+        mates = visible_traces(reader.lake.table("traces"), In("episode_id", sorted(r[0] for r in unsure)))
+        pairs = pa.concat_tables([pairs, mates.select(pairs.column_names).cast(pairs.schema)])
+    con.register("vis", pairs)
+    try:
+        return read.visible_rows(con, "episodes", raw)
+    finally:
+        con.register("vis", vis)
 
 
 def _bounded(scans: list[Scan]) -> list[bool]:

@@ -14,6 +14,8 @@ the tokens' policy versions read of the lake when the views ask for them
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +29,7 @@ from tracedb.lake.workers import chunks, running_ray
 from tracedb.records import COMPACT_STREAMS
 from tracedb.selection import Selection
 from tracedb.views import branch_indices, token_columns
+from tracedb.views.nodes import NodeColumns
 from tracedb.views.spread import branch_table
 
 if TYPE_CHECKING:
@@ -35,6 +38,57 @@ if TYPE_CHECKING:
 
 VIEW_TRACES = 256
 """Traces per view task."""
+CACHE_TOKENS = 8_000_000
+"""Tokens of decoded node columns a process (a Ray worker) keeps for later view tasks of
+the same traces at the same snapshots (up to about 24 bytes a token with every stream:
+~200 MB a worker at most, small beside Ray's memory monitor's threshold)."""
+_TABLES = ("nodes", "branches", "segments", "episodes", "policy_labels", "credit", "trace_credit", "credit_sets")
+"""The tables a view's columns and policy versions are read of: their snapshots key the cache."""
+
+
+class _Cache:
+    """Decoded node columns of view tasks, least recently used first out, at most
+    :data:`CACHE_TOKENS` tokens (what the file store's handle keeps between calls,
+    :attr:`tracedb.handle.Handle.view_cache`, kept here per worker process). A key holds
+    the snapshots of every table the columns were read of, so any commit to one misses."""
+
+    def __init__(self) -> None:
+        self.items: OrderedDict[Any, NodeColumns] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def get(self, key: Any, streams: Sequence[str]) -> NodeColumns | None:
+        with self.lock:
+            data = self.items.get(key)
+            if data is None or not set(streams) <= set(data.streams):
+                return None
+            self.items.move_to_end(key)
+            return data
+
+    def put(self, key: Any, data: NodeColumns) -> None:
+        tokens = int(data.starts[-1])
+        if tokens > CACHE_TOKENS:
+            return
+        with self.lock:
+            self.items[key] = data
+            held = sum(int(d.starts[-1]) for d in self.items.values())
+            while held > CACHE_TOKENS:
+                _, dropped = self.items.popitem(last=False)
+                held -= int(dropped.starts[-1])
+
+
+_cache = _Cache()
+
+
+def _key(lake: Any, traces: pa.Table, credit: str | None) -> tuple[Any, ...]:
+    """What a view task's node columns depend on: the lake, the tables' snapshots, the
+    visible traces rows (trace id and write) and the credit set."""
+    snapshots = []
+    for name in (n for n in _TABLES if n in catalog.lake_tables()):
+        current = lake.table(name).current_snapshot()
+        snapshots.append(None if current is None else current.snapshot_id)
+    where = (lake.location.name, lake.location.namespace, tuple(sorted(lake.location.properties.items())))
+    rows = (tuple(traces.column("trace_id").to_pylist()), tuple(traces.column(catalog.BATCH).to_pylist()))
+    return where, tuple(snapshots), rows, credit
 
 
 class _Views:
@@ -66,8 +120,12 @@ def view(
     (``columns``: :func:`tracedb.views.token_columns`'s, ``credit``:
     :func:`~tracedb.lake.columns.resolve_credit`'s)."""
     streams = [c for c in COMPACT_STREAMS if c in columns]
-    data = visible_columns(lake, traces, streams, credit)
-    if "policy_version" in columns:
+    key = _key(lake, traces, credit)
+    data = _cache.get(key, streams)
+    if data is None:
+        data = visible_columns(lake, traces, streams, credit)
+        _cache.put(key, data)
+    if "policy_version" in columns:  # attached once to the cached columns (of the same snapshots)
         versions.attach(lake, traces, data)
     return branch_table(data, columns, train_once, trainable, branch_index).replace_schema_metadata(None)
 
