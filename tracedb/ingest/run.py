@@ -456,7 +456,8 @@ def uses_scanner(knobs: runtime.Settings, files: Sequence[Path | ByteRange]) -> 
 
 def scans_ahead(knobs: runtime.Settings) -> bool:
     """Whether the scanner reads the next chunk on a second thread (the ``scan_ahead``
-    setting; with ``auto``: when a core is to spare, :func:`tracedb.runtime.spare_core`)."""
+    setting; with ``auto``: unless the process may use only one CPU,
+    :func:`tracedb.runtime.spare_core`)."""
     if knobs.scan_ahead != "auto":
         return knobs.scan_ahead != "never"
     return runtime.spare_core()
