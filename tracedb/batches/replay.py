@@ -38,19 +38,18 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import duckdb
 import numpy as np
-import pyarrow as pa
 
+from tracedb.batches import pool
 from tracedb.errors import StepChanged, TraceDBError
 from tracedb.handle import Handle
-from tracedb.selection import Selected, Selection, completions_at, resolve_at
+from tracedb.selection import Selected, Selection, resolve_at
 
 PRIORITIES = ("signal", "uniform")
 MANIFEST = "manifest.json"  # as batches.files writes it (files imports this module's users)
@@ -157,17 +156,6 @@ def check(replay: Replay | Replayed, selection: Selection) -> int | None:
     return replay.max_staleness if replay.max_staleness is not None else selection.max_staleness
 
 
-@contextmanager
-def _registered(con: duckdb.DuckDBPyConnection, trace_ids: Sequence[str]) -> Iterator[str]:
-    """``trace_ids`` as a table the queries join (unregistered after)."""
-    name = "_tdb_replay"
-    con.register(name, pa.table({"trace_id": pa.array(list(trace_ids), pa.string())}))
-    try:
-        yield name
-    finally:
-        con.unregister(name)
-
-
 @dataclass
 class _Traces:
     """Some traces' rows of ``traces``, their groups' reward spread, and their credit."""
@@ -195,45 +183,40 @@ class _Traces:
         return out
 
 
-def _read(con: duckdb.DuckDBPyConnection, trace_ids: Sequence[str], credit: str | None | bool = False) -> _Traces:
-    """What replay needs of ``trace_ids`` (one query; the group figures over these members
-    by window); with ``credit`` (a set name, None: the default set) the credit mass of those
-    in groups with signal (only they can be candidates)."""
-    with _registered(con, trace_ids) as sel:
-        rows = con.execute(
-            "SELECT trace_id, group_id, reward, policy_min, coalesce(policy_unknown, 0), count(reward) OVER g, "
-            "tdb_zero_variance(count(reward) OVER g, min(reward) OVER g, max(reward) OVER g), max(seq) OVER g "
-            f"FROM traces WHERE trace_id IN (SELECT trace_id FROM {sel}) WINDOW g AS (PARTITION BY group_id)"
-        ).fetchall()
-    groups = sorted({(r[7], r[1], r[5], r[6]) for r in rows if r[1] is not None})  # (newest seq, id, ...)
-    found = _Traces(
-        group={r[0]: r[1] for r in rows if r[1] is not None},
-        reward={r[0]: r[2] for r in rows},
-        policy_min={r[0]: r[3] for r in rows},
-        unknown={r[0] for r in rows if r[4]},
-        flat=[g for _, g, _, zero in groups if zero],
-        scored={g: n for _, g, n, _ in groups},
-    )
-    if credit is False:
-        return found
-    signal = {g for _, g, n, zero in groups if n and not zero}
-    wanted = sorted(t for t, g in found.group.items() if g in signal)
-    if not wanted:
-        return found
-    with _registered(con, wanted) as sel:
-        try:
-            mass = con.execute(
-                "SELECT trace_id, sum(abs_sum ORDER BY node_index), sum(n_sampled) FROM credit_abs_mass(credit := ?) "
-                f"WHERE trace_id IN (SELECT trace_id FROM {sel}) GROUP BY trace_id",
-                ["default" if credit is None else credit],
-            ).fetchall()
-        except duckdb.CatalogException:  # a file whose macros an older tracedb wrote, opened read-only
-            raise TraceDBError(
-                "replay reads the macro credit_abs_mass(), which this file's macros predate: "
-                "open the file read-write once (tracedb migrate --db FILE) to install this tracedb's macros"
-            ) from None
-    found.mass = {r[0]: (r[1] or 0.0, r[2] or 0) for r in mass}
+def _traces(rows: Iterable[pool.Row]) -> _Traces:
+    """What replay needs of these traces, the group figures over these members (the rule
+    of ``tdb_zero_variance``: some member scored, all scored members of one reward)."""
+    found = _Traces(group={}, reward={}, policy_min={}, unknown=set(), flat=[], scored={})
+    figures: dict[str, list] = {}  # group id -> [scored, lowest, highest, newest seq]
+    for r in rows:
+        found.reward[r.trace_id], found.policy_min[r.trace_id] = r.reward, r.policy_min
+        if r.unknown:
+            found.unknown.add(r.trace_id)
+        if r.mass is not None:
+            found.mass[r.trace_id] = r.mass
+        if r.group_id is None:
+            continue
+        found.group[r.trace_id] = r.group_id
+        f = figures.setdefault(r.group_id, [0, None, None, r.seq])
+        f[3] = max(f[3], r.seq)
+        if r.reward is not None:
+            f[0] += 1
+            f[1] = r.reward if f[1] is None else min(f[1], r.reward)
+            f[2] = r.reward if f[2] is None else max(f[2], r.reward)
+    groups = sorted((f[3], g, f[0], f[0] >= 1 and f[1] == f[2]) for g, f in figures.items())
+    found.flat = [g for _, g, _, zero in groups if zero]
+    found.scored = {g: n for _, g, n, _ in groups}
     return found
+
+
+def _read(con: duckdb.DuckDBPyConnection, trace_ids: Sequence[str]) -> _Traces:
+    """What replay needs of ``trace_ids`` (one query; no credit mass)."""
+    rows = con.execute(
+        "SELECT trace_id, group_id, seq, reward, policy_min, coalesce(policy_unknown, 0) FROM traces "
+        "WHERE trace_id IN (SELECT unnest(?::VARCHAR[]))",
+        [list(trace_ids)],
+    ).fetchall()
+    return _traces(pool.Row(*r, False, False, None) for r in rows)
 
 
 def members(
@@ -259,6 +242,37 @@ def members(
         mark,
     )
     return found.trace_ids
+
+
+def _pool_members(
+    con: duckdb.DuckDBPyConnection,
+    rows: Sequence[pool.Row],
+    groups: set[str],
+    selection: Selection,
+    mark: int,
+    k: int | None,
+) -> list[pool.Row]:
+    """:func:`members` over rows already read (the traces at or below ``mark``): the same
+    rules, the tag filters asked of the store (one query, only when the selection has tags)."""
+    tagged = None
+    if selection.tags:
+        tagged = set(resolve_at(con, Selection(tags=selection.tags), mark).trace_ids)
+    kept = [
+        r
+        for r in rows
+        if r.group_id in groups
+        and (tagged is None or r.trace_id in tagged)
+        and not (selection.include_dropped is False and r.dropped)
+        and not (selection.include_eval is False and r.eval)
+    ]
+    if k is not None and selection.policy is not None:
+        bound = selection.policy - k
+        oldest: dict[str, int] = {}
+        for r in kept:
+            if r.policy_min is not None:
+                oldest[r.group_id] = min(oldest.get(r.group_id, r.policy_min), r.policy_min)
+        kept = [r for r in kept if oldest.get(r.group_id, bound) >= bound]
+    return sorted(kept, key=lambda r: r.trace_id)
 
 
 def use_counts(root: str | Path | None) -> Counter[str]:
@@ -305,24 +319,20 @@ def choose(handle: Handle, selection: Selection, selected: Selected, replay: Rep
     """Replace the zero-variance groups of ``selected`` (see the module docstring)."""
     k = check(replay, selection)
     con, mark = handle.con, selected.watermark
-    mine = _read(con, selected.trace_ids)
+    read = pool.read(handle, mark, credit, selected.trace_ids)  # the traces up to the watermark, credit mass too
+    mine = _traces(read.by_id[t] for t in selected.trace_ids)
     swap = Swap(trace_ids=selected.trace_ids, choices=[])
     if not mine.flat:
         return swap
     taken = set(mine.group.values())
-    stored = [
-        r[0]
-        for r in con.execute(
-            "SELECT DISTINCT group_id FROM traces WHERE seq <= ? AND group_id IS NOT NULL ORDER BY group_id", [mark]
-        ).fetchall()
-        if r[0] not in taken
-    ]
     assert selection.complete_groups is not None  # check() refused it otherwise
-    complete = sorted(completions_at(con, stored, selection.complete_groups, mark))
+    size = selection.complete_groups  # checked by the selection's resolve
+    arrived = Counter(r.group_id for r in read.rows if r.group_id is not None and r.group_id not in taken)
+    complete = {g for g, n in arrived.items() if n >= size}  # its size-th member arrived by the watermark
     uses = use_counts(replay.steps_root)
     if replay.max_uses is not None:
-        complete = [g for g in complete if uses[g] < replay.max_uses]
-    found = _read(con, members(con, complete, selection, mark, k), credit)
+        complete = {g for g in complete if uses[g] < replay.max_uses}
+    found = _traces(_pool_members(con, read.rows, complete, selection, mark, k))
     groups = found.members()
     signal = _signal(found)
     if k is not None and selection.unknown != "keep":  # a group of unknown staleness is no candidate

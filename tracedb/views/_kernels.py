@@ -95,3 +95,14 @@ def spread_stream(
                     k = slots[q + i]
                     out[pos + i] = values[s + k - 1] if 0 < k <= t else 0.0
             pos += n
+
+
+@compiled
+def fill_runs(out: np.ndarray, first: np.ndarray, count: np.ndarray, values: np.ndarray) -> None:
+    """``out[first[i] : first[i] + count[i]] = values[i]`` for each run ``i``, in order (the
+    policy-version spans of :mod:`tracedb.views.versions` over node-flat sampled tokens)."""
+    for i in range(len(first)):
+        start = first[i]
+        value = values[i]
+        for j in range(count[i]):
+            out[start + j] = value

@@ -135,9 +135,10 @@ def _policy_versions(
         data.versions, no_prefix, data.slot_src, data.slots, values, scratch,
     )  # fmt: skip
     known = values != policy.UNKNOWN
-    counts = np.zeros(total + 1, np.int64)
-    np.cumsum(known, out=counts[1:])
-    held = counts[out_off[1:]] > counts[out_off[:-1]]
+    held = np.zeros(n_branches, np.bool_)  # a branch holds a known token (no per-token count)
+    nonempty = out_off[1:] > out_off[:-1]
+    if nonempty.any():
+        held[nonempty] = np.logical_or.reduceat(known, out_off[:-1][nonempty])
     flat = pa.Array.from_buffers(
         pa.int32(),
         total,
