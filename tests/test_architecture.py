@@ -33,6 +33,7 @@ LAYERS: list[list[str]] = [
         "tracedb.synthetic",
         "tracedb.publish",
         "tracedb.policy",
+        "tracedb.lazy",
     ],
     ["tracedb.codec"],
     ["tracedb.graph", "tracedb.tables", "tracedb.migrations", "tracedb.sqlcheck", "tracedb.sqlvalues"],

@@ -71,7 +71,7 @@ def test_the_wheel_holds_tracedb_only(wheel: Path) -> None:
     ):
         assert shipped in names, shipped
     entry = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    assert "tracedb = tracedb.cli.main:app" in entry
+    assert "tracedb = tracedb.cli.main:main" in entry
 
 
 def test_serve_works_from_the_installed_wheel(installed: Path, tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 """``python -m tracedb``: the ``tracedb`` command."""
 
-from tracedb.cli.main import app
+from tracedb.cli.main import main
 
-app(prog_name="tracedb")
+main()

@@ -5,7 +5,9 @@ deduplicated token segments and precomputed branches, with tracedb's SQL macros
 installed in it so that any DuckDB client can query it. :class:`Database` stores nothing
 itself: each method is one call into the package that does the work (ingest, views,
 writeback, readback, export, the credit-set registry), on the database's
-:class:`~tracedb.handle.Handle`.
+:class:`~tracedb.handle.Handle`. The packages behind the views, records, export, stats,
+write-back and credit-set methods are imported by the method that uses them, so a process
+that only ingests (``tracedb ingest``) does not pay for them (~0.1 s of start-up).
 """
 
 from __future__ import annotations
@@ -17,25 +19,14 @@ from typing import TYPE_CHECKING, Any
 import duckdb
 import pyarrow as pa
 
-from tracedb import (
-    batches,
-    credit_sets,
-    migrations,
-    offpolicy,
-    policy_labels,
-    readback,
-    sqlcheck,
-    storage,
-    views,
-    writeback,
-)
-from tracedb.dbfile import open_handle, rewrite_storage
-from tracedb.export import export
+from tracedb import migrations
+from tracedb.dbfile import open_handle
 from tracedb.handle import Handle
 from tracedb.ingest import IngestReport, ingest_files
 from tracedb.selection import Selection
 
 if TYPE_CHECKING:
+    from tracedb.batches import Plan, Replay
     from tracedb.ingest.follow import Follower, FollowEvent
 
 
@@ -107,6 +98,8 @@ class Database:
         9999 or infinite, times with a time zone, intervals, ...) as DuckDB's text of them,
         nesting kept (:mod:`tracedb.sqlvalues`; what ``tracedb sql`` prints)."""
         if read_only:
+            from tracedb import sqlcheck
+
             sqlcheck.check(self.handle.con, query, copy_to_file=True)
         return self.handle.sql(query, params, portable=portable)
 
@@ -116,11 +109,15 @@ class Database:
 
     def stats(self) -> dict[str, Any]:
         """Counts and sizes: episodes, traces, nodes, branches, tokens, bytes, dedup ratio."""
+        from tracedb import readback
+
         return readback.stats(self.handle)
 
     def storage(self) -> dict[str, Any]:
         """Where the file's bytes are: per table and column (with DuckDB's compression
         methods), metadata, ART indexes, free blocks; see :mod:`tracedb.storage`."""
+        from tracedb import storage
+
         return storage.storage_bytes(self.handle)
 
     # ----------------------------------------------------------------- ingest
@@ -235,6 +232,8 @@ class Database:
         (``tracedb.watermark_of``); with ``limit`` it is the last row's, so paging through
         a live run misses nothing and repeats nothing."""
         selection = Selection.of(locals())
+        from tracedb import readback
+
         return readback.trace_listing(self.handle, selection, limit)
 
     # ----------------------------------------------------------------- records
@@ -246,10 +245,14 @@ class Database:
         puts that credit set's advantages on the nodes instead of the default set's
         (a node the set does not assign has no ``advantages``, i.e. None).
         """
+        from tracedb import readback
+
         return readback.trace_record(self.handle, trace_id, credit=credit)
 
     def episode(self, episode_id: str) -> dict[str, Any]:
         """The episode record exactly as ingested, with its traces."""
+        from tracedb import readback
+
         return readback.episode_record(self.handle, episode_id)
 
     # ----------------------------------------------------------------- views
@@ -296,6 +299,8 @@ class Database:
         the same traces). The table carries the watermark it was read at, to pass as
         ``after`` next time: ``tracedb.watermark_of(table)``.
         """
+        from tracedb import views
+
         return views.branches(
             self.handle,
             Selection.of(locals()),
@@ -333,6 +338,8 @@ class Database:
         """:meth:`branches` in batches of whole traces, about ``batch_tokens`` stored
         tokens each, so memory stays bounded whatever the database size; every batch
         carries the watermark the selection was made at."""
+        from tracedb import views
+
         return views.iter_branches(
             self.handle,
             Selection.of(locals()),
@@ -374,6 +381,8 @@ class Database:
         or stream (``.arrows``); ``format`` overrides the suffix. Filters and ``columns``
         are those of :meth:`branches`. Written beside ``path`` and renamed into place.
         Returns rows, tokens, bytes and the watermark (also in the file's schema metadata)."""
+        from tracedb.export import export
+
         return export(
             self.handle,
             path,
@@ -418,8 +427,8 @@ class Database:
         drop_zero_advantages: bool = False,
         importance: str | None = None,
         clip: float | None = None,
-        replay: batches.Replay | None = None,
-    ) -> batches.Plan:
+        replay: Replay | None = None,
+    ) -> Plan:
         """Packed, rank-balanced micro-batches of the selected branches, for a trainer.
 
         One sample per trainable branch (``trainable=None``: every branch) of the selected
@@ -451,6 +460,8 @@ class Database:
         an earlier complete group with signal, within a staleness bound and a use limit
         (:mod:`tracedb.batches.replay`; ``plan.report.replayed`` says what replaced what).
         """
+        from tracedb import batches
+
         return batches.micro_batches(
             self.handle,
             seq_len,
@@ -477,16 +488,22 @@ class Database:
         self, data: Any, *, stream: str = "advantages", credit: str | None = None, name: str | None = None
     ) -> int:
         """Write per-node compact values ``(trace_id, node_index, values)``; see :mod:`tracedb.writeback`."""
+        from tracedb import writeback
+
         return writeback.write_nodes(self.handle, data, stream=stream, credit=credit, name=name)
 
     def write_traces(self, data: Any, *, stream: str = "advantages", credit: str | None = None) -> int:
         """Write per trace: ``value`` broadcast over its sampled tokens, or ``values`` over all of them."""
+        from tracedb import writeback
+
         return writeback.write_traces(self.handle, data, stream=stream, credit=credit)
 
     def write_branches(
         self, data: Any, *, stream: str = "advantages", credit: str | None = None, name: str | None = None
     ) -> int:
         """Write full-layout branch values ``(trace_id, branch_index, values)``, projected onto nodes."""
+        from tracedb import writeback
+
         return writeback.write_branches(self.handle, data, stream=stream, credit=credit, name=name)
 
     def clear(
@@ -498,6 +515,8 @@ class Database:
         name: str | None = None,
     ) -> int:
         """Return ``stream`` to unassigned (None) on every node of ``trace_ids`` (default: all)."""
+        from tracedb import writeback
+
         return writeback.clear(self.handle, stream=stream, credit=credit, trace_ids=trace_ids, name=name)
 
     # ----------------------------------------------------------------- policy versions
@@ -507,10 +526,14 @@ class Database:
         to policy versions (``{"ckpt-abc": 12}``); a label like ``step_12`` or ``v3`` needs
         none. The traces using them get their policy-version bounds again; returns how
         many. See :mod:`tracedb.policy` for the rule."""
+        from tracedb import policy_labels
+
         return policy_labels.set_versions(self.handle, mapping)
 
     def policy_versions(self) -> pa.Table:
         """The mapped weight labels: label, version, set_at."""
+        from tracedb import policy_labels
+
         return policy_labels.listing(self.handle)
 
     def policy_mismatch(
@@ -540,6 +563,8 @@ class Database:
         exp(trainer - inference), ``outside_share`` of ``[1/c, c]``; see
         :mod:`tracedb.offpolicy` (the ``policy_mismatch()`` macro in SQL)."""
         selection = Selection.of(locals())
+        from tracedb import offpolicy
+
         return offpolicy.mismatch(self.handle, per=per, c=c, selection=selection)
 
     # ----------------------------------------------------------------- credit sets
@@ -557,6 +582,8 @@ class Database:
         """Register a named credit set; its advantages are then written with ``credit=name``.
         ``layout="trace"`` stores one value per trace (it then takes ``write_traces`` with
         ``value`` only); ``"node"`` stores values per node and takes every writer."""
+        from tracedb import credit_sets
+
         credit_sets.create(
             self.handle,
             name,
@@ -569,20 +596,28 @@ class Database:
 
     def drop_credit_set(self, name: str) -> None:
         """Remove a named credit set and all its credit."""
+        from tracedb import credit_sets
+
         credit_sets.drop(self.handle, name)
 
     def credit_set_name(self, credit: str | None) -> str | None:
         """The set a caller means by ``credit``: None for the default (ingested) set (``None``
         or ``"default"``), else the named set, which must exist (:class:`~tracedb.errors.NotFound`)."""
+        from tracedb import credit_sets
+
         return credit_sets.resolve(self.handle, credit)
 
     def has_credit_set(self, name: str) -> bool:
         """True for ``"default"`` (the ingested credit) and for every named set created."""
+        from tracedb import credit_sets
+
         return credit_sets.exists(self.handle, name)
 
     def credit_sets(self) -> pa.Table:
         """The credit sets: name, algorithm, params, description, created_at, assigned nodes,
         layout (``trace`` or ``node``)."""
+        from tracedb import credit_sets
+
         return credit_sets.listing(self.handle)
 
 
@@ -595,6 +630,8 @@ def migrate(path: str | Path) -> dict[str, Any]:
     before = migrations.stored_version(Path(path))
     with Database(path) as db:  # a read-write open upgrades
         after = db.schema_version
+    from tracedb.dbfile import rewrite_storage
+
     rewritten = rewrite_storage(path)
     return {
         "path": str(path),

@@ -237,29 +237,27 @@ class Handle:
         keys: Iterable[str] | Iterable[bytes],
         con: Any = None,
         sql_type: str = "VARCHAR",
+        rows: int | None = None,
     ) -> set:
         """Which of ``keys`` (of SQL type ``sql_type``) ``table.column`` holds, read on
         ``con`` (default: this handle's connection; an ingest passes the reader that sees
         the database as committed before it). A large table is probed through the key's
         index, a small one, or one without an index on the key (``segment_store``), scanned
-        (see :data:`INDEX_ROWS_PER_KEY`)."""
+        (see :data:`INDEX_ROWS_PER_KEY`); ``rows`` is the table's size when the caller knows
+        it (:meth:`table_rows`; it only picks the way)."""
         keys = list(keys)
         if not keys:
             return set()
         reader = con or self.con
-        rows = reader.execute(
-            "SELECT t.estimated_size, EXISTS (SELECT 1 FROM duckdb_constraints() c WHERE "
-            "c.database_name = t.database_name AND c.schema_name = t.schema_name AND c.table_name = t.table_name "
-            "AND c.constraint_type IN ('PRIMARY KEY', 'UNIQUE') AND c.constraint_column_names = [?]) "
-            "FROM duckdb_tables() t WHERE t.database_name = current_database() "
-            "AND t.schema_name = current_schema() AND t.table_name = ?",
-            [column, table],
-        ).fetchall()
-        size, indexed = rows[0] if rows else (0, False)
+        size = self.table_rows(table, reader) if rows is None else rows
         name = quote_identifier(column)
         select = f"SELECT {name} FROM {quote_identifier(table)} WHERE {name} IN "
-        if not indexed or size <= INDEX_ROWS_PER_KEY * len(keys):
-            found = reader.execute(select + f"(SELECT unnest(?::{sql_type}[]))", [keys]).fetchall()
+        if size <= INDEX_ROWS_PER_KEY * len(keys) or not self._keyed(table, column, reader):
+            if len(keys) < 256:
+                found = reader.execute(select + f"(SELECT unnest(?::{sql_type}[]))", [keys]).fetchall()
+            else:  # as an Arrow column: binding 20,000 Python values as a list took ~35 ms, this ~4 ms
+                given = pa.Table.from_arrays([pa.array(keys, _KEY_TYPES[sql_type])], names=["key"])
+                found = reader.from_arrow(given).query("keys", select + "(SELECT key FROM keys)").fetchall()
             return {r[0] for r in found}
         step = runtime.settings().segment_lookup
         out: set = set()
@@ -267,6 +265,31 @@ class Handle:
             part = keys[at : at + step]
             out.update(r[0] for r in reader.execute(select + f"({', '.join('?' * len(part))})", part).fetchall())
         return out
+
+    def _keyed(self, table: str, column: str, con: Any) -> bool:
+        """Whether ``table`` has a primary key or unique constraint on ``column`` alone."""
+        return bool(
+            con.execute(
+                "SELECT count(*) FROM duckdb_constraints() WHERE database_name = current_database() "
+                "AND schema_name = current_schema() AND table_name = ? "
+                "AND constraint_type IN ('PRIMARY KEY', 'UNIQUE') AND constraint_column_names = [?]",
+                [table, column],
+            ).fetchall()[0][0]
+        )
+
+    def table_rows(self, table: str, con: Any = None) -> int:
+        """DuckDB's estimate of ``table``'s rows, read on ``con`` (default: this handle's
+        connection); 0 for a table it does not hold."""
+        rows = (
+            (con or self.con)
+            .execute(
+                "SELECT estimated_size FROM duckdb_tables() WHERE database_name = current_database() "
+                "AND schema_name = current_schema() AND table_name = ?",
+                [table],
+            )
+            .fetchall()
+        )
+        return rows[0][0] if rows else 0
 
     @contextmanager
     def registered(self, name: str, table: pa.Table, con: Any = None) -> Iterator[str]:
@@ -282,6 +305,9 @@ class Handle:
             except duckdb.Error:  # an aborted transaction refuses it; its ROLLBACK drops it
                 pass
 
+
+_KEY_TYPES = {"VARCHAR": pa.string(), "BLOB": pa.binary()}
+"""The Arrow type of each SQL type :meth:`Handle.existing` looks keys up by."""
 
 INDEX_ROWS_PER_KEY = 500
 """:meth:`Handle.existing` probes keys through the key's index when the table holds more

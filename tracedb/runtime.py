@@ -128,13 +128,25 @@ class Settings:
     which bounds its memory whatever the input size."""
     scanner: str = "auto"
     """Which parser ingest reads lines with. The compiled scanner takes every line it can
-    vouch for (the parser the rest) and is compiled once per install (~20 s on 2 cores);
-    ``auto`` uses it when it is compiled already or the input is at least
-    ``scanner_min_bytes``, so a small first ingest does not wait for the compile;
-    ``always`` and ``never`` decide for every input (both paths store the same; tests
-    compare them line by line)."""
+    vouch for (the parser the rest); it is compiled once per install (~20 s on 2 cores)
+    and loaded once per process (numba's import and its cache: ~0.4 s of CPU), after which
+    it reads a MB in ~7 ms less than the parser. ``auto`` uses it when this process has
+    loaded it already, or when the input is at least ``scanner_load_bytes`` (compiled) or
+    ``scanner_min_bytes`` (not compiled yet), so a small ingest neither waits for the
+    compile nor pays the load; ``always`` and ``never`` decide for every input (both paths
+    store the same; tests compare them line by line)."""
     scanner_min_bytes: int = 50 << 20
     """With ``scanner="auto"``: the input size from which ingest compiles the scanner."""
+    scanner_load_bytes: int = 32 << 20
+    """With ``scanner="auto"`` and the scanner compiled but not loaded in this process:
+    the input size from which loading it pays (measured: docs/performance.md)."""
+    scan_ahead: str = "auto"
+    """Whether the scanner reads the next chunk on a second thread while this one's lines
+    go into the batch. ``auto`` does when the process may run on two CPUs or more
+    (:func:`spare_core`): pinned to one, the two threads could only take turns; on a
+    loaded machine (load 4-17 on 2 cores, measured) the second thread lost no wall time
+    (medians 5-10% lower, within the noise, at the same CPU), so the load does not
+    decide. ``always`` and ``never`` decide for every ingest."""
     follow_batch_bytes: int = 64 << 20
     """A follower reads about this many new bytes per transaction at most (more when one
     line is longer), so a backlog is committed in steps."""
@@ -431,6 +443,16 @@ def idle_mappings() -> deque[mmap.mmap]:
     """The buffer pool: idle anonymous mappings that view columns reuse (see
     :mod:`tracedb.views._buffers`)."""
     return _state.idle
+
+
+def spare_core() -> bool:
+    """Whether this process may run on two CPUs or more (``os.sched_getaffinity``, else
+    the machine's count): a second thread of its own can run beside the first."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return cpus >= 2
 
 
 def threads() -> ThreadPoolExecutor:

@@ -50,8 +50,11 @@ def table_from(schema: pa.Schema, columns: Mapping[str, pa.Array | pa.ChunkedArr
     if missing or extra:
         raise ValueError(f"rows for {schema.names}: missing {missing}, unknown {extra}")
     arrays = [columns[f.name] for f in schema]
-    table = pa.Table.from_arrays(arrays, names=schema.names)
-    return table.cast(pa.schema([f.with_nullable(True) for f in schema]))
+    target = pa.schema([f.with_nullable(True) for f in schema])
+    if all(a.type == f.type for a, f in zip(arrays, target, strict=True)):
+        # nothing to cast: a cast would import pyarrow.compute (~40 ms) into an ingest
+        return pa.Table.from_arrays(arrays, schema=target)
+    return pa.Table.from_arrays(arrays, names=schema.names).cast(target)
 
 
 FLOATS = pa.list_(pa.float32())

@@ -63,7 +63,17 @@ def test_quick_benchmark_reports_every_metric(quick_run: tuple[Path, str]) -> No
     assert data["machine"]["cpu_count"] and data["machine"]["packages"]["verifiers"] == "0.4.0"
     assert data["workload"]["bytes"] > 0 and data["database"]["traces"] == data["workload"]["traces"]
 
-    for label in ("ingest", "warm views", "views from file", "storage", "SQL", "Parquet"):
+    ingest = data["peers"]["ingest"]
+    assert ingest["targets"] == {
+        "whole_process_verifiers_over_tracedb": ">= 6x",
+        "tracedb_help_over_import_duckdb_pyarrow": "<= 1.3x",
+    }
+    assert set(ingest["passed"]) == set(ingest["targets"])
+    assert data["metrics"]["ingest"]["target"] == ">= 8x"
+    passes = [m["passed"] for m in data["metrics"].values() if m["passed"] is not None]
+    assert data["all_targets_met"] == all([*passes, *ingest["passed"].values()])
+
+    for label in ("ingest", "warm views", "views from file", "storage", "SQL", "Parquet", "as whole processes"):
         assert label in table
     assert "PASS" in table or "MISS" in table
 

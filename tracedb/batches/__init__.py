@@ -12,13 +12,23 @@
   signal (:class:`Replay`);
 - :mod:`~tracedb.batches.provenance` and :mod:`~tracedb.batches.steps`: what a step's
   manifest records of its inputs, and rebuilding a step from it (:func:`rebuild`).
+
+The names are imported when first used (:mod:`tracedb.lazy`): the database facade holds
+this package without an ingest paying for the trainer feed's modules.
 """
 
-from tracedb.batches.files import read_micro_batches, write_step
-from tracedb.batches.plan import MicroBatch, PackReport, Plan
-from tracedb.batches.replay import Replay, Replayed
-from tracedb.batches.run import micro_batches
-from tracedb.batches.steps import rebuild
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tracedb.lazy import exports
+
+if TYPE_CHECKING:
+    from tracedb.batches.files import read_micro_batches, write_step
+    from tracedb.batches.plan import MicroBatch, PackReport, Plan
+    from tracedb.batches.replay import Replay, Replayed
+    from tracedb.batches.run import micro_batches
+    from tracedb.batches.steps import rebuild
 
 __all__ = [
     "MicroBatch",
@@ -31,3 +41,18 @@ __all__ = [
     "rebuild",
     "write_step",
 ]
+
+__getattr__, __dir__ = exports(
+    __name__,
+    {
+        "MicroBatch": "tracedb.batches.plan:MicroBatch",
+        "PackReport": "tracedb.batches.plan:PackReport",
+        "Plan": "tracedb.batches.plan:Plan",
+        "Replay": "tracedb.batches.replay:Replay",
+        "Replayed": "tracedb.batches.replay:Replayed",
+        "micro_batches": "tracedb.batches.run:micro_batches",
+        "read_micro_batches": "tracedb.batches.files:read_micro_batches",
+        "rebuild": "tracedb.batches.steps:rebuild",
+        "write_step": "tracedb.batches.files:write_step",
+    },
+)

@@ -26,23 +26,30 @@ Pieces, from pure rules to the database:
 The harness side (git snapshots and the intervention patch) is :mod:`tracedb.cec.git`;
 the command line, ``tracedb cec ...``, is :mod:`tracedb.cec.cli`.
 The tables are created by ``schema/cec.sql``, which this module installs itself,
-idempotently, before it touches any ``cec_*`` table.
+idempotently, before it touches any ``cec_*`` table. The rules are imported with the
+package; the rest when first used (:mod:`tracedb.lazy`), so ``tracedb cec`` is on the
+command line's menu without its start importing DuckDB or Polars.
 """
 
 from __future__ import annotations
 
-from tracedb.cec.audit import CheckReport, check, report, report_rows
-from tracedb.cec.plan import plan, queries, stamp
-from tracedb.cec.records import (
-    CecIngestReport,
-    TraceRecord,
-    TurnRecord,
-    VerificationRecord,
-    ensure_installed,
-    ingest_records,
-    install,
-    parse_record,
-)
+from typing import TYPE_CHECKING
+
+from tracedb.lazy import exports
+
+if TYPE_CHECKING:
+    from tracedb.cec.audit import CheckReport, check, report, report_rows
+    from tracedb.cec.planning import plan, queries, stamp
+    from tracedb.cec.records import (
+        CecIngestReport,
+        TraceRecord,
+        TurnRecord,
+        VerificationRecord,
+        ensure_installed,
+        ingest_records,
+        install,
+        parse_record,
+    )
 from tracedb.cec.rules import (
     ARMS,
     CEC_SCHEMA_VERSION,
@@ -109,3 +116,24 @@ __all__ = [
     "utility",
     "utility_parts",
 ]
+
+__getattr__, __dir__ = exports(
+    __name__,
+    {
+        "CheckReport": "tracedb.cec.audit:CheckReport",
+        "check": "tracedb.cec.audit:check",
+        "report": "tracedb.cec.audit:report",
+        "report_rows": "tracedb.cec.audit:report_rows",
+        "plan": "tracedb.cec.planning:plan",
+        "queries": "tracedb.cec.planning:queries",
+        "stamp": "tracedb.cec.planning:stamp",
+        "CecIngestReport": "tracedb.cec.records:CecIngestReport",
+        "TraceRecord": "tracedb.cec.records:TraceRecord",
+        "TurnRecord": "tracedb.cec.records:TurnRecord",
+        "VerificationRecord": "tracedb.cec.records:VerificationRecord",
+        "ensure_installed": "tracedb.cec.records:ensure_installed",
+        "ingest_records": "tracedb.cec.records:ingest_records",
+        "install": "tracedb.cec.records:install",
+        "parse_record": "tracedb.cec.records:parse_record",
+    },
+)

@@ -10,7 +10,7 @@ from typing import Any
 import polars as pl
 
 from tracedb import credit_sets
-from tracedb.cec.plan import counts, selection
+from tracedb.cec.planning import counts, selection
 from tracedb.cec.rules import CREDIT_SETS, F32_EPS, CecError, quantile
 from tracedb.handle import Handle, HandleOf, handle_of
 

@@ -13,13 +13,14 @@ import copy
 import csv
 import functools
 import glob
+import importlib.abc
 import inspect
 import io
 import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 from rich.console import Console
@@ -27,9 +28,10 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-import tracedb
-from tracedb import runtime
 from tracedb.errors import TraceDBError
+
+if TYPE_CHECKING:  # the library is imported by the commands that use it: the CLI starts without it
+    from tracedb.database import Database
 
 out = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
@@ -124,6 +126,36 @@ MemoryLimitOption = Annotated[
 ]
 
 
+class _WithoutPandas(importlib.abc.MetaPathFinder):
+    """An import of pandas fails: see :func:`hide_pandas`."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if name == "pandas" or name.startswith("pandas."):
+            raise ModuleNotFoundError(f"{name} is not imported by the tracedb command", name=name)
+        return None
+
+
+_WITHOUT_PANDAS = _WithoutPandas()
+
+
+def hide_pandas() -> None:
+    """Make pandas look not installed in this process (the ``tracedb`` command's own).
+
+    Where pandas is installed, pyarrow imports it the first time it converts Python or
+    numpy values (to ask whether they are pandas objects), and the import takes ~0.25 s:
+    a third of a small ingest's process. No command but the lake's (Ray Data, see
+    :func:`show_pandas`) uses pandas, so the command hides it; pyarrow then converts
+    without asking. The library never does this: a user's process keeps its pandas."""
+    if "pandas" not in sys.modules and _WITHOUT_PANDAS not in sys.meta_path:
+        sys.meta_path.insert(0, _WITHOUT_PANDAS)
+
+
+def show_pandas() -> None:
+    """Undo :func:`hide_pandas` (a command that needs pandas)."""
+    if _WITHOUT_PANDAS in sys.meta_path:
+        sys.meta_path.remove(_WITHOUT_PANDAS)
+
+
 def input_paths(paths: list[Path], follow: bool = False) -> list[Path]:
     """The input files and directories of an ingest: a path with ``*``, ``?`` or ``[``
     that names nothing as written is a glob tracedb expands (quoted, a shell left it
@@ -150,6 +182,8 @@ def memory_limit(value: str | None) -> None:
     """Apply ``--memory-limit`` (exit 2 on a size DuckDB cannot read)."""
     if value is None:
         return
+    from tracedb import runtime
+
     try:
         runtime.set_memory_limit(None if value.lower() == "none" else value)
     except ValueError as e:
@@ -287,13 +321,15 @@ def live_selection(
     return {"after": after, "complete_groups": complete_groups, "through": through, "tags": tags}
 
 
-def open_db(db: Path, read_only: bool = False, create: bool = False) -> tracedb.Database:
+def open_db(db: Path, read_only: bool = False, create: bool = False) -> Database:
     """Open the database or exit 2 with the reason; a file that is not there is made only
     with ``create`` (ingest), else refused before anything is written."""
+    from tracedb.database import connect
+
     if not create and not db.exists():
         raise fail(f"no database at {db}: make one with `tracedb ingest RUN_DIR --db {db}` (or pass --db)", 2)
     try:
-        return tracedb.connect(db, read_only=read_only)
+        return connect(db, read_only=read_only)
     except (TraceDBError, ValueError) as e:  # ValueError: a setting from the environment
         raise fail(e, 2) from None
 

@@ -35,11 +35,11 @@ from tracedb.cli.common import (
     out,
     policy_mapping,
     report_pack,
+    show_pandas,
     training_options,
     write_pack,
 )
 from tracedb.errors import SqlRefused, TraceDBError
-from tracedb.selection import Selection
 
 app = typer.Typer(
     help="The same store as Apache Iceberg tables (needs the lake extra: pip install 'tracedb\\[lake]').",
@@ -71,6 +71,7 @@ LakeOption = Annotated[
 @app.callback()
 def _lake_commands(ctx: typer.Context) -> None:
     """The same store as Apache Iceberg tables (needs the lake extra: pip install 'tracedb\\[lake]')."""
+    show_pandas()  # Ray Data needs it
     ctx.with_resource(_quiet_libraries())
 
 
@@ -433,6 +434,8 @@ def credit(
     fields = {"trace_ids": trace_id or None, "group": group or None, "episode": episode or None}
     fields.update(live_selection(after, complete_groups, through, tag))
     fields.update(training or {})
+    from tracedb.selection import Selection
+
     try:
         Selection(**fields).check()
     except ValueError as e:

@@ -1,13 +1,17 @@
-"""The ``tracedb`` command: a thin shell over the library, one library call per command."""
+"""The ``tracedb`` command: a thin shell over the library, one library call per command.
+
+Each command imports the library it calls when it runs: the command line starts (and
+``tracedb --help`` answers) without DuckDB, Arrow, Polars or numba, and an ingest imports
+the ingest, not the views, credit or lake modules."""
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
 from typing import Annotated, Any
 
-import pyarrow.compute as pc
 import typer
 
 from tracedb import credit as credit_lib
@@ -34,6 +38,7 @@ from tracedb.cli.common import (
     emit_sql_rows,
     err,
     fail,
+    hide_pandas,
     input_paths,
     key_value,
     live_selection,
@@ -50,11 +55,8 @@ from tracedb.cli.common import (
     warn,
     write_pack,
 )
-from tracedb.cli.follow import follow as run_follower
 from tracedb.cli.lake import app as lake_app
-from tracedb.credit import dose as dose_lib
 from tracedb.errors import SqlRefused, TraceDBError
-from tracedb.selection import Selection
 
 app = typer.Typer(
     cls=Commands,
@@ -142,6 +144,8 @@ def ingest(
     tags = tag or []
     paths = input_paths(paths, follow=follow)
     if follow:
+        from tracedb.cli.follow import follow as run_follower
+
         if output_format() == "csv":
             raise fail("--follow prints a JSON object a line as it commits: --format jsonl (or json), not csv", 2)
         if strict:
@@ -521,6 +525,8 @@ def credit(
     fields.update(training_selection(policy, max_staleness, stale, unknown, False, False, max_groups))
     selection = None
     if any(v is not None for v in fields.values()):
+        from tracedb.selection import Selection
+
         try:
             selection = Selection(**fields).check()
         except ValueError as e:
@@ -546,6 +552,8 @@ def credit_compare(
     """Dose-matched comparison of credit sets: per set, tokens assigned and credited, coverage,
     sum A, sum |A|, sum A^2 and concentration; per pair, the tokens both assign, their sign
     agreement and correlation."""
+    from tracedb.credit import dose as dose_lib
+
     with open_db(db, read_only=True) as database:
         try:
             result = dose_lib.compare(database, sets, per_trace=per_trace)
@@ -768,6 +776,8 @@ def demo(
     tokens: Annotated[int, typer.Option(help="Tokens per trace.")] = 30_000,
 ) -> None:
     """The main job end to end on generated sample data: ingest, views, SQL, export."""
+    import pyarrow.compute as pc
+
     from tracedb.synthetic import write_sample
 
     if not data.exists():
@@ -798,5 +808,14 @@ app.add_typer(cec_app, name="cec")
 app.add_typer(lake_app, name="lake")
 
 
-def main() -> None:  # pragma: no cover - console entry point
-    app()
+def main() -> None:
+    """The ``tracedb`` console script and ``python -m tracedb``: the command in a process
+    of its own (pandas hidden: :func:`tracedb.cli.common.hide_pandas`). When the command
+    is done, the objects that exist are frozen out of the garbage collector: the
+    interpreter's last collection would walk every one the libraries made (~0.25 s of CPU
+    after a large ingest, measured), and nothing needs it (the files are written and closed)."""
+    hide_pandas()
+    try:
+        app(prog_name="tracedb")
+    finally:
+        gc.freeze()

@@ -7,14 +7,15 @@ token limit), said on stderr when reached. Fetching is here; main.py prints."""
 from __future__ import annotations
 
 import os
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-import pyarrow as pa
 import typer
 
-from tracedb import client
 from tracedb.cli.common import err, fail
 from tracedb.errors import TraceDBError
+
+if TYPE_CHECKING:  # the client (http, ssl, Arrow) is imported by a command that asks a server
+    import pyarrow as pa
 
 UrlOption = Annotated[
     str | None,
@@ -38,6 +39,8 @@ def _ask(call: Any) -> Any:
 def sql_rows(url: str, text: str, limit: int | None) -> list[dict[str, Any]]:
     """The rows of one SELECT, at most ``limit`` (None: as many as the server's limits let
     through); the server's limit on stderr when it stopped the answer."""
+    from tracedb import client
+
     answer = _ask(lambda: client.sql(url, text, limit=limit, token=os.environ.get("TRACEDB_TOKEN")))
     names = [c["name"] for c in answer["columns"]]
     rows = [dict(zip(names, row, strict=True)) for row in answer["rows"]]
@@ -51,6 +54,8 @@ def sql_rows(url: str, text: str, limit: int | None) -> list[dict[str, Any]]:
 
 def stats(url: str) -> dict[str, Any]:
     """``db.stats()`` of the served database."""
+    from tracedb import client
+
     return _ask(lambda: client.stats(url))
 
 
@@ -59,6 +64,8 @@ def trace_branches(
 ) -> tuple[pa.Table, bool]:
     """One trace's branch views (``branch``: only those indices) and whether the server
     holds the trace at all."""
+    from tracedb import client
+
     table, _ = _ask(
         lambda: client.fetch_branches(
             url, trace_ids=[trace_id], train_once=train_once, credit=credit, branch_index=branch or None

@@ -9,7 +9,6 @@ from typing import Annotated
 import typer
 
 import tracedb
-from tracedb.batches import rebuild, steps
 from tracedb.cli.common import emit, fail, out, write_pack
 from tracedb.errors import StepChanged, TraceDBError
 
@@ -106,6 +105,8 @@ def check_alone(ctx: typer.Context) -> None:
 def rebuild_step(database: tracedb.Database, source: Path, out_dir: Path, as_json: bool) -> None:
     """Rebuild the step ``source`` records into ``out_dir`` and print what was written;
     exit 1 naming what changed when the step cannot be made again byte-identical."""
+    from tracedb.batches import rebuild, steps
+
     try:
         manifest, step = steps.load(source)
     except TraceDBError as e:

@@ -16,15 +16,15 @@ import inspect
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
-
-from tracedb import credit_sets, writeback
-from tracedb.credit import dose, selected
 from tracedb.errors import CreditWarning
-from tracedb.handle import Handle, HandleOf, handle_of
-from tracedb.selection import Selection
+
+if TYPE_CHECKING:  # imported where used: the registry is read at the command line's start
+    import pyarrow as pa
+
+    from tracedb.handle import Handle, HandleOf
+    from tracedb.selection import Selection
 
 
 @dataclass(frozen=True)
@@ -97,12 +97,16 @@ def compute(db: HandleOf, algorithm: str, *, matched_to: str | None = None, **pa
     """Run an algorithm on ``db`` (a :class:`tracedb.Database` or its handle) without
     writing anything; returns its credit table. ``matched_to=SET`` rescales it per trace
     to the ``sum |A|`` that set gives the trace (:func:`tracedb.credit.dose.match`)."""
+    from tracedb.handle import handle_of
+
     return _credit(handle_of(db), _lookup(algorithm), matched_to, params)[0]
 
 
 def _credit(
     handle: Handle, algo: Algorithm, matched_to: str | None, params: dict[str, Any], *, stamping: bool = False
 ) -> tuple[pa.Table, Any]:
+    from tracedb.credit import dose
+
     table = (algo.stamp_func if stamping else algo.func)(handle, **params)
     if matched_to is None:
         return table, None
@@ -141,6 +145,9 @@ def run(
     A run whose output is another algorithm's by construction (anchor with no state
     shared by two turns, redistribute with no weights, channels selecting every token)
     is done all the same, and says so under ``warnings`` (a :class:`CreditWarning`'s text each)."""
+    from tracedb import credit_sets
+    from tracedb.handle import handle_of
+
     handle = handle_of(db)
     algo = _lookup(algorithm)
     name = credit_sets.check_name(algorithm if name is None else name)  # before the work, not after it
@@ -172,6 +179,9 @@ def _stamped(
 ) -> dict[str, Any]:
     """Compute the credit and stamp it as set ``name`` (only the selected traces with a
     selection); the result :func:`run` returns, less its warnings."""
+    from tracedb import writeback
+    from tracedb.credit import selected
+
     algorithm = algo.name
     if selection is not None:
         step = selected.training_selection(selection, resolved)
@@ -200,6 +210,8 @@ def _selection(algo: Algorithm, selection: Selection | None, params: dict[str, A
     """The selection a run stamps: ``selection``, or one built from the selection fields
     among ``params`` that are not the algorithm's own parameters (taken out of
     ``params``); both is refused."""
+    from tracedb.selection import Selection
+
     own = algo.params()
     fields = {k: params.pop(k) for k in list(params) if k in Selection.FIELDS and k not in own}
     if not fields:

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,6 +78,9 @@ class _Seen:
     traces: set[str] = field(default_factory=set)
     episodes: set[str] = field(default_factory=set)
     segments: set[bytes] = field(default_factory=set)
+    rows: dict[str, int] = field(default_factory=dict)
+    """The reader's size of each table looked up (read once: only an ingest, which holds
+    the writing lock, adds to them)."""
 
 
 def _resolve(handle: Handle, reader: Any, batch: Batch, report: IngestReport, seen: _Seen) -> None:
@@ -86,8 +91,11 @@ def _resolve(handle: Handle, reader: Any, batch: Batch, report: IngestReport, se
     ingest has added so far."""
     ids = [t.trace_id for line, _, _ in batch.pending for t in line.traces]
     episode_ids = [line.episode["id"] for line, _, _ in batch.pending if line.episode is not None]
-    known = handle.existing("traces", "trace_id", ids, con=reader) | (seen.traces & set(ids))
-    known_episodes = handle.existing("episodes", "episode_id", episode_ids, con=reader) | (
+    for table in ("traces", "episodes", "segment_store"):
+        if table not in seen.rows:
+            seen.rows[table] = handle.table_rows(table, reader)
+    known = handle.existing("traces", "trace_id", ids, con=reader, rows=seen.rows["traces"]) | (seen.traces & set(ids))
+    known_episodes = handle.existing("episodes", "episode_id", episode_ids, con=reader, rows=seen.rows["episodes"]) | (
         seen.episodes & set(episode_ids)
     )
     for line, source, number in batch.pending:
@@ -119,7 +127,9 @@ def _resolve(handle: Handle, reader: Any, batch: Batch, report: IngestReport, se
     seen.traces.update(known)
     segments = batch.segments
     new = [k for k in segments if k not in seen.segments]
-    stored = handle.existing("segment_store", "segment_id", new, con=reader, sql_type="BLOB")
+    stored = handle.existing(
+        "segment_store", "segment_id", new, con=reader, sql_type="BLOB", rows=seen.rows["segment_store"]
+    )
     for key in list(segments):
         if key in seen.segments or key in stored:
             del segments[key]
@@ -150,8 +160,11 @@ class IngestRun:
         self.bar: _Bar | None = None
         self.knobs = runtime.settings()
         self.parser = simdjson.Parser()
-        self.scan: Any = None  # the compiled scanner's scan_chunk, when this ingest uses it
-        self.scanner: Any = None
+        self.scan: Any = None  # the compiled scanner (scan_only, then collect), when this ingest uses it
+        self.collect: Any = None
+        self.scanners: tuple[Any, Any] = (None, None)  # its buffers (two sets when one scan runs ahead)
+        self.ahead = False  # whether the next chunk is scanned on another thread meanwhile
+        self.turn = 0
         self.compiling = False
         self.rejects: list[tuple[Reject, bytes | Raw]] = []
         self.seen = _Seen()
@@ -168,15 +181,14 @@ class IngestRun:
         self.batch = Batch(self.numbering, self.tags, self.mapping)
         self.writer = Writer(self.handle.con, self.knobs.write_alignment_rows)
         self.bar = _progress(files) if progress else None
-        compiled = jitcache.is_compiled(SCANNER_SOURCE)
-        mode = self.knobs.scanner
-        size = sum(_size(p) for p in files) if mode == "auto" and not compiled else 0
-        if mode == "always" or (mode == "auto" and (compiled or size >= self.knobs.scanner_min_bytes)):
+        if uses_scanner(self.knobs, files):
             # The scanner is numba: imported by the first ingest that uses it, not with tracedb.
             from tracedb.ingest import scanned
 
-            self.scan, self.scanner = scanned.scan_chunk, scanned.Scanner()
-            if not compiled:
+            self.scan, self.collect = scanned.scan_only, scanned.collect
+            self.ahead = scans_ahead(self.knobs)
+            self.scanners = (scanned.Scanner(), scanned.Scanner() if self.ahead else None)
+            if not jitcache.is_compiled(SCANNER_SOURCE):
                 self.compiling = True
                 self.notice(
                     "compiling the ingest scanner (numba, once per install: ~20 s on 2 cores); later ingests load it"
@@ -198,40 +210,81 @@ class IngestRun:
         self.read(str(part.path), read_range(part, self.knobs.chunk_bytes))
 
     def read(self, source: str, chunks: Iterable[Chunk | LongLine]) -> None:
-        """The lines of ``chunks`` (of the file ``source``) into the batch."""
-        limit = self.knobs.max_line_bytes
-        for chunk in chunks:
+        """The lines of ``chunks`` (of the file ``source``) into the batch, in order. With
+        the scanner, the next chunk is scanned on a thread of its own (the kernel runs
+        without the GIL) while this one's lines go into the batch and batches are flushed:
+        the scan, the rows and the writer's INSERTs use both cores."""
+        ahead: tuple[Chunk, Future[Any], Any] | None = None  # the chunk being scanned meanwhile, its buffers
+        iterator = iter(chunks)
+        while True:
+            try:
+                chunk = next(iterator)
+            except StopIteration:
+                break
+            except Exception:  # a file damaged further on: the lines before it are kept
+                if ahead is not None:
+                    self.take(source, *ahead)
+                raise
             if isinstance(chunk, LongLine):
+                if ahead is not None:
+                    self.take(source, *ahead)
+                    ahead = None
                 self.long_line(source, chunk)
                 continue
             if self.bar is not None:
                 self.bar.advance(len(chunk.data))
             if self.scan is None:
-                lines: list[Any] = [None] * len(chunk.starts)
-            else:
-                _, lines = self.scan(chunk, self.scanner, allow_ragged=self.allow_ragged)
-                if self.compiling:
-                    self.compiling = False
-                    jitcache.mark_compiled(SCANNER_SOURCE)
-            long = np.flatnonzero(chunk.ends - chunk.starts > limit)  # within one block, over the limit all the same
-            for k, line in enumerate(lines):
-                number = int(chunk.numbers[k])
-                if len(long) and k in long:
-                    raw = chunk.raw(k)
-                    self.long_line(source, LongLine(number, len(raw), b""), raw)
+                self.take(source, chunk, None, None)
+                continue
+            if not self.ahead:  # one thread: scan the chunk, take its lines
+                self.scan(chunk, self.scanners[0], allow_ragged=self.allow_ragged)
+                self.take(source, chunk, None, self.scanners[0])
+                continue
+            # The other thread runs only the kernel, which holds no GIL; the Python half
+            # (collect) runs here. Python on both threads made each DuckDB call and read of
+            # this one wait for the GIL behind the other's (a 5 ms switch interval each).
+            self.turn ^= 1  # the buffers of the chunk before are in use until it is taken
+            scanner = self.scanners[self.turn]
+            scanning = runtime.threads().submit(self.scan, chunk, scanner, allow_ragged=self.allow_ragged)
+            if ahead is not None:
+                self.take(source, *ahead)
+            ahead = (chunk, scanning, scanner)
+        if ahead is not None:
+            self.take(source, *ahead)
+
+    def take(self, source: str, chunk: Chunk, scanning: Future[Any] | None, scanner: Any) -> None:
+        """The lines of one chunk into the batch (``scanner``: the buffers it was scanned
+        into, by ``scanning`` when that ran on another thread; else the parser reads every
+        line); a full batch is flushed at the chunk's end."""
+        limit = self.knobs.max_line_bytes
+        if scanner is None:
+            lines: list[Any] = [None] * len(chunk.starts)
+        else:
+            if scanning is not None:
+                scanning.result()
+            _, lines = self.collect(chunk, scanner)
+            if self.compiling:
+                self.compiling = False
+                jitcache.mark_compiled(SCANNER_SOURCE)
+        long = np.flatnonzero(chunk.ends - chunk.starts > limit)  # within one block, over the limit all the same
+        for k, line in enumerate(lines):
+            number = int(chunk.numbers[k])
+            if len(long) and k in long:
+                raw = chunk.raw(k)
+                self.long_line(source, LongLine(number, len(raw), b""), raw)
+                continue
+            if line is None:  # not taken by the scanner (or blank)
+                raw = chunk.raw(k)
+                if not raw.strip():
                     continue
-                if line is None:  # not taken by the scanner (or blank)
-                    raw = chunk.raw(k)
-                    if not raw.strip():
-                        continue
-                    line = self.parse(raw, source, number)
-                    if line is None:
-                        continue
-                self.report.lines += 1
-                self.batch.pending.append((line, source, number))
-                self.batch.tokens += sum(t.n_tokens for t in line.traces)
-            if self.batch.tokens >= self.knobs.batch_tokens:  # at a chunk's end: a scan goes whole into one batch
-                self.flush()
+                line = self.parse(raw, source, number)
+                if line is None:
+                    continue
+            self.report.lines += 1
+            self.batch.pending.append((line, source, number))
+            self.batch.tokens += sum(t.n_tokens for t in line.traces)
+        if self.batch.tokens >= self.knobs.batch_tokens:  # at a chunk's end: a scan goes whole into one batch
+            self.flush()
 
     def parse(self, raw: bytes, source: str, number: int) -> ParsedLine | None:
         """One line the scanner did not take; None when it is rejected (and recorded)."""
@@ -389,6 +442,34 @@ class _Bar:
 
     def stop(self) -> None:
         self.progress.stop()
+
+
+def uses_scanner(knobs: runtime.Settings, files: Sequence[Path | ByteRange]) -> bool:
+    """Whether an ingest of ``files`` reads them with the compiled scanner (the ``scanner``
+    setting; with ``auto``: loaded in this process already, or an input large enough
+    that loading or compiling it pays)."""
+    if knobs.scanner != "auto":
+        return knobs.scanner != "never"
+    if _scanner_loaded():
+        return True
+    threshold = knobs.scanner_load_bytes if jitcache.is_compiled(SCANNER_SOURCE) else knobs.scanner_min_bytes
+    return sum(_size(p) for p in files) >= threshold
+
+
+def scans_ahead(knobs: runtime.Settings) -> bool:
+    """Whether the scanner reads the next chunk on a second thread (the ``scan_ahead``
+    setting; with ``auto``: unless the process may use only one CPU,
+    :func:`tracedb.runtime.spare_core`)."""
+    if knobs.scan_ahead != "auto":
+        return knobs.scan_ahead != "never"
+    return runtime.spare_core()
+
+
+def _scanner_loaded() -> bool:
+    """Whether this process has run the compiled scanner already (numba imported and the
+    kernel loaded: using it again costs nothing), told without importing it."""
+    kernel = sys.modules.get("tracedb.ingest._scan")
+    return kernel is not None and bool(getattr(kernel.scan, "signatures", ()))
 
 
 def _size(file: Path | ByteRange) -> int:

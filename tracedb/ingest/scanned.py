@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pydantic
 
 from tracedb import policy, runtime, tables
@@ -23,7 +22,7 @@ from tracedb.ingest import _scan as S
 from tracedb.ingest.columns import list_array, segment_keys
 from tracedb.ingest.files import Chunk
 from tracedb.ingest.parse import ParsedLine, ParsedTrace
-from tracedb.records import COMPACT_STREAMS, Episode, Trace
+from tracedb.records import COMPACT_STREAMS, NUMBERS_CHECKED, Episode, Trace
 
 # --------------------------------------------------------------------------- scanning
 
@@ -41,8 +40,9 @@ def _strings(n: int, offsets: np.ndarray, data: np.ndarray, valid: np.ndarray | 
 class ScannedNodes:
     """The nodes a scan accepted, as columns; traces refer to them by row range."""
 
-    def __init__(self, out: dict[str, np.ndarray]) -> None:
-        """Copy what the scan wrote out of the scanner's buffers (which the next chunk reuses)."""
+    def __init__(self, out: dict[str, np.ndarray], keys: list[bytes] | None = None) -> None:
+        """Copy what the scan wrote out of the scanner's buffers (which the next chunk reuses);
+        ``keys``: the segment keys of its rows when already computed (:func:`scan_only`)."""
         counts = out["counts"]
         n = int(counts[S.C_NODE])
         nodes = out["nodes"][:n].copy()
@@ -80,7 +80,7 @@ class ScannedNodes:
         self.unfit = self._unfit()
         """Per row: a stream value beyond the float32 range, or a timestamp beyond the
         double range (its line goes the other way, which rejects it naming the field)."""
-        self.keys = segment_keys(self.tokens, self.tok_off)
+        self.keys = segment_keys(self.tokens, self.tok_off) if keys is None else keys
         """Per row, the content address of its tokens."""
         self.trace_ids: list[str | None] = [None] * int(counts[S.C_TRACE])
         """Per trace of the scan, its id once its line is accepted."""
@@ -97,6 +97,8 @@ class ScannedNodes:
         )
         # float32 streams round from these doubles; one beyond the double range is infinity,
         # which sends its line (only) the other way (see _unfit)
+        import pyarrow.compute as pc  # only here: an ingest without such floats does not import it
+
         values = pc.cast(text, pa.float64()).to_numpy()
         target, index = out["hard_target"][:h], out["hard_index"][:h]
         ts = target == S.HARD_TS
@@ -182,6 +184,7 @@ class Scanner:
         self.size = -1
         self.n_lines = -1
         self.out: dict[str, np.ndarray] = {}
+        self.keys: list[bytes] | None = None  # the segment keys of the last scan's nodes
         self.stack = np.empty(S.MAX_DEPTH, np.uint8)
 
     def buffers(self, size: int, n_lines: int) -> dict[str, np.ndarray]:
@@ -232,9 +235,18 @@ def scan_chunk(
     chunk: Chunk, scanner: Scanner | None = None, *, allow_ragged: bool = False
 ) -> tuple[ScannedNodes | None, list[ParsedLine | None]]:
     """Scan a chunk: its block and a ParsedLine per line (None: blank, or parse it the other way)."""
+    scanner = scanner or Scanner()
+    scan_only(chunk, scanner, allow_ragged=allow_ragged)
+    return collect(chunk, scanner)
+
+
+def scan_only(chunk: Chunk, scanner: Scanner, *, allow_ragged: bool = False) -> None:
+    """The half of :func:`scan_chunk` that holds the GIL little, so another thread runs it
+    beside Python work (then :func:`collect` on the thread that takes the lines): the
+    kernel fills ``scanner``'s buffers, and the nodes' segment keys are hashed (BLAKE2b
+    lets the GIL go for each segment over 2 KiB)."""
     data = chunk.data
     buf = np.frombuffer(data, dtype=np.uint8)
-    scanner = scanner or Scanner()
     out = scanner.buffers(len(data), len(chunk.starts))
     S.scan(
         buf,
@@ -252,13 +264,27 @@ def scan_chunk(
         out["streams"],
         out["counts"],
     )
+    counts = out["counts"]
+    n = int(counts[S.C_NODE])
+    if (out["lines"][: len(chunk.starts), S.L_STATUS] == S.OK).any():
+        offsets = np.append(out["nodes"][:n, S.N_TOK_OFF], counts[S.C_TOK])
+        scanner.keys = segment_keys(out["tokens"][: counts[S.C_TOK]], offsets)
+    else:
+        scanner.keys = None
+
+
+def collect(chunk: Chunk, scanner: Scanner) -> tuple[ScannedNodes | None, list[ParsedLine | None]]:
+    """The Python half of :func:`scan_chunk`, after :func:`scan_only` of the same chunk into
+    ``scanner``: the columns copied out of its buffers, a ParsedLine per accepted line."""
+    data = chunk.data
+    out = scanner.out
     lines = out["lines"][: len(chunk.starts)]
     status = lines[:, S.L_STATUS]
     parsed: list[ParsedLine | None] = [None] * len(status)
     if not (status == S.OK).any():
         return None, parsed
     try:
-        block = ScannedNodes(out)
+        block = ScannedNodes(out, scanner.keys)
     except (pa.ArrowInvalid, ValueError):
         return None, parsed  # text that is not UTF-8, a float out of range: the other way
     traces = out["traces"]
@@ -308,14 +334,14 @@ def _line(
             episode = _meta(data, start, end, line[S.L_TRACES_LO], line[S.L_TRACES_HI])
             if type(episode) is not dict or type(episode.get("id")) is not str:
                 return None
-            Episode.model_validate({**episode, "traces": []})
+            Episode.model_validate({**episode, "traces": []}, context=NUMBERS_CHECKED)  # the scan read every number
         out = []
         for t in range(lo, hi):
             row = traces[t]
             meta = _meta(data, row[S.T_LO], row[S.T_HI], row[S.T_NODES_LO], row[S.T_NODES_HI])
             if type(meta) is not dict or type(meta.get("id")) is not str:
                 return None
-            Trace.model_validate({**meta, "nodes": []})
+            Trace.model_validate({**meta, "nodes": []}, context=NUMBERS_CHECKED)
             parsed = ParsedTrace(meta["id"], None if episode is None else episode["id"], t - lo, meta)
             parsed.block, parsed.rows = block, (int(row[S.T_NODE_LO]), int(row[S.T_NODE_HI]))
             for r in np.flatnonzero((block.nulls[parsed.rows[0] : parsed.rows[1]] & S.NULL_EXTRA) == 0).tolist():
