@@ -44,9 +44,8 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
-from tracedb.codec._kernels import (
+from tracedb.codec.constants import (
     BASE,
     DECIMAL,
     GAP,
@@ -450,6 +449,8 @@ def _decimal_rows(data: np.ndarray, offsets: np.ndarray, out_off: np.ndarray, ou
 def _decimal_values(text: str) -> np.ndarray:
     if not text:
         return np.zeros(0, np.float32)
+    import pyarrow.compute as pc  # here: a small ingest imports none of it
+
     return pc.cast(pa.array(text.split(",")), pa.float32()).to_numpy(zero_copy_only=False)
 
 
