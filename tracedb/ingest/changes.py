@@ -492,7 +492,10 @@ class Planner:
             start = replace(start, path=str(location), rotated_from=rotated_from)
             plan.reads.append(Read(location, fd, start, followed, str(location), rotated_from, store=True))
             if position.rotated_from is not None:
-                log.info("%s: renamed to %s; followed there", path, location)
+                # A rotated copy renamed again: the copies rotated after it and never
+                # followed (the run rotated while no follower ran) are read whole too.
+                middle = self._plan_middle(Path(followed), fst, plan, stats, claimed, known_ids | {old}, copies=None)
+                log.info("%s: renamed to %s; followed there%s", path, location, middle)
                 return True
             middle = self._plan_middle(path, fst, plan, stats, claimed, known_ids | {old}, copies=None)
             plan.note(
