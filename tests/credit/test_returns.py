@@ -19,7 +19,7 @@ from tracedb.credit.layouts import NODE_CREDIT
 
 from support import FIXTURES, FIXTURES_041
 from support.state_traces import assert_close, result
-from support.turn_reference import LIMITS, Branch, credited, num, per_node
+from support.turn_reference import LIMITS, Branch, credited, per_node, turn_values
 
 
 def _fixture(name: str) -> dict[str, Any]:
@@ -104,13 +104,15 @@ def reference(
 
             def branch_credit(branch: Branch, nodes: list[dict], outcome: float | None) -> dict[int, float]:
                 turns, credit = branch.turns, {}
-                r = [num(nodes[i], reward_field) for i in turns]
-                if terminal_reward:
-                    r[-1] += outcome
-                v = [num(nodes[i], value_field) for i in turns]
-                v_end = 0.0
-                if branch.bootstraps:
-                    v_end = num(nodes[turns[-1]], bootstrap_field) if bootstrap_field else v[-1]
+                r, v, v_end = turn_values(
+                    branch,
+                    nodes,
+                    outcome,
+                    reward_field=reward_field,
+                    value_field=value_field,
+                    bootstrap_field=bootstrap_field,
+                    terminal_reward=terminal_reward,
+                )
                 g, a = v_end, 0.0
                 for t in reversed(range(len(turns))):
                     g = r[t] + gamma * g

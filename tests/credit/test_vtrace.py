@@ -22,7 +22,7 @@ from tracedb.credit.layouts import NODE_CREDIT
 from support.credit_groups import reward_of, shared_sampled_nodes, stored
 from support.offpolicy import episodes, ingest
 from support.state_traces import assert_close, result
-from support.turn_reference import Branch, credited, num, per_node
+from support.turn_reference import Branch, credited, per_node, turn_values
 
 # ----------------------------------------------------------------------------- reference
 
@@ -60,13 +60,15 @@ def reference(
             def branch_credit(branch: Branch, nodes: list[dict], outcome: float | None) -> dict[int, float]:
                 turns, credit = branch.turns, {}
                 n = len(turns)
-                r = [num(nodes[i], reward_field) for i in turns]
-                if terminal_reward:
-                    r[-1] += outcome
-                values = [num(nodes[i], value_field) for i in turns]
-                v_end = 0.0
-                if branch.bootstraps:
-                    v_end = num(nodes[turns[-1]], bootstrap_field) if bootstrap_field else values[-1]
+                r, values, v_end = turn_values(
+                    branch,
+                    nodes,
+                    outcome,
+                    reward_field=reward_field,
+                    value_field=value_field,
+                    bootstrap_field=bootstrap_field,
+                    terminal_reward=terminal_reward,
+                )
                 ratio = [math.exp(_log_ratio(nodes[i])) for i in turns]
                 rho = [min(rho_bar, x) for x in ratio]
                 c = [min(c_bar, x) for x in ratio]

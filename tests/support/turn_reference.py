@@ -64,6 +64,31 @@ def branches(trace: dict[str, Any]) -> Iterator[Branch]:
         yield Branch(turns, trainable, limit or attempt or not trainable)
 
 
+def turn_values(
+    branch: Branch,
+    nodes: list[dict[str, Any]],
+    outcome: float | None,
+    *,
+    reward_field: str | None,
+    value_field: str | None,
+    bootstrap_field: str | None,
+    terminal_reward: bool,
+) -> tuple[list[float], list[float], float]:
+    """A branch's per-turn rewards (``reward_field``, the outcome added to the last turn's
+    with ``terminal_reward``), values (``value_field``) and the value after its last turn:
+    0 at a terminal end, else the last turn's ``bootstrap_field`` (default: its value)."""
+    turns = branch.turns
+    r = [num(nodes[i], reward_field) for i in turns]
+    if terminal_reward:
+        assert outcome is not None
+        r[-1] += outcome
+    v = [num(nodes[i], value_field) for i in turns]
+    v_end = 0.0
+    if branch.bootstraps:
+        v_end = num(nodes[turns[-1]], bootstrap_field) if bootstrap_field else v[-1]
+    return r, v, v_end
+
+
 def per_node(
     trace: dict[str, Any],
     outcome: float | None,
