@@ -18,7 +18,8 @@ from tracedb.credit import returns as R
 from tracedb.credit.layouts import NODE_CREDIT
 
 from support import FIXTURES, FIXTURES_041
-from support.turn_reference import LIMITS, Branch, assert_close, credited, node_constants, num, per_node
+from support.state_traces import assert_close, result
+from support.turn_reference import LIMITS, Branch, credited, per_node, turn_values
 
 
 def _fixture(name: str) -> dict[str, Any]:
@@ -103,13 +104,15 @@ def reference(
 
             def branch_credit(branch: Branch, nodes: list[dict], outcome: float | None) -> dict[int, float]:
                 turns, credit = branch.turns, {}
-                r = [num(nodes[i], reward_field) for i in turns]
-                if terminal_reward:
-                    r[-1] += outcome
-                v = [num(nodes[i], value_field) for i in turns]
-                v_end = 0.0
-                if branch.bootstraps:
-                    v_end = num(nodes[turns[-1]], bootstrap_field) if bootstrap_field else v[-1]
+                r, v, v_end = turn_values(
+                    branch,
+                    nodes,
+                    outcome,
+                    reward_field=reward_field,
+                    value_field=value_field,
+                    bootstrap_field=bootstrap_field,
+                    terminal_reward=terminal_reward,
+                )
                 g, a = v_end, 0.0
                 for t in reversed(range(len(turns))):
                     g = r[t] + gamma * g
@@ -216,7 +219,7 @@ def test_random_traces_match_reference(random_db, algorithm, params):
     db, episodes = random_db
     table = getattr(R, algorithm)(db, **params)
     assert table.schema == NODE_CREDIT
-    got = node_constants(table)
+    got = result(table)
     assert_close(got, reference(episodes, algorithm, **params))
     sizes = _n_sampled(db)
     assert all(len(row["values"]) == sizes[(row["trace_id"], row["node_index"])] for row in table.to_pylist())
@@ -253,15 +256,15 @@ def test_terminated_vs_truncated_bootstrap(tmp_path):
     timeout = _set_fields(_episode(trace_id="timeout", is_timeout=True), values)
     db = _db(tmp_path, [done, cut, boot, timeout])
     g = 0.5
-    out = node_constants(R.returns(db, gamma=g, value_field="value", include_failed=True))
+    out = result(R.returns(db, gamma=g, value_field="value", include_failed=True))
     assert out[("done", 10)] == 1.0 and out[("done", 2)] == pytest.approx(g**4)
     assert out[("cut", 10)] == pytest.approx(1.0 + g * 0.75)  # V_T := V_{T-1}
     assert out[("timeout", 10)] == pytest.approx(1.0 + g * 0.75)
     assert out[("cut", 2)] == pytest.approx(g**4 * (1.0 + g * 0.75))
-    out = node_constants(R.returns(db, gamma=g, value_field="value", bootstrap_field="v_end"))
+    out = result(R.returns(db, gamma=g, value_field="value", bootstrap_field="v_end"))
     assert out[("boot", 10)] == pytest.approx(1.0 + g * 4.0)
     assert ("timeout", 10) not in out  # timed out: excluded unless include_failed
-    out = node_constants(R.gae(db, gamma=g, lam=0.0, value_field="value"))
+    out = result(R.gae(db, gamma=g, lam=0.0, value_field="value"))
     assert out[("done", 10)] == pytest.approx(1.0 - 0.75)
     assert out[("cut", 10)] == pytest.approx(1.0 + g * 0.75 - 0.75)
     assert out[("done", 8)] == pytest.approx(g * 0.75 - 2.0)
@@ -281,7 +284,7 @@ def test_a_response_cut_at_max_turn_tokens_is_truncated(tmp_path):
                     node["value"] = 0.5
     assert "max_turn_tokens" in stops.values()
     db = _db(tmp_path, episodes)
-    out = node_constants(R.returns(db, gamma=1.0, value_field="value", reward="correct"))
+    out = result(R.returns(db, gamma=1.0, value_field="value", reward="correct"))
     rewards = {r["trace_id"]: r["reward"] for r in R.trace_rewards(db, reward="correct").to_dicts()}
     last = {}
     for (tid, node), value in sorted(out.items()):
@@ -302,8 +305,8 @@ def test_compaction_attempts_are_truncated(tmp_path):
     assert db.sql("SELECT trainable FROM branches WHERE trace_id = 'dropped' ORDER BY branch_index").column(
         "trainable"
     ).to_pylist() == [False, True]
-    returns = node_constants(R.returns(db, value_field="value"))
-    gae = node_constants(R.gae(db, gamma=0.9, lam=0.9, value_field="value"))
+    returns = result(R.returns(db, value_field="value"))
+    gae = result(R.gae(db, gamma=0.9, lam=0.9, value_field="value"))
     for tid in ("resumed", "dropped"):
         assert returns[(tid, 8)] == pytest.approx(1.0 + 3.0)  # truncated: bootstrapped from V_{T-1}
         assert returns[(tid, 12)] == pytest.approx(1.0)  # terminated
@@ -319,7 +322,7 @@ def test_shared_prefix_takes_first_trainable_branch(tmp_path):
     first_untrainable["id"] = "ep-skip"
     first_untrainable["traces"][0]["nodes"][8]["semantic_parents"] = [{"node": 7, "type": "compaction_attempt"}]
     db = _db(tmp_path, [plain, first_untrainable])
-    out = node_constants(R.returns(db, gamma=0.5, reward_field="reward"))
+    out = result(R.returns(db, gamma=0.5, reward_field="reward"))
     # plain: both branches trainable, the first (branch 0) decides the shared turns.
     assert out[("plain", 4)] == pytest.approx(0.5 * 1.0 + 0.5**2 * 1.0)
     assert out[("plain", 2)] == pytest.approx(0.5 * out[("plain", 4)])
@@ -341,8 +344,8 @@ def test_shared_prefix_takes_first_trainable_branch(tmp_path):
 def test_lambda_one_is_returns_minus_values(random_db):
     db, _ = random_db
     fields = {"reward_field": "reward", "value_field": "value", "gamma": 0.9}
-    gae1 = node_constants(R.gae(db, lam=1.0, **fields))
-    returns = node_constants(R.returns(db, subtract_values=True, **fields))
+    gae1 = result(R.gae(db, lam=1.0, **fields))
+    returns = result(R.returns(db, subtract_values=True, **fields))
     assert_close(gae1, returns)  # lambda = 1: the return minus the value
 
 
@@ -350,7 +353,7 @@ def test_lambda_zero_is_one_step_td(tmp_path):
     values = {2: {"value": 0.5, "reward": 0.1}, 4: {"value": 0.25}, 6: {"value": -1.0, "reward": -0.2}}
     values.update({8: {"value": 2.0}, 10: {"value": 0.75, "reward": 0.3}})
     db = _db(tmp_path, [_set_fields(_episode(trace_id="x"), values)])
-    out = node_constants(R.gae(db, gamma=0.8, lam=0.0, reward_field="reward", value_field="value"))
+    out = result(R.gae(db, gamma=0.8, lam=0.0, reward_field="reward", value_field="value"))
     turns = [2, 4, 6, 8, 10]
     r = [0.1, 0.0, -0.2, 0.0, 0.3 + 1.0]
     v = [0.5, 0.25, -1.0, 2.0, 0.75, 0.0]
@@ -361,8 +364,8 @@ def test_lambda_zero_is_one_step_td(tmp_path):
 def test_missing_fields_read_zero(tmp_path):
     fields = {2: {"value": None, "reward": "high"}, 4: {"value": [1, 2]}, 6: {"value": {"x": 1}, "reward": True}}
     db = _db(tmp_path, [_set_fields(_episode(trace_id="odd"), fields)])
-    out = node_constants(R.gae(db, gamma=0.9, lam=0.9, reward_field="reward", value_field="value"))
-    plain = node_constants(R.gae(db, gamma=0.9, lam=0.9))
+    out = result(R.gae(db, gamma=0.9, lam=0.9, reward_field="reward", value_field="value"))
+    plain = result(R.gae(db, gamma=0.9, lam=0.9))
     assert_close(out, plain)
     assert out[("odd", 10)] == 1.0 and out[("odd", 2)] == pytest.approx(0.81**4)
 
@@ -377,7 +380,7 @@ def test_field_can_be_a_nodes_column(tmp_path):
     ep = _episode(trace_id="col", stop_condition="max_turns")
     db = _db(tmp_path, [ep])
     stamp = ep["traces"][0]["nodes"][10]["timestamp"]
-    out = node_constants(R.returns(db, gamma=1.0, bootstrap_field="timestamp"))
+    out = result(R.returns(db, gamma=1.0, bootstrap_field="timestamp"))
     assert out[("col", 10)] == pytest.approx(1.0 + stamp, rel=1e-6)
 
 
@@ -389,10 +392,10 @@ def test_excluded_traces_stay_unassigned(tmp_path):
         _episode(trace_id="timeout", is_timeout=True),
     ]
     db = _db(tmp_path, episodes)
-    assert {k[0] for k in node_constants(R.gae(db))} == {"good"}
-    assert {k[0] for k in node_constants(R.gae(db, include_failed=True))} == {"good", "failed", "timeout"}
-    assert {k[0] for k in node_constants(R.gae(db, terminal_reward=False))} == {"good", "unscored"}
-    assert {k[0] for k in node_constants(R.returns(db, terminal_reward=False, include_failed=True))} == {
+    assert {k[0] for k in result(R.gae(db))} == {"good"}
+    assert {k[0] for k in result(R.gae(db, include_failed=True))} == {"good", "failed", "timeout"}
+    assert {k[0] for k in result(R.gae(db, terminal_reward=False))} == {"good", "unscored"}
+    assert {k[0] for k in result(R.returns(db, terminal_reward=False, include_failed=True))} == {
         "good",
         "unscored",
         "failed",
@@ -447,8 +450,8 @@ def test_long_branch_against_loop(tmp_path, gamma, lam):
     ]
     db = _db(tmp_path, episodes)
     params = {"gamma": gamma, "reward_field": "reward", "value_field": "value"}
-    assert_close(node_constants(R.gae(db, lam=lam, **params)), reference(episodes, "gae", lam=lam, **params))
-    assert_close(node_constants(R.returns(db, **params)), reference(episodes, "returns", **params))
+    assert_close(result(R.gae(db, lam=lam, **params)), reference(episodes, "gae", lam=lam, **params))
+    assert_close(result(R.returns(db, **params)), reference(episodes, "returns", **params))
 
 
 def test_reverse_scan_segments():

@@ -21,7 +21,8 @@ from tracedb.credit.layouts import NODE_CREDIT
 
 from support.credit_groups import reward_of, shared_sampled_nodes, stored
 from support.offpolicy import episodes, ingest
-from support.turn_reference import Branch, assert_close, credited, node_constants, num, per_node
+from support.state_traces import assert_close, result
+from support.turn_reference import Branch, credited, per_node, turn_values
 
 # ----------------------------------------------------------------------------- reference
 
@@ -59,13 +60,15 @@ def reference(
             def branch_credit(branch: Branch, nodes: list[dict], outcome: float | None) -> dict[int, float]:
                 turns, credit = branch.turns, {}
                 n = len(turns)
-                r = [num(nodes[i], reward_field) for i in turns]
-                if terminal_reward:
-                    r[-1] += outcome
-                values = [num(nodes[i], value_field) for i in turns]
-                v_end = 0.0
-                if branch.bootstraps:
-                    v_end = num(nodes[turns[-1]], bootstrap_field) if bootstrap_field else values[-1]
+                r, values, v_end = turn_values(
+                    branch,
+                    nodes,
+                    outcome,
+                    reward_field=reward_field,
+                    value_field=value_field,
+                    bootstrap_field=bootstrap_field,
+                    terminal_reward=terminal_reward,
+                )
                 ratio = [math.exp(_log_ratio(nodes[i])) for i in turns]
                 rho = [min(rho_bar, x) for x in ratio]
                 c = [min(c_bar, x) for x in ratio]
@@ -133,12 +136,12 @@ def test_random_groups_match_the_loop(groups, params):
     db, eps = groups
     table = V.vtrace(db, **params)
     assert table.schema == NODE_CREDIT
-    assert_close(node_constants(table), reference(eps, **params))
+    assert_close(result(table), reference(eps, **params))
     keys = [(r["trace_id"], r["node_index"]) for r in table.to_pylist()]
     assert keys == sorted(keys)
     per_node = {(r["trace_id"], r["node_index"]): r["value"] for r in V.vtrace_per_node(db, **params).to_pylist()}
-    assert per_node.keys() == node_constants(table).keys()
-    assert all(np.float32(per_node[k]) == np.float32(v) for k, v in node_constants(table).items())
+    assert per_node.keys() == result(table).keys()
+    assert all(np.float32(per_node[k]) == np.float32(v) for k, v in result(table).items())
 
 
 def test_the_groups_hold_what_the_loop_is_meant_to_check(groups):
@@ -164,8 +167,8 @@ def test_on_policy_it_is_gae_with_lambda_one(tmp_path):
                 node["trainer_logprobs"] = list(node["logprobs"])
     db = ingest(tmp_path, eps)
     params = {"gamma": 0.9, "value_field": "v", "reward_field": "w", "bootstrap_field": "boot"}
-    got = node_constants(V.vtrace(db, rho_bar=3.0, c_bar=3.0, **params))
-    gae = node_constants(R.gae(db, lam=1.0, **params))
+    got = result(V.vtrace(db, rho_bar=3.0, c_bar=3.0, **params))
+    gae = result(R.gae(db, lam=1.0, **params))
     assert got.keys() == gae.keys() and len(got) > 10
     for key, value in gae.items():
         assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
@@ -204,7 +207,7 @@ def test_excluded_traces_need_no_trainer_logprobs(tmp_path):
     for node in failed["nodes"]:
         node.pop("trainer_logprobs", None)
     db = ingest(tmp_path, eps)
-    got = node_constants(V.vtrace(db, value_field="v"))
+    got = result(V.vtrace(db, value_field="v"))
     assert failed["id"] not in {k[0] for k in got}
     assert_close(got, reference(eps, value_field="v"))
 
@@ -214,7 +217,7 @@ def test_run_stamps_what_compute_gives(groups):
     params = {"gamma": 0.9, "rho_bar": 1.2, "c_bar": 1.0, "value_field": "v"}
     info = tracedb.credit.run(db, "vtrace", "vt", replace=True, **params)
     assert info["params"]["rho_bar"] == 1.2 and info["params"]["c_bar"] == 1.0 and info["params"]["gamma"] == 0.9
-    want = node_constants(tracedb.credit.compute(db, "vtrace", **params))
+    want = result(tracedb.credit.compute(db, "vtrace", **params))
     got = {k: v[0] for k, v in stored(db, "vt").items()}
     assert got.keys() == want.keys()
     assert all(np.float32(got[k]) == np.float32(v) for k, v in want.items())

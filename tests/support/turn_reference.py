@@ -1,6 +1,7 @@
 """What the per-turn credit references (returns, gae, vtrace) share, written as plain loops
 over the generated dicts: which traces they credit, each branch's turns and whether it
-bootstraps, a shared node's value, and reading a stamped table back.
+bootstraps, and a shared node's value (a stamped table is read back with
+:func:`support.state_traces.result`).
 
 A *turn* is a node on a branch with sampled tokens; a branch is a root-to-leaf path. A
 branch bootstraps its last value (instead of ending at 0) when its trace stopped at a
@@ -13,8 +14,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
-
-import pytest
 
 LIMITS = (
     *("max_turns", "max_input_tokens", "max_output_tokens", "max_total_tokens"),
@@ -65,6 +64,31 @@ def branches(trace: dict[str, Any]) -> Iterator[Branch]:
         yield Branch(turns, trainable, limit or attempt or not trainable)
 
 
+def turn_values(
+    branch: Branch,
+    nodes: list[dict[str, Any]],
+    outcome: float | None,
+    *,
+    reward_field: str | None,
+    value_field: str | None,
+    bootstrap_field: str | None,
+    terminal_reward: bool,
+) -> tuple[list[float], list[float], float]:
+    """A branch's per-turn rewards (``reward_field``, the outcome added to the last turn's
+    with ``terminal_reward``), values (``value_field``) and the value after its last turn:
+    0 at a terminal end, else the last turn's ``bootstrap_field`` (default: its value)."""
+    turns = branch.turns
+    r = [num(nodes[i], reward_field) for i in turns]
+    if terminal_reward:
+        assert outcome is not None
+        r[-1] += outcome
+    v = [num(nodes[i], value_field) for i in turns]
+    v_end = 0.0
+    if branch.bootstraps:
+        v_end = num(nodes[turns[-1]], bootstrap_field) if bootstrap_field else v[-1]
+    return r, v, v_end
+
+
 def per_node(
     trace: dict[str, Any],
     outcome: float | None,
@@ -81,20 +105,3 @@ def per_node(
             if trainable == prefer:
                 for node, value in credit.items():
                     out.setdefault((trace["id"], node), value)
-
-
-def node_constants(table: Any) -> dict[tuple[str, int], float]:
-    """(trace_id, node) -> the node's value, from a per-node table whose ``values`` hold one
-    constant over the node's sampled tokens (checked)."""
-    out = {}
-    for row in table.to_pylist():
-        values = row["values"]
-        assert values and all(x == values[0] for x in values)
-        out[(row["trace_id"], row["node_index"])] = values[0]
-    return out
-
-
-def assert_close(got: dict, want: dict) -> None:
-    assert set(got) == set(want)
-    for key, value in want.items():
-        assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-5), key

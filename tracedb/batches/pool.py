@@ -24,7 +24,6 @@ from typing import NamedTuple
 
 import duckdb
 
-from tracedb.errors import TraceDBError
 from tracedb.handle import Handle
 
 
@@ -83,13 +82,7 @@ class Pool:
 
 
 def _fetch(con: duckdb.DuckDBPyConnection, credit: str, after: int, mark: int) -> list[Row]:
-    try:
-        found = con.execute(_QUERY, [credit, after, mark, after, mark]).fetchall()
-    except duckdb.CatalogException:  # a file whose macros an older tracedb wrote, opened read-only
-        raise TraceDBError(
-            "replay reads the macro credit_abs_mass(), which this file's macros predate: "
-            "open the file read-write once (tracedb migrate --db FILE) to install this tracedb's macros"
-        ) from None
+    found = con.execute(_QUERY, [credit, after, mark, after, mark]).fetchall()
     return [
         Row(r[0], r[1], r[2], r[3], r[4], r[5], bool(r[6]), bool(r[7]), (r[8] or 0.0, r[9] or 0) if r[10] else None)
         for r in found

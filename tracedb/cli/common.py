@@ -321,6 +321,24 @@ def live_selection(
     return {"after": after, "complete_groups": complete_groups, "through": through, "tags": tags}
 
 
+def checked_selection(
+    trace_id: list[str] | None, group: list[str] | None, episode: list[str] | None, *parts: dict[str, Any]
+) -> dict[str, Any]:
+    """The selection keyword arguments typed (the id options, then ``parts``: the
+    :func:`live_selection` and :func:`training_selection` of the shared options), once every
+    field holds a value of its kind (exit 2, one line, before anything is opened)."""
+    from tracedb.selection import Selection
+
+    fields = {"trace_ids": trace_id or None, "group": group or None, "episode": episode or None}
+    for part in parts:
+        fields.update(part)
+    try:
+        Selection(**fields).check()
+    except ValueError as e:
+        raise fail(e, 2) from None
+    return fields
+
+
 def open_db(db: Path, read_only: bool = False, create: bool = False) -> Database:
     """Open the database or exit 2 with the reason; a file that is not there is made only
     with ``create`` (ingest), else refused before anything is written."""

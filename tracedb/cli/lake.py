@@ -25,6 +25,7 @@ from tracedb.cli.common import (
     TagFilterOption,
     ThroughOption,
     checked_name,
+    checked_selection,
     emit,
     emit_sql_rows,
     err,
@@ -431,15 +432,9 @@ def credit(
     first use, as `tracedb credit` does for a file: a trainer credits each step's new groups
     (the printed watermark is the next step's --after). A trace the set holds is refused."""
     checked_name(name)
-    fields = {"trace_ids": trace_id or None, "group": group or None, "episode": episode or None}
-    fields.update(live_selection(after, complete_groups, through, tag))
-    fields.update(training or {})
-    from tracedb.selection import Selection
-
-    try:
-        Selection(**fields).check()
-    except ValueError as e:
-        raise fail(e, 2) from None
+    fields = checked_selection(
+        trace_id, group, episode, live_selection(after, complete_groups, through, tag), training or {}
+    )
     opened = _open(lake)
     params = dict(key_value(p) for p in param or [])
     started = _started_ray(ray_address, workers)

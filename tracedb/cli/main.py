@@ -34,6 +34,7 @@ from tracedb.cli.common import (
     ThroughOption,
     UnknownOption,
     checked_name,
+    checked_selection,
     emit,
     emit_sql_rows,
     err,
@@ -520,17 +521,18 @@ def credit(
         return
     params = dict(key_value(p) for p in param or [])
     checked_name(name)
-    fields = {"trace_ids": trace_id or None, "group": group or None, "episode": episode or None}
-    fields.update(live_selection(after, complete_groups, through, tag))
-    fields.update(training_selection(policy, max_staleness, stale, unknown, False, False, max_groups))
+    fields = checked_selection(
+        trace_id,
+        group,
+        episode,
+        live_selection(after, complete_groups, through, tag),
+        training_selection(policy, max_staleness, stale, unknown, False, False, max_groups),
+    )
     selection = None
     if any(v is not None for v in fields.values()):
         from tracedb.selection import Selection
 
-        try:
-            selection = Selection(**fields).check()
-        except ValueError as e:
-            raise fail(e, 2) from None
+        selection = Selection(**fields)
     with open_db(db) as database:
         try:
             result = credit_lib.run(database, algorithm, name, replace=replace, selection=selection, **params)
