@@ -495,8 +495,13 @@ def loss_weights_text(maps: Sequence[Any]) -> pa.Array:
 
 
 def loss_weights_values(text: pa.Array | pa.ChunkedArray) -> list[list[tuple[str, np.ndarray]] | None]:
-    """The ``loss_weights`` text column back as pairs of (name, float32 values) per node."""
+    """The ``loss_weights`` text column back as pairs of (name, float32 values) per node.
+    A column that is already a map (a lake's ``nodes``, a schema-6 file) gives its pairs."""
     out: list[list[tuple[str, np.ndarray]] | None] = []
+    if text is not None and not pa.types.is_string(text.type) and not pa.types.is_large_string(text.type):
+        for pairs in text.to_pylist():
+            out.append(None if pairs is None else [(name, np.asarray(v, np.float32)) for name, v in pairs])
+        return out
     for row in text.to_pylist() if text is not None else []:
         if row is None:
             out.append(None)
