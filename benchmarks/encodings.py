@@ -45,7 +45,6 @@ import numpy as np
 import pyarrow as pa
 import zstandard
 
-from tracedb.sqltext import load_sql
 from tracedb.storage import breakdown
 
 CHUNK_BYTES = 1 << 20
@@ -57,8 +56,31 @@ def _q(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
+SCHEMA6 = Path(__file__).with_name("schema6_tables.sql")
+"""The layout these experiments start from and vary: schema 6's (nodes and segments as
+plain tables of lists), whatever the source file's schema; a schema-7 source is read
+through its views ``nodes`` and ``segments``."""
+
+
+def source_tables(con: duckdb.DuckDBPyConnection, catalog: str = "src") -> list[str]:
+    """The source's tables as schema 6 names them (a schema-7 file's views for the two it
+    keeps encoded)."""
+    rows = con.execute(
+        "SELECT table_name FROM duckdb_tables() WHERE database_name = ? UNION ALL "
+        "SELECT view_name FROM duckdb_views() WHERE database_name = ? AND NOT internal",
+        [catalog, catalog],
+    ).fetchall()
+    return [r[0] for r in rows if r[0] not in ("node_store", "segment_store")]
+
+
+def _order(table: str) -> str:
+    """Row order of a source table: its rowid, or (a view has none) its plain scan, which
+    keeps insertion order too."""
+    return "" if table in ("nodes", "segments") else " ORDER BY rowid"
+
+
 def _ddl(no_pk: bool = False, zstd_strings: bool = False, fixed: bool = False) -> str:
-    sql = re.sub(r"--[^\n]*", "", load_sql("tables.sql"))
+    sql = re.sub(r"--[^\n]*", "", SCHEMA6.read_text())
     if no_pk:
         sql = re.sub(r",\s*PRIMARY KEY \([^)]*\)", "", sql)
         sql = sql.replace(" PRIMARY KEY", "")
@@ -91,9 +113,7 @@ def copy_candidate(src: Path, path: Path, *, block: int | None = None, **ddl: bo
     _attach(con, path, block)
     con.execute("USE dst")
     con.execute(_ddl(**ddl))
-    tables = [
-        r[0] for r in con.execute("SELECT table_name FROM duckdb_tables() WHERE database_name = 'src'").fetchall()
-    ]
+    tables = source_tables(con)
     for t in tables:
         if ddl.get("fixed") and t == "nodes":
             cols = [
@@ -109,9 +129,9 @@ def copy_candidate(src: Path, path: Path, *, block: int | None = None, **ddl: bo
                 else f'"{c}"'
                 for c in cols
             )
-            con.execute(f"INSERT INTO dst.nodes SELECT {sel} FROM src.nodes ORDER BY rowid")
+            con.execute(f"INSERT INTO dst.nodes SELECT {sel} FROM src.nodes")
         else:
-            con.execute(f'INSERT INTO dst."{t}" SELECT * FROM src."{t}" ORDER BY rowid')
+            con.execute(f'INSERT INTO dst."{t}" SELECT * FROM src."{t}"{_order(t)}')
     return _finish(con, path)
 
 
@@ -243,8 +263,8 @@ def chunked_candidate(
     CHUNK_BYTES = chunk
     con = duckdb.connect()
     con.execute(f"ATTACH {_q(str(src))} AS src (READ_ONLY)")
-    seg = con.execute("SELECT * FROM src.segments ORDER BY rowid").to_arrow_table()
-    nodes = con.execute("SELECT * FROM src.nodes ORDER BY rowid").to_arrow_table()
+    seg = con.execute("SELECT * FROM src.segments").to_arrow_table()
+    nodes = con.execute("SELECT * FROM src.nodes").to_arrow_table()
     traces = con.execute("SELECT * FROM src.traces ORDER BY rowid").to_arrow_table()
     episodes = con.execute("SELECT * FROM src.episodes ORDER BY rowid").to_arrow_table()
     seconds: dict[str, float] = {}
@@ -406,8 +426,8 @@ def decode_chunked(path: Path, src: Path, repeat: int) -> dict[str, Any]:
     con.close()
     # exactness: the decoded columns equal the source's
     s = duckdb.connect(str(src), read_only=True)
-    want_tok = _lists(s.sql("SELECT token_ids FROM segments ORDER BY rowid").to_arrow_table()["token_ids"])[0]
-    want_lp = _lists(s.sql("SELECT logprobs FROM nodes ORDER BY rowid").to_arrow_table()["logprobs"])[0]
+    want_tok = _lists(s.sql("SELECT token_ids FROM segments").to_arrow_table()["token_ids"])[0]
+    want_lp = _lists(s.sql("SELECT logprobs FROM nodes").to_arrow_table()["logprobs"])[0]
     s.close()
     exact = bool(np.array_equal(tok, want_tok) and np.array_equal(lp, want_lp))
     out_bytes = tok.nbytes + lp.nbytes

@@ -1,7 +1,15 @@
--- tracedb storage, schema version 6 (tracedb/migrations.py upgrades older files).
+-- tracedb storage, schema version 7 (tracedb/migrations.py upgrades older files).
 -- One row per episode, trace, node, branch; token ids live once per distinct content
 -- in `segments`. Columns that hold a record's fields keep them exactly: `record` holds
 -- the JSON of everything that has no column of its own.
+--
+-- Per-token arrays are kept as text, one character per value (tracedb/codec: token ids
+-- and fixed-point streams), so that DuckDB compresses them with zstd; so are the JSON
+-- records and message text. `node_store` and `segment_store` hold them so; the views
+-- `nodes` and `segments` (schema/encoded.sql) show them decoded, as lists, to any client.
+-- Only the tables a lookup needs by key keep a primary key (an ART index costs ~60-80
+-- bytes a key): traces, episodes and the small tables. Nodes and branches are written
+-- once per fresh trace (unique by construction), segments are looked up by a join.
 
 CREATE TABLE IF NOT EXISTS tracedb_meta (
     key   VARCHAR PRIMARY KEY,
@@ -13,7 +21,7 @@ CREATE TABLE IF NOT EXISTS episodes (
     group_id    VARCHAR,           -- episode.group.id
     env_id      VARCHAR,           -- episode.env.id
     ok          BOOLEAN,
-    record      JSON NOT NULL,     -- the episode without its traces
+    record      JSON NOT NULL USING COMPRESSION zstd,  -- the episode without its traces
     source      VARCHAR,           -- file it was ingested from
     line        BIGINT,
     ingested_at TIMESTAMP DEFAULT current_timestamp,
@@ -39,7 +47,7 @@ CREATE TABLE IF NOT EXISTS traces (
     n_branches     INTEGER,
     n_tokens       BIGINT,         -- tokens over all nodes (each node once)
     n_sampled      BIGINT,         -- sampled tokens over all nodes
-    record         JSON NOT NULL,  -- the trace without its nodes
+    record         JSON NOT NULL USING COMPRESSION zstd,  -- the trace without its nodes
     source         VARCHAR,
     line           BIGINT,
     ingested_at    TIMESTAMP DEFAULT current_timestamp,
@@ -88,14 +96,20 @@ CREATE TABLE IF NOT EXISTS follow_positions (
     rotated_from VARCHAR             -- a rotated file still read by its identity: the followed path it was renamed away from (schema 5)
 );
 
--- Token ids stored once per distinct content (system prompts, task prompts).
-CREATE TABLE IF NOT EXISTS segments (
-    segment_id BLOB PRIMARY KEY,   -- 128-bit BLAKE2b of the int32 token ids
+-- Token ids stored once per distinct content (system prompts, task prompts). A row holds
+-- them as a list or as text: an ingest batch keeps the smaller (tracedb.codec.token_form:
+-- real text under a BPE vocabulary compresses 4-5x as text; uniform ids pack better).
+CREATE TABLE IF NOT EXISTS segment_store (
+    segment_id BLOB NOT NULL,      -- 128-bit BLAKE2b of the int32 token ids
     n_tokens   INTEGER NOT NULL,
-    token_ids  INTEGER[] NOT NULL
+    token_ids  INTEGER[],          -- the ids, when kept as a list (else NULL)
+    tokens     VARCHAR USING COMPRESSION zstd  -- the ids as text, one character each (else NULL)
 );
 
-CREATE TABLE IF NOT EXISTS nodes (
+-- One row per node. The compact streams and each list of loss_weights are stream text
+-- (tracedb.codec: fixed point when the values are m / 10^d, as verifiers writes them, else
+-- their shortest decimals); NULL = the record holds none.
+CREATE TABLE IF NOT EXISTS node_store (
     trace_id           VARCHAR NOT NULL,
     node_index         INTEGER NOT NULL,
     parent             INTEGER,
@@ -110,21 +124,27 @@ CREATE TABLE IF NOT EXISTS nodes (
     mask_prefix        INTEGER,
     mask_slots         INTEGER[],
     is_content         BOOLEAN[],
-    logprobs           FLOAT[],
-    advantages         FLOAT[],    -- NULL = never assigned; an empty or zero list is not NULL
-    reference_logprobs FLOAT[],
-    trainer_logprobs   FLOAT[],
-    entropies          FLOAT[],
-    loss_weights       MAP(VARCHAR, FLOAT[]),
+    logprobs           VARCHAR USING COMPRESSION zstd,
+    advantages         VARCHAR USING COMPRESSION zstd,  -- NULL = never assigned; an empty or zero list is not NULL
+    reference_logprobs VARCHAR USING COMPRESSION zstd,
+    trainer_logprobs   VARCHAR USING COMPRESSION zstd,
+    entropies          VARCHAR USING COMPRESSION zstd,
+    loss_weights       VARCHAR USING COMPRESSION zstd,  -- JSON: each name's stream text, in the record's order
     semantic_parents   STRUCT("node" INTEGER, "type" VARCHAR)[],
     semantic_parents_record JSON,  -- the links as written, only when they carry more than node and type
-    message            JSON,
+    message            JSON USING COMPRESSION zstd,
     extra              JSON,       -- node fields tracedb has no column for
     present            INTEGER NOT NULL,  -- bit i: field i of records.NODE_KEYS was in the record
     -- verifiers 0.4.1: sampled tokens [start, end) (among the node's sampled tokens) came
     -- from the engine weights labelled version; NULL when the record holds none.
     weight_versions    STRUCT("version" VARCHAR, "start" INTEGER, "end" INTEGER)[],
-    PRIMARY KEY (trace_id, node_index)
+    -- A batch's streams kept as lists instead, where their text would not be clearly
+    -- smaller (tracedb.codec.stream_form: lists read faster); the text column is then NULL.
+    logprobs_list           FLOAT[],
+    advantages_list         FLOAT[],
+    reference_logprobs_list FLOAT[],
+    trainer_logprobs_list   FLOAT[],
+    entropies_list          FLOAT[]
 );
 
 CREATE TABLE IF NOT EXISTS branches (
@@ -134,8 +154,7 @@ CREATE TABLE IF NOT EXISTS branches (
     trainable    BOOLEAN NOT NULL,
     path         INTEGER[] NOT NULL, -- node indices, root first
     n_tokens     BIGINT NOT NULL,
-    n_sampled    BIGINT NOT NULL,
-    PRIMARY KEY (trace_id, branch_index)
+    n_sampled    BIGINT NOT NULL
 );
 
 CREATE TABLE IF NOT EXISTS rejects (
@@ -145,7 +164,7 @@ CREATE TABLE IF NOT EXISTS rejects (
     node        INTEGER,
     field       VARCHAR,
     reason      VARCHAR NOT NULL,
-    record      VARCHAR,           -- the rejected line as it was (its first bytes when it is long)
+    record      VARCHAR USING COMPRESSION zstd,  -- the rejected line as it was (its first bytes when it is long)
     rejected_at TIMESTAMP DEFAULT current_timestamp,
     record_bytes  BIGINT,          -- the length of the whole line, in bytes
     record_sha256 VARCHAR          -- the SHA-256 of the whole line, hex

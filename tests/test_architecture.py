@@ -35,6 +35,7 @@ LAYERS: list[list[str]] = [
         "tracedb.policy",
         "tracedb.lazy",
     ],
+    ["tracedb.codec"],
     ["tracedb.graph", "tracedb.tables", "tracedb.migrations", "tracedb.sqlcheck", "tracedb.sqlvalues"],
     ["tracedb.runtime"],
     ["tracedb.handle"],

@@ -66,6 +66,7 @@ def test_the_wheel_holds_tracedb_only(wheel: Path) -> None:
         "tracedb/api/static/viewer.js",
         "tracedb/schema/tables.sql",
         "tracedb/schema/macros.sql",
+        "tracedb/schema/encoded.sql",
         "tracedb/schema/cec.sql",
     ):
         assert shipped in names, shipped

@@ -129,6 +129,7 @@ def install(handle: Handle) -> None:
 def _install_macros(handle: Handle) -> None:
     """(Re)write the macros and remember which text they are (a read-write open then skips
     writing them again: each rewrite grows the WAL)."""
+    handle.con.execute(load_sql("encoded.sql"))  # nodes and segments decoded: the macros read them
     handle.con.execute(load_sql("macros.sql"))
     handle.con.execute("INSERT OR REPLACE INTO tracedb_meta VALUES ('macros_sha256', ?)", [_macros_digest()])
 
@@ -141,12 +142,16 @@ def _session_macros(handle: Handle) -> None:
     is written to the file."""
     if handle.scalar("SELECT value FROM tracedb_meta WHERE key = 'macros_sha256'") == _macros_digest():
         return
-    text = _TEMP_MACRO.sub("CREATE OR REPLACE TEMP MACRO", load_sql("macros.sql"))
+    # The decoding macros too (the file's own views read them by name, so the temporary
+    # ones are what they run), not the views (a file of this schema holds the same).
+    text = _VIEW.sub("", load_sql("encoded.sql")) + load_sql("macros.sql")
+    text = _TEMP_MACRO.sub("CREATE OR REPLACE TEMP MACRO", text)
     handle.session_sql = text
     handle.con.execute(text)
 
 
 _TEMP_MACRO = re.compile(r"^CREATE OR REPLACE MACRO", re.MULTILINE)
+_VIEW = re.compile(r"^CREATE OR REPLACE VIEW .*?;$", re.MULTILINE | re.DOTALL)
 
 
 def _repair(handle: Handle) -> None:
@@ -202,7 +207,9 @@ def check_version(handle: Handle) -> None:
 
 
 def _macros_digest() -> str:
-    return hashlib.sha256(load_sql("macros.sql").encode()).hexdigest()
+    """The digest of the SQL installed beside the tables: the views of the encoded tables
+    and the macros."""
+    return hashlib.sha256((load_sql("encoded.sql") + load_sql("macros.sql")).encode()).hexdigest()
 
 
 # --------------------------------------------------------------------------- the file
@@ -242,7 +249,7 @@ def create_whole(path: str) -> None:
         return  # ATTACH says what is wrong
     tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{os.urandom(4).hex()}.creating")
     try:
-        con, _, _, _, release = runtime.attach(tmp, read_only=False)
+        con, _, _, _, release = runtime.attach(tmp, read_only=False, block_size=runtime.BLOCK_SIZE)
         con.close()
         release()  # detached: a whole, empty DuckDB file
         publish.sync_file(Path(tmp))
@@ -294,8 +301,8 @@ def rewrite_storage(path: str | Path) -> dict[str, str | bool | None]:
         if before == target:
             return {"path": text, "from_storage": before, "to_storage": before, "rewritten": False}
         con.execute(
-            f"ATTACH {quote_literal(tmp)} AS dst (ROW_GROUP_SIZE {runtime.ROW_GROUP_ROWS}"
-            f"{runtime.creation_options(tmp)})"
+            f"ATTACH {quote_literal(tmp)} AS dst (ROW_GROUP_SIZE {runtime.ROW_GROUP_ROWS}, "
+            f"BLOCK_SIZE {runtime.BLOCK_SIZE}{runtime.creation_options(tmp)})"
         )
         con.execute("COPY FROM DATABASE src TO dst")
         after = storage_version(con, "dst")

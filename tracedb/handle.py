@@ -91,10 +91,14 @@ class Handle:
     # ----------------------------------------------------------------- lifecycle
 
     def table_names(self) -> set[str]:
-        """The tables of this database (not of the other databases of the instance)."""
+        """The tables of this database (not of the other databases of the instance), and
+        its views (``nodes`` and ``segments`` are views over the tables holding them
+        encoded: :data:`tracedb.tables.ENCODED`)."""
         rows = self.con.execute(
             "SELECT table_name FROM duckdb_tables() WHERE database_name = current_database() "
-            "AND schema_name = current_schema()"
+            "AND schema_name = current_schema() UNION ALL "
+            "SELECT view_name FROM duckdb_views() WHERE database_name = current_database() "
+            "AND schema_name = current_schema() AND NOT internal"
         ).fetchall()
         return {r[0] for r in rows}
 
@@ -238,8 +242,9 @@ class Handle:
         """Which of ``keys`` (of SQL type ``sql_type``) ``table.column`` holds, read on
         ``con`` (default: this handle's connection; an ingest passes the reader that sees
         the database as committed before it). A large table is probed through the key's
-        index, a small one scanned (see :data:`INDEX_ROWS_PER_KEY`); ``rows`` is the
-        table's size when the caller knows it (:meth:`table_rows`; it only picks the way)."""
+        index, a small one, or one without an index on the key (``segment_store``), scanned
+        (see :data:`INDEX_ROWS_PER_KEY`); ``rows`` is the table's size when the caller knows
+        it (:meth:`table_rows`; it only picks the way)."""
         keys = list(keys)
         if not keys:
             return set()
@@ -247,7 +252,7 @@ class Handle:
         size = self.table_rows(table, reader) if rows is None else rows
         name = quote_identifier(column)
         select = f"SELECT {name} FROM {quote_identifier(table)} WHERE {name} IN "
-        if size <= INDEX_ROWS_PER_KEY * len(keys):
+        if size <= INDEX_ROWS_PER_KEY * len(keys) or not self._keyed(table, column, reader):
             if len(keys) < 256:
                 found = reader.execute(select + f"(SELECT unnest(?::{sql_type}[]))", [keys]).fetchall()
             else:  # as an Arrow column: binding 20,000 Python values as a list took ~35 ms, this ~4 ms
@@ -260,6 +265,17 @@ class Handle:
             part = keys[at : at + step]
             out.update(r[0] for r in reader.execute(select + f"({', '.join('?' * len(part))})", part).fetchall())
         return out
+
+    def _keyed(self, table: str, column: str, con: Any) -> bool:
+        """Whether ``table`` has a primary key or unique constraint on ``column`` alone."""
+        return bool(
+            con.execute(
+                "SELECT count(*) FROM duckdb_constraints() WHERE database_name = current_database() "
+                "AND schema_name = current_schema() AND table_name = ? "
+                "AND constraint_type IN ('PRIMARY KEY', 'UNIQUE') AND constraint_column_names = [?]",
+                [table, column],
+            ).fetchall()[0][0]
+        )
 
     def table_rows(self, table: str, con: Any = None) -> int:
         """DuckDB's estimate of ``table``'s rows, read on ``con`` (default: this handle's

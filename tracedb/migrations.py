@@ -15,11 +15,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import duckdb
+import numpy as np
+import pyarrow as pa
 
-from tracedb import policy
+from tracedb import codec, policy
 from tracedb.sqltext import WATERMARK_KEY
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 """The stored layout this tracedb reads and writes."""
 
 
@@ -149,12 +151,113 @@ def _v5_to_v6(con: duckdb.DuckDBPyConnection) -> None:
     policy.recompute_bounds(con)
 
 
+_V7_TABLES = """
+CREATE TABLE episodes (
+    episode_id VARCHAR PRIMARY KEY, group_id VARCHAR, env_id VARCHAR, ok BOOLEAN,
+    record JSON NOT NULL USING COMPRESSION zstd, source VARCHAR, line BIGINT,
+    ingested_at TIMESTAMP DEFAULT current_timestamp,
+    work_type VARCHAR, work_step BIGINT, policy_start BIGINT, policy_end BIGINT);
+CREATE TABLE traces (
+    trace_id VARCHAR PRIMARY KEY, episode_id VARCHAR, position INTEGER, group_id VARCHAR, reward DOUBLE,
+    ok BOOLEAN, is_completed BOOLEAN, is_timeout BOOLEAN, stop_condition VARCHAR, n_nodes INTEGER,
+    n_branches INTEGER, n_tokens BIGINT, n_sampled BIGINT, record JSON NOT NULL USING COMPRESSION zstd,
+    source VARCHAR, line BIGINT, ingested_at TIMESTAMP DEFAULT current_timestamp, seq BIGINT, dropped VARCHAR,
+    policy_min BIGINT, policy_max BIGINT, policy_unknown BIGINT, work_type VARCHAR);
+CREATE TABLE segment_store (
+    segment_id BLOB NOT NULL, n_tokens INTEGER NOT NULL, token_ids INTEGER[], tokens VARCHAR USING COMPRESSION zstd);
+CREATE TABLE node_store (
+    trace_id VARCHAR NOT NULL, node_index INTEGER NOT NULL, parent INTEGER, role VARCHAR, sampled BOOLEAN,
+    "timestamp" DOUBLE, segment_id BLOB NOT NULL, n_tokens INTEGER NOT NULL, n_sampled INTEGER NOT NULL,
+    mask_prefix INTEGER, mask_slots INTEGER[], is_content BOOLEAN[],
+    logprobs VARCHAR USING COMPRESSION zstd, advantages VARCHAR USING COMPRESSION zstd,
+    reference_logprobs VARCHAR USING COMPRESSION zstd, trainer_logprobs VARCHAR USING COMPRESSION zstd,
+    entropies VARCHAR USING COMPRESSION zstd, loss_weights VARCHAR USING COMPRESSION zstd,
+    semantic_parents STRUCT("node" INTEGER, "type" VARCHAR)[], semantic_parents_record JSON,
+    message JSON USING COMPRESSION zstd, extra JSON, present INTEGER NOT NULL,
+    weight_versions STRUCT("version" VARCHAR, "start" INTEGER, "end" INTEGER)[],
+    logprobs_list FLOAT[], advantages_list FLOAT[], reference_logprobs_list FLOAT[], trainer_logprobs_list FLOAT[],
+    entropies_list FLOAT[]);
+CREATE TABLE branches (
+    trace_id VARCHAR NOT NULL, branch_index INTEGER NOT NULL, leaf INTEGER NOT NULL, trainable BOOLEAN NOT NULL,
+    path INTEGER[] NOT NULL, n_tokens BIGINT NOT NULL, n_sampled BIGINT NOT NULL);
+CREATE TABLE rejects (
+    source VARCHAR, line BIGINT, trace_id VARCHAR, node INTEGER, field VARCHAR, reason VARCHAR NOT NULL,
+    record VARCHAR USING COMPRESSION zstd, rejected_at TIMESTAMP DEFAULT current_timestamp,
+    record_bytes BIGINT, record_sha256 VARCHAR);
+"""
+"""The tables schema 7 stores differently from schema 6, as schema 7 creates them."""
+
+_V6_STREAMS = ("logprobs", "advantages", "reference_logprobs", "trainer_logprobs", "entropies")
+MIGRATE_ROWS = 65_536
+"""Rows a migration reads, encodes and writes at a time (its memory stays bounded)."""
+
+
+def _batches(con: duckdb.DuckDBPyConnection, table: str) -> list[tuple[int, int]]:
+    """Row-id ranges of ``table`` of at most :data:`MIGRATE_ROWS` rows, in row order. The
+    bounds are rows' own ids: rows an earlier migration of the same transaction wrote have
+    ids from 2**62 on (DuckDB's transaction-local ids), so ranges over 0..max would not end."""
+    bounds = [
+        r[0]
+        for r in con.execute(
+            f"SELECT rowid FROM (SELECT rowid, row_number() OVER (ORDER BY rowid) - 1 AS k FROM {table}) "
+            f"WHERE k % {MIGRATE_ROWS} = 0 ORDER BY rowid"
+        ).fetchall()
+    ]
+    if not bounds:
+        return []
+    top = con.execute(f"SELECT max(rowid) + 1 FROM {table}").fetchall()[0][0]
+    return list(zip(bounds, [*bounds[1:], top], strict=True))
+
+
+def _v6_to_v7(con: duckdb.DuckDBPyConnection) -> None:
+    """Compact storage: token ids and per-token streams kept as text that DuckDB compresses
+    with zstd (``segment_store``, ``node_store``; ``segments`` and ``nodes`` become views of
+    them, installed with the macros: :mod:`tracedb.codec`), the JSON records and message
+    text compressed with zstd, and no key index on nodes, branches and segments. The
+    tables are rewritten in row order, a batch at a time; a file keeps its block size
+    (files schema 7 creates have 64 KiB blocks)."""
+    for name in ("episodes", "traces", "segments", "nodes", "branches", "rejects"):
+        con.execute(f"ALTER TABLE {name} RENAME TO _v6_{name}")
+    con.execute(_V7_TABLES)
+    for name in ("episodes", "traces", "branches", "rejects"):
+        con.execute(f"INSERT INTO {name} BY NAME SELECT * FROM _v6_{name} ORDER BY rowid")
+    for lo, hi in _batches(con, "_v6_segments"):
+        rows = con.sql(
+            "SELECT segment_id, n_tokens, token_ids FROM _v6_segments WHERE rowid >= ? AND rowid < ? ORDER BY rowid",
+            params=[lo, hi],
+        ).to_arrow_table()
+        lists = rows.column("token_ids").combine_chunks()
+        offsets = lists.offsets.to_numpy().astype(np.int64)
+        ids = lists.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]]
+        if codec.token_form(ids) == "text":
+            rows = rows.append_column("tokens", codec.token_text(ids, offsets - offsets[0]))
+            rows = rows.set_column(2, "token_ids", pa.nulls(len(rows), pa.list_(pa.int32())))
+        else:
+            rows = rows.append_column("tokens", pa.nulls(len(rows), pa.string()))
+        con.from_arrow(rows).insert_into("segment_store")
+    columns = [r[0] for r in con.execute("SELECT name FROM pragma_table_info('node_store') ORDER BY cid").fetchall()]
+    for lo, hi in _batches(con, "_v6_nodes"):
+        rows = con.sql(
+            "SELECT * FROM _v6_nodes WHERE rowid >= ? AND rowid < ? ORDER BY rowid", params=[lo, hi]
+        ).to_arrow_table()
+        for name in _V6_STREAMS:
+            text, lists = codec.stream_columns(rows.column(name))
+            rows = rows.set_column(rows.schema.get_field_index(name), name, text).append_column(f"{name}_list", lists)
+        weights = rows.column("loss_weights")
+        index = rows.schema.get_field_index("loss_weights")
+        rows = rows.set_column(index, "loss_weights", codec.loss_weights_text(weights.to_pylist()))
+        con.from_arrow(rows.select(columns)).insert_into("node_store")
+    for name in ("episodes", "traces", "segments", "nodes", "branches", "rejects"):
+        con.execute(f"DROP TABLE _v6_{name}")
+
+
 MIGRATIONS: dict[int, Callable[[duckdb.DuckDBPyConnection], None]] = {
     1: _v1_to_v2,
     2: _v2_to_v3,
     3: _v3_to_v4,
     4: _v4_to_v5,
     5: _v5_to_v6,
+    6: _v6_to_v7,
 }
 """``MIGRATIONS[n]`` upgrades a file of version ``n`` to ``n + 1``."""
 

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from tracedb import credit_sets
+from tracedb import codec, credit_sets
 from tracedb.errors import NotFound
 from tracedb.handle import Handle
 from tracedb.migrations import SCHEMA_VERSION
@@ -26,16 +26,25 @@ def trace_record(handle: Handle, trace_id: str, *, credit: str | None = None) ->
     if row is None:
         raise NotFound(f"trace {trace_id!r} is not in {handle.path}")
     record = json.loads(row[0])
+    if "nodes" not in record:
+        return record
     credit = credit_sets.resolve(handle, credit)
-    nodes = handle.sql(
-        "SELECT n.* EXCLUDE (advantages), a.advantages, s.token_ids FROM nodes n "
-        "JOIN segments s USING (segment_id) "
-        "JOIN credit_advantages(?) a USING (trace_id, node_index) "
-        "WHERE trace_id = ? ORDER BY node_index",
-        [credit, trace_id],
-    )
-    if "nodes" in record:
-        record["nodes"] = [_node_record(row, named_credit=credit is not None) for row in _rows(nodes)]
+    # The stored rows (token ids and streams as text, tracedb.codec), decoded here: a
+    # named set's advantages come from its own tables, as a list.
+    if credit is None:
+        nodes = handle.sql(
+            "SELECT n.*, s.token_ids AS segment_list, s.tokens AS segment_text FROM node_store n "
+            "JOIN segment_store s USING (segment_id) WHERE n.trace_id = ? ORDER BY n.node_index",
+            [trace_id],
+        )
+    else:
+        nodes = handle.sql(
+            "SELECT n.* EXCLUDE (advantages, advantages_list), a.advantages, s.token_ids AS segment_list, "
+            "s.tokens AS segment_text FROM node_store n JOIN segment_store s USING (segment_id) "
+            "JOIN credit_advantages(?) a USING (trace_id, node_index) WHERE n.trace_id = ? ORDER BY n.node_index",
+            [credit, trace_id],
+        )
+    record["nodes"] = _node_records(nodes, named_credit=credit is not None)
     return record
 
 
@@ -159,59 +168,87 @@ def shortest(values: np.ndarray) -> list[float]:
     return [float(v) for v in text.to_pylist()]
 
 
-def _rows(table: pa.Table) -> list[dict[str, Any]]:
-    cols = {name: table.column(name) for name in table.column_names}
-    return [{name: col[i] for name, col in cols.items()} for i in range(table.num_rows)]
+def _lists(column: pa.ChunkedArray) -> list[np.ndarray | None]:
+    """Per row: the float32 values of a stream column (text or a list), None when null."""
+    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+        values, offsets, valid = codec.stream_values(column)
+    else:
+        arr = column.combine_chunks()
+        offsets = arr.offsets.to_numpy().astype(np.int64)
+        values = arr.values.to_numpy(zero_copy_only=False)
+        valid = arr.is_valid().to_numpy(zero_copy_only=False)
+    return [values[offsets[i] : offsets[i + 1]] if valid[i] else None for i in range(len(valid))]
 
 
-def _floats(scalar: pa.Scalar) -> list[float] | None:
-    if not scalar.is_valid:
-        return None
-    return shortest(scalar.values.to_numpy(zero_copy_only=False))
+def _stream(nodes: pa.Table, name: str) -> list[np.ndarray | None]:
+    """Per row: a stream's values, from its text or (a batch kept so) its list."""
+    text = _lists(nodes.column(name))
+    if f"{name}_list" not in nodes.column_names:
+        return text
+    return [t if v is None else v for t, v in zip(text, _lists(nodes.column(f"{name}_list")), strict=True)]
 
 
-def _node_record(row: dict[str, pa.Scalar], named_credit: bool = False) -> dict[str, Any]:
-    present = row["present"].as_py()
+def _node_records(nodes: pa.Table, named_credit: bool = False) -> list[dict[str, Any]]:
+    streams = {name: _stream(nodes, name) for name in COMPACT_STREAMS}
+    text_ids, text_off, _ = codec.token_values(nodes.column("segment_text"))
+    lists = nodes.column("segment_list").to_pylist()
+    weights = codec.loss_weights_values(nodes.column("loss_weights"))
+    listed = [c for c in nodes.column_names if c.endswith("_list") and c != "segment_list"]
+    plain = nodes.drop_columns([*COMPACT_STREAMS, *listed, "loss_weights", "segment_list", "segment_text"]).to_pylist()
+    out = []
+    for i, row in enumerate(plain):
+        ids = lists[i] if lists[i] is not None else text_ids[text_off[i] : text_off[i + 1]].tolist()
+        values = {name: streams[name][i] for name in COMPACT_STREAMS}
+        out.append(_node_record(row, ids, values, weights[i], named_credit=named_credit))
+    return out
+
+
+def _node_record(
+    row: dict[str, Any],
+    token_ids: list[int],
+    streams: dict[str, np.ndarray | None],
+    loss_weights: list[tuple[str, np.ndarray]] | None,
+    named_credit: bool = False,
+) -> dict[str, Any]:
+    present = row["present"]
     if named_credit:  # a named set decides by itself whether the node has advantages
-        present = present | BIT["advantages"] if row["advantages"].is_valid else present & ~BIT["advantages"]
+        present = present | BIT["advantages"] if streams["advantages"] is not None else present & ~BIT["advantages"]
 
     def has(key: str) -> bool:
         return bool(present & BIT[key])
 
     node: dict[str, Any] = {}
     if has("parent"):
-        node["parent"] = row["parent"].as_py()
+        node["parent"] = row["parent"]
     if has("semantic_parents"):
-        kept = row["semantic_parents_record"].as_py()
-        node["semantic_parents"] = json.loads(kept) if kept else row["semantic_parents"].as_py()
+        kept = row["semantic_parents_record"]
+        node["semantic_parents"] = json.loads(kept) if kept else row["semantic_parents"]
     if has("message"):
-        node["message"] = json.loads(row["message"].as_py())
+        node["message"] = json.loads(row["message"])
     if has("sampled"):
-        node["sampled"] = row["sampled"].as_py()
+        node["sampled"] = row["sampled"]
     if has("timestamp"):
-        node["timestamp"] = row["timestamp"].as_py()
+        node["timestamp"] = row["timestamp"]
     if has("token_ids"):
-        node["token_ids"] = row["token_ids"].as_py()
+        node["token_ids"] = token_ids
     if has("mask"):
-        n = row["n_tokens"].as_py()
-        prefix = row["mask_prefix"].as_py()
+        n = row["n_tokens"]
+        prefix = row["mask_prefix"]
         if prefix is not None:
             node["mask"] = [False] * prefix + [True] * (n - prefix)
         else:
-            node["mask"] = [k > 0 for k in row["mask_slots"].as_py()]
+            node["mask"] = [k > 0 for k in row["mask_slots"]]
     if has("is_content"):
-        node["is_content"] = row["is_content"].as_py()
+        node["is_content"] = row["is_content"]
     for name in COMPACT_STREAMS:
         if has(name):
-            node[name] = _floats(row[name])
+            values = streams[name]
+            node[name] = None if values is None else shortest(values)
     if has("loss_weights"):
-        lw = row["loss_weights"]
-        node["loss_weights"] = (
-            None if not lw.is_valid else {k: shortest(np.asarray(v, np.float32)) for k, v in lw.as_py()}
-        )
+        node["loss_weights"] = None if loss_weights is None else {k: shortest(v) for k, v in loss_weights}
     if present & WEIGHT_VERSIONS_BIT:
-        node["weight_versions"] = row["weight_versions"].as_py()
-    extra = row["extra"].as_py()
+        node["weight_versions"] = row["weight_versions"]
+    extra = row["extra"]
     if extra:
         node.update(json.loads(extra))  # spans with keys of their own are here, whole
     return node

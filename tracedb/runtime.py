@@ -67,6 +67,13 @@ import duckdb
 
 from tracedb.sqltext import quote_identifier, quote_literal
 
+BLOCK_SIZE = 65_536
+"""Bytes per block of a file tracedb creates (DuckDB's default is 256 KiB). A table's
+last row group, and each small table, fills a block of its own part-way, and a string
+spills into whole blocks: at 256 KiB the benchmark files carried ~4 MB of unused block
+ends. Not smaller: DuckDB 2.0 writes integers and lists uncompressed in 16 KiB blocks
+(token ids 29.8 MB instead of 17.3 on the core workload, measured)."""
+
 ROW_GROUP_ROWS = 2048
 """Rows per row group in files tracedb writes (DuckDB's default is 122,880). A
 transaction writes each full row group of a table into the file while it inserts
@@ -155,9 +162,13 @@ class Settings:
     write_alignment_rows: int = ROW_GROUP_ROWS
     """Ingest inserts whole multiples of this many rows per table and holds the rest for
     the next batch (see :data:`ROW_GROUP_ROWS`)."""
-    checkpoint_at_commit: str = "1MB"
-    """DuckDB's checkpoint threshold while an ingest commits (so it writes into the file,
-    not the WAL first)."""
+    checkpoint_at_commit: str = "0b"
+    """DuckDB's checkpoint threshold while a large ingest commits (so it writes into the
+    file, not the WAL first). Zero: whether the commit is large is judged here
+    (``checkpoint_min_tokens``); DuckDB's own estimate counts a transaction's rows at
+    their types' fixed widths plus its key indexes, not the bytes of its strings and lists,
+    so schema 7's index-free tables estimate a 240k-token ingest under 1 MB (with a
+    1 MB threshold it stayed in a 1.5 MB WAL)."""
     checkpoint_min_tokens: int = 1_000_000
     """An ingest adding fewer tokens commits into the WAL, without the lowered threshold
     (a checkpoint rewrites the key indexes whole; a follower's small commits leave it to
@@ -507,11 +518,15 @@ def _alias(inst: _Instance, path: str) -> str:
     return f"{stem}_{next(inst.names)}"
 
 
-def attach(path: str, *, read_only: bool) -> tuple[duckdb.DuckDBPyConnection, str, bool, Shared, Callable[[], None]]:
+def attach(
+    path: str, *, read_only: bool, block_size: int | None = None
+) -> tuple[duckdb.DuckDBPyConnection, str, bool, Shared, Callable[[], None]]:
     """Attach ``path`` (``":memory:"``: a new in-memory database) to the process's
     instance; returns a connection using it, its catalog name, whether this call attached
     it (False: it was open already), the state its handles share (:class:`Shared`) and the
-    release function (idempotent; the last release of a file DETACHes it).
+    release function (idempotent; the last release of a file DETACHes it). ``block_size``
+    is for a file this call creates (:data:`BLOCK_SIZE`); a file keeps the size it was
+    made with.
 
     Raises ``duckdb.ResourceInUseException`` when another DuckDB instance of the process
     (a plain ``duckdb.connect``) has the file open."""
@@ -535,7 +550,9 @@ def attach(path: str, *, read_only: bool) -> tuple[duckdb.DuckDBPyConnection, st
                 if read_only:
                     options = " (READ_ONLY)"
                 elif target != ":memory:":
-                    options = f" (ROW_GROUP_SIZE {ROW_GROUP_ROWS}{creation_options(target)})"
+                    made = creation_options(target)
+                    blocks = f", BLOCK_SIZE {int(block_size)}" if block_size and made else ""
+                    options = f" (ROW_GROUP_SIZE {ROW_GROUP_ROWS}{blocks}{made})"
                 else:
                     options = ""
                 inst.root.execute(f"ATTACH {quote_literal(target)} AS {quote_identifier(alias)}{options}")

@@ -5,14 +5,22 @@ what reading a table back gives (``SELECT * ... LIMIT 0`` to Arrow) and what eve
 writer builds its rows in. ``tests/store/test_tables.py`` asserts each one equals its
 DDL: names, types, NOT NULL and defaults. A column with a default (``ingested_at``, ...)
 is left to DuckDB by the writers: :func:`inserted` is a schema without those.
+
+Two tables are kept encoded (:data:`ENCODED`, :mod:`tracedb.codec`): ``nodes`` and
+``segments`` are views over ``node_store`` and ``segment_store``, which hold their
+per-token arrays as text. :data:`STORED` has what a reader sees (the views' schemas, as
+every SQL client and the lake read them); writers build rows in those and
+:func:`encode_rows` turns them into the stored ones (:data:`PHYSICAL`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import pyarrow as pa
 
+from tracedb import codec
 from tracedb.records import COMPACT_STREAMS, OPTIONAL_STREAMS
 
 NOW = "current_timestamp"
@@ -167,6 +175,26 @@ NODES = pa.schema(
     ]
 )
 
+SEGMENT_STORE = pa.schema(
+    [
+        _col("segment_id", pa.binary(), required=True),
+        _col("n_tokens", pa.int32(), required=True),
+        _col("token_ids", pa.list_(pa.int32())),
+        _col("tokens", pa.string()),
+    ]
+)
+"""``segments`` as stored: each row's ids as a list or as text (the other one NULL)."""
+
+TEXT_COLUMNS = (*COMPACT_STREAMS, "loss_weights")
+"""The ``nodes`` columns ``node_store`` keeps as stream text."""
+
+NODE_STORE = pa.schema(
+    [_col(f.name, pa.string()) if f.name in TEXT_COLUMNS else f for f in NODES]
+    + [_col(f"{s}_list", pa.list_(pa.float32())) for s in COMPACT_STREAMS]
+)
+"""``nodes`` as stored: the streams and ``loss_weights`` as their text, or a batch's
+streams as lists (``logprobs_list``, ...; :func:`tracedb.codec.stream_form`)."""
+
 BRANCHES = pa.schema(
     [
         _col("trace_id", pa.string(), required=True),
@@ -316,7 +344,49 @@ STORED: dict[str, pa.Schema] = {
     "credit": CREDIT,
     "trace_credit": TRACE_CREDIT,
 }
-"""The tables of ``schema/tables.sql``, by name."""
+"""The tables a reader of the file sees, by name: those of ``schema/tables.sql``, with
+``nodes`` and ``segments`` the views over their encoded tables (:data:`ENCODED`)."""
+
+ENCODED: dict[str, tuple[str, pa.Schema]] = {
+    "nodes": ("node_store", NODE_STORE),
+    "segments": ("segment_store", SEGMENT_STORE),
+}
+"""The tables kept encoded: the view's name -> the table holding it, and its schema."""
+
+PHYSICAL: dict[str, pa.Schema] = {
+    ENCODED[n][0] if n in ENCODED else n: ENCODED[n][1] if n in ENCODED else s for n, s in STORED.items()
+}
+"""The tables ``schema/tables.sql`` creates, by name."""
+
+
+def encode_rows(name: str, table: pa.Table) -> tuple[str, pa.Table]:
+    """Rows of :data:`STORED` ``[name]`` as the rows of the table that holds them: the same
+    rows for a plain table, the encoded ones for ``nodes`` and ``segments``."""
+    if name not in ENCODED:
+        return name, table
+    target, schema = ENCODED[name]
+    columns = {n: table.column(n) for n in table.column_names}
+    if name == "segments":
+        lists = table.column("token_ids").combine_chunks()
+        offsets = lists.offsets.to_numpy().astype(np.int64)
+        ids = lists.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]]
+        if codec.token_form(ids) == "text":
+            columns["tokens"] = codec.token_text(ids, offsets - offsets[0])
+            columns["token_ids"] = pa.nulls(len(table), pa.list_(pa.int32()))
+        else:
+            columns["tokens"] = pa.nulls(len(table), pa.string())
+    else:
+        for column in COMPACT_STREAMS:
+            columns[column], columns[f"{column}_list"] = codec.stream_columns(table.column(column))
+        weights = table.column("loss_weights")
+        columns["loss_weights"] = (
+            pa.nulls(len(table), pa.string())
+            if weights.null_count == len(weights)
+            else codec.loss_weights_text(weights.to_pylist())
+        )
+    return target, table_from(schema, columns)
+
+
 CEC_STORED: dict[str, pa.Schema] = {
     "cec_traces": CEC_TRACES,
     "cec_turns": CEC_TURNS,

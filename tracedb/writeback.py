@@ -188,7 +188,7 @@ def _apply(db: Handle, stage: pa.Table, stream: str, credit: str | None, name: s
     elif stream == "loss_weights":
         bit = BIT["loss_weights"]
         con.execute(
-            "UPDATE nodes SET loss_weights = w.merged, "
+            "UPDATE node_store SET loss_weights = tdb_loss_weights_text(w.merged), "
             f"  present = CASE WHEN w.merged IS NULL THEN present & ~{bit} ELSE present | {bit} END "
             "FROM (SELECT n.trace_id, n.node_index, "
             "        CASE WHEN len(e.entries) = 0 THEN NULL ELSE map_from_entries(e.entries) END AS merged "
@@ -196,16 +196,16 @@ def _apply(db: Handle, stage: pa.Table, stream: str, credit: str | None, name: s
             "      LATERAL (SELECT list_concat("
             "          list_filter(coalesce(map_entries(n.loss_weights), []), lambda e: e.key <> ?), "
             "          CASE WHEN s.values IS NULL THEN [] ELSE [{'key': ?, 'value': s.values}] END) AS entries) e"
-            ") w WHERE nodes.trace_id = w.trace_id AND nodes.node_index = w.node_index",
+            ") w WHERE node_store.trace_id = w.trace_id AND node_store.node_index = w.node_index",
             [name, name],
         )
     else:
         bit = BIT[stream]
-        col = quote_identifier(stream)
-        con.execute(
-            f"UPDATE nodes SET {col} = w.values, "
+        col, listed = quote_identifier(stream), quote_identifier(f"{stream}_list")
+        con.execute(  # computed values: kept as a list (their text would be decimals)
+            f"UPDATE node_store SET {col} = NULL, {listed} = w.values::FLOAT[], "
             f"  present = CASE WHEN w.values IS NULL THEN present & ~{bit} ELSE present | {bit} END "
-            "FROM _tdb_write w WHERE nodes.trace_id = w.trace_id AND nodes.node_index = w.node_index"
+            "FROM _tdb_write w WHERE node_store.trace_id = w.trace_id AND node_store.node_index = w.node_index"
         )
     con.execute("DROP TABLE _tdb_write")
     return int(count)
@@ -257,11 +257,12 @@ def _apply_scalars(db: Handle, table: pa.Table, stream: str, credit: str | None)
         else:
             bit = BIT[stream]
             con.execute(
-                f"UPDATE nodes SET {quote_identifier(stream)} = CASE WHEN w.value IS NULL THEN NULL "
-                "  ELSE list_resize([]::FLOAT[], nodes.n_sampled, w.value::FLOAT) END, "
+                f"UPDATE node_store SET {quote_identifier(stream)} = NULL, "
+                f"  {quote_identifier(stream + '_list')} = CASE WHEN w.value IS NULL THEN NULL "
+                "  ELSE list_resize([]::FLOAT[], node_store.n_sampled, w.value::FLOAT) END, "
                 f"  present = CASE WHEN w.value IS NULL THEN present & ~{bit} ELSE present | {bit} END "
                 "FROM (SELECT DISTINCT * FROM _tdb_scalars) w "
-                "WHERE nodes.trace_id = w.trace_id AND nodes.node_index = w.node_index"
+                "WHERE node_store.trace_id = w.trace_id AND node_store.node_index = w.node_index"
             )
         return int(db.scalar("SELECT count(DISTINCT (trace_id, node_index)) FROM _tdb_scalars"))
     finally:

@@ -107,6 +107,12 @@ def test_no_input_breaks_the_api(api_schema: schemathesis.BaseSchema, method: st
             query = case.query or {}
             wire = [query[name] for name in STRING_LISTS if name in query]
             assume(all(isinstance(v, list) and all(isinstance(x, str) for x in v) for v in wire))
+        if not mode.is_positive and path.endswith("/runs/compare"):
+            # `runs` is one string and `run` a list of strings on the wire whatever was
+            # generated: only their lengths can be invalid there.
+            query = case.query or {}
+            assume("runs" not in query or isinstance(query["runs"], str))
+            assume("run" not in query or (isinstance(query["run"], list) and all(isinstance(x, str) for x in query["run"])))
         response = case.call_and_validate(headers=auth, excluded_checks=[positive_data_acceptance])
         assert response.status_code < 500, response.text
 

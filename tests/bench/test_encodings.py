@@ -58,12 +58,12 @@ def test_every_candidate_is_measured_and_exact(source: Path, tmp_path: Path) -> 
 def test_fixed_point_refuses_a_value_with_more_decimals(source: Path, tmp_path: Path) -> None:
     import duckdb
 
-    from benchmarks.encodings import chunked_candidate
+    from benchmarks.encodings import chunked_candidate, source_tables
 
     bad = tmp_path / "bad.duckdb"
     con = duckdb.connect(str(bad))
     con.execute(f"ATTACH '{source}' AS s (READ_ONLY)")
-    for (t,) in con.execute("SELECT table_name FROM duckdb_tables() WHERE database_name = 's'").fetchall():
+    for t in source_tables(con, "s"):  # schema 6's tables (a schema-7 file's views)
         con.execute(f'CREATE TABLE "{t}" AS SELECT * FROM s."{t}"')
     con.execute(
         "UPDATE nodes SET logprobs = [CAST(-0.123456 AS FLOAT)] || logprobs[2:] "

@@ -563,8 +563,9 @@ def test_existing_reads_the_tables_size_and_finds_keys_both_ways(fresh_db, monke
 
     fresh_db.ingest(FIXTURES / "linear.traces.jsonl")
     handle = handle_of(fresh_db)
-    stored = [r["segment_id"] for r in fresh_db.sql("SELECT segment_id FROM segments").to_pylist()]
-    probe = [*stored, b"\x00" * 32]
+    stored = [r["trace_id"] for r in fresh_db.sql("SELECT trace_id FROM traces").to_pylist()]
+    probe = [*stored, "no-such-trace"]
+    segments = [r["segment_id"] for r in fresh_db.sql("SELECT segment_id FROM segment_store").to_pylist()]
     calls: list[str] = []
 
     class Spy:
@@ -576,10 +577,15 @@ def test_existing_reads_the_tables_size_and_finds_keys_both_ways(fresh_db, monke
             return self.con.execute(query, params)
 
     reader = Spy(handle.cursor())
-    assert handle.existing("segments", "segment_id", probe, con=reader, sql_type="BLOB") == set(stored)
+    assert handle.existing("traces", "trace_id", probe, con=reader, sql_type="VARCHAR") == set(stored)
     assert "unnest" in calls[-1]  # a small table is scanned
     monkeypatch.setattr(tracedb.handle, "INDEX_ROWS_PER_KEY", 0)
-    assert handle.existing("segments", "segment_id", probe, con=reader, sql_type="BLOB") == set(stored)
+    assert handle.existing("traces", "trace_id", probe, con=reader, sql_type="VARCHAR") == set(stored)
     assert "unnest" not in calls[-1] and "?" in calls[-1]  # through the index
     sizes = [q for q in calls if "estimated_size" in q]
-    assert sizes and reader.con.execute(sizes[0], ["segments"]).fetchall()[0][0] == len(stored)
+    assert sizes and reader.con.execute(sizes[0], ["traces"]).fetchall()[0] == (len(stored),)
+    keyed = [q for q in calls if "duckdb_constraints" in q]  # asked only of a table large enough for its index
+    assert keyed and reader.con.execute(keyed[0], ["traces", "trace_id"]).fetchall()[0] == (1,)
+    # segment_store has no index on its key (schema 7): always scanned, whatever its size
+    found = handle.existing("segment_store", "segment_id", [*segments, b"\x00" * 16], con=reader, sql_type="BLOB")
+    assert found == set(segments) and "unnest" in calls[-1]

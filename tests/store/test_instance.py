@@ -284,7 +284,7 @@ def test_concurrent_ingests_put_the_checkpoint_threshold_back(tmp_path: Path, kn
             try:
                 for _ in range(5):
                     db.ingest(jsonl)
-                    db.sql("DELETE FROM branches; DELETE FROM nodes; DELETE FROM traces; DELETE FROM episodes")
+                    db.sql("DELETE FROM branches; DELETE FROM node_store; DELETE FROM traces; DELETE FROM episodes")
             except BaseException as e:  # reported below
                 errors.append(e)
 

@@ -180,7 +180,7 @@ def test_macros_are_rewritten_only_when_they_changed(tmp_path):
     with tracedb.connect(path) as db:
         db.ingest(FIXTURES / "linear.traces.jsonl")
         digest = db.sql("SELECT value FROM tracedb_meta WHERE key = 'macros_sha256'").column("value").to_pylist()
-        assert digest == [hashlib.sha256(load_sql("macros.sql").encode()).hexdigest()]
+        assert digest == [hashlib.sha256((load_sql("encoded.sql") + load_sql("macros.sql")).encode()).hexdigest()]
     before = on_disk(path)
     for _ in range(3):
         with tracedb.connect(path) as db:  # read-write: nothing to install, nothing written

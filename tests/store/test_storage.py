@@ -16,7 +16,8 @@ from support import FIXTURES
 def _tables_and_columns(db: tracedb.Database) -> dict[str, list[str]]:
     rows = db.sql(
         "SELECT table_name, column_name FROM duckdb_columns() WHERE database_name = current_database() "
-        "AND schema_name = current_schema() ORDER BY table_name, column_index"
+        "AND schema_name = current_schema() AND table_name IN (SELECT table_name FROM duckdb_tables() "
+        "WHERE database_name = current_database()) ORDER BY table_name, column_index"
     ).to_pylist()
     out: dict[str, list[str]] = {}
     for r in rows:
@@ -46,7 +47,7 @@ def test_the_parts_add_up_to_the_file(sample_file: Path) -> None:
     blocks = b["blocks"]
     assert blocks["total"] == blocks["used"] + blocks["free"]
     assert blocks["data"] + blocks["metadata"] + blocks["indexes"] == blocks["used"]
-    assert blocks["indexes"] > 0  # the primary keys' ART indexes
+    assert blocks["indexes"] > 0  # the primary keys' ART indexes (traces, episodes, the small tables)
     columns = sum(c["bytes"] for t in b["tables"] for c in t["columns"])
     # each column's share is rounded to a byte: the sum is the data blocks' to within a byte a column
     assert abs(columns - b["data_bytes"]) <= sum(len(v) for v in expected.values())
@@ -68,11 +69,11 @@ def test_the_parts_add_up_to_the_file(sample_file: Path) -> None:
 
     # The token ids are the big column, and bit-packed: between 17 bits and 4 bytes an id.
     tables = {t["table"]: {c["column"]: c for c in t["columns"]} for t in b["tables"]}
-    token_ids = tables["segments"]["token_ids"]
+    token_ids = tables["segment_store"]["token_ids"]  # uniform synthetic ids: kept as lists
     assert "BitPacking" in token_ids["compression"]
     assert stored * 17 / 8 <= token_ids["bytes"] <= stored * 4 + 2 * b["block_size"]
     assert token_ids == max((c for cols in tables.values() for c in cols.values()), key=lambda c: c["bytes"])
-    assert tables["nodes"]["logprobs"]["bytes"] > 0 and tables["traces"]["record"]["bytes"] > 0
+    assert tables["node_store"]["logprobs"]["bytes"] > 0 and tables["traces"]["record"]["bytes"] > 0
 
 
 def test_rows_not_checkpointed_are_reported(tmp_path: Path) -> None:
@@ -83,13 +84,13 @@ def test_rows_not_checkpointed_are_reported(tmp_path: Path) -> None:
         b = db.storage()
         tables = {t["table"]: t for t in b["tables"]}
         assert b["wal_bytes"] > 0
-        assert tables["nodes"]["rows_not_checkpointed"] == tables["nodes"]["rows"] > 0
+        assert tables["node_store"]["rows_not_checkpointed"] == tables["node_store"]["rows"] > 0
         assert tables["traces"]["rows_not_checkpointed"] == 1
     with tracedb.connect(path, read_only=True) as db:  # closing checkpointed it
         b = db.storage()
         assert b["wal_bytes"] == 0
         assert all(t["rows_not_checkpointed"] == 0 for t in b["tables"])
-        nodes = next(t for t in b["tables"] if t["table"] == "nodes")
+        nodes = next(t for t in b["tables"] if t["table"] == "node_store")
         assert nodes["bytes"] > 0
 
 

@@ -8,7 +8,7 @@ import pytest
 import tracedb
 from tracedb import cec, tables
 
-ALL = {**tables.STORED, **tables.CEC_STORED}
+ALL = {**tables.PHYSICAL, **tables.CEC_STORED}
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +26,21 @@ def test_every_table_of_the_ddl_is_declared(db) -> None:
         ).fetchall()
     }
     assert names == set(ALL)
+    views = {
+        r[0]
+        for r in db.con.execute(
+            "SELECT view_name FROM duckdb_views() WHERE database_name = current_database() AND NOT internal"
+        ).fetchall()
+    }
+    assert views == set(tables.ENCODED)
+
+
+@pytest.mark.parametrize("name", sorted(tables.ENCODED))
+def test_the_views_over_encoded_tables_read_as_declared(db, name: str) -> None:
+    """``nodes`` and ``segments`` read (to any SQL client) as their schema-6 tables did."""
+    read = db.sql(f"SELECT * FROM {name} LIMIT 0").schema
+    assert read.names == tables.STORED[name].names
+    assert [f.type for f in read] == [f.type for f in tables.STORED[name]], name
 
 
 @pytest.mark.parametrize("name", sorted(ALL))

@@ -101,9 +101,9 @@ def _install_marks(marks: _Marks) -> None:
 
     attach = runtime.attach
 
-    def marked_attach(path: str, *, read_only: bool) -> Any:
+    def marked_attach(path: str, *, read_only: bool, **options: Any) -> Any:
         marks("attach")
-        con, catalog, fresh, shared, release = attach(path, read_only=read_only)
+        con, catalog, fresh, shared, release = attach(path, read_only=read_only, **options)
         return _Con(con, marks), catalog, fresh, shared, release
 
     runtime.attach = marked_attach

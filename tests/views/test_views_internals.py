@@ -54,7 +54,7 @@ def test_views_inside_a_users_own_transaction(fixture_db) -> None:
     """A transaction opened with raw SQL is read inside and left open, uncommitted work and all."""
     expected = fixture_db.branches(columns=["advantages"])
     fixture_db.con.execute("BEGIN TRANSACTION")
-    fixture_db.con.execute("UPDATE nodes SET advantages = NULL")
+    fixture_db.con.execute("UPDATE node_store SET advantages = NULL")
     fixture_db.handle.view_cache = None
     inside = fixture_db.branches(columns=["advantages"])
     assert inside.column("advantages").null_count == inside.num_rows  # sees the uncommitted update
@@ -175,3 +175,33 @@ def test_flat_read_refuses_values_that_do_not_fit_the_lengths(fixture_db) -> Non
     for wrong in (short, long):
         with pytest.raises(RuntimeError, match="other than the"):
             flat_column(con, "SELECT unnest(token_ids) FROM segments", wrong, np.int32)
+
+
+def test_segments_kept_as_lists_and_as_text_read_in_row_order() -> None:
+    """Batches store their segments each the smaller way (``tracedb.codec.token_form``):
+    a read of rows of both kinds gives every row its own ids, in row order."""
+    import numpy as np
+
+    from tracedb import codec
+    from tracedb.views.nodes import segment_tokens
+
+    rows = [[5, 6, 7], [151_000, 2], [], [9], [0, 1, 2, 3]]
+    as_text = [True, False, True, True, False]
+    text = codec.token_text(
+        np.array([t for r, k in zip(rows, as_text, strict=True) if k for t in r], np.int32),
+        np.cumsum([0] + [len(r) for r, k in zip(rows, as_text, strict=True) if k]),
+    ).to_pylist()
+    it = iter(text)
+    segments = pa.table(
+        {
+            "n_tokens": pa.array([len(r) for r in rows], pa.int32()),
+            "token_ids": pa.array([None if k else r for r, k in zip(rows, as_text, strict=True)], pa.list_(pa.int32())),
+            "tokens": pa.array([next(it) if k else None for k in as_text], pa.string()),
+        }
+    )
+    listed = [r if not k else [] for r, k in zip(rows, as_text, strict=True)]
+    flat = (np.array([t for r in listed for t in r], np.int32), np.cumsum([0] + [len(r) for r in listed]))
+    for given in (None, flat):  # lists read with the rows, or flat (the whole-database read)
+        values, offsets, valid = segment_tokens(segments, given)
+        assert [values[offsets[i] : offsets[i + 1]].tolist() for i in range(len(rows))] == rows
+        assert valid.all() and values.dtype == np.int32

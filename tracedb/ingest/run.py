@@ -91,7 +91,7 @@ def _resolve(handle: Handle, reader: Any, batch: Batch, report: IngestReport, se
     ingest has added so far."""
     ids = [t.trace_id for line, _, _ in batch.pending for t in line.traces]
     episode_ids = [line.episode["id"] for line, _, _ in batch.pending if line.episode is not None]
-    for table in ("traces", "episodes", "segments"):
+    for table in ("traces", "episodes", "segment_store"):
         if table not in seen.rows:
             seen.rows[table] = handle.table_rows(table, reader)
     known = handle.existing("traces", "trace_id", ids, con=reader, rows=seen.rows["traces"]) | (seen.traces & set(ids))
@@ -127,7 +127,9 @@ def _resolve(handle: Handle, reader: Any, batch: Batch, report: IngestReport, se
     seen.traces.update(known)
     segments = batch.segments
     new = [k for k in segments if k not in seen.segments]
-    stored = handle.existing("segments", "segment_id", new, con=reader, sql_type="BLOB", rows=seen.rows["segments"])
+    stored = handle.existing(
+        "segment_store", "segment_id", new, con=reader, sql_type="BLOB", rows=seen.rows["segment_store"]
+    )
     for key in list(segments):
         if key in seen.segments or key in stored:
             del segments[key]

@@ -72,7 +72,8 @@ class Writer:
                 self._insert(name, table.slice(0, rows))
 
     def _insert(self, name: str, table: pa.Table) -> None:
-        """Append ``table``'s rows to table ``name``. The rows go in as a relation over the
+        """Append ``table``'s rows (of :data:`tracedb.tables.STORED` ``[name]``) to the table
+        holding them (:func:`tracedb.tables.encode_rows`). The rows go in as a relation over the
         Arrow table, not through a registered view: a view registered and dropped inside
         the transaction stays in DuckDB's undo buffer, with the Arrow table it holds, until
         COMMIT, so an ingest's memory grew with everything it wrote (600 MB per GB of
@@ -80,6 +81,7 @@ class Writer:
         works where external access is off (a server that runs user SQL)."""
         if self.cancelled:
             return
+        name, table = tables.encode_rows(name, table)  # here, beside the INSERT: off the parsing thread
         columns = self._columns.get(name)
         if columns is None:
             columns = self._columns[name] = [
@@ -92,7 +94,7 @@ class Writer:
             ]
         missing = [c for c in columns if c not in table.column_names]
         if missing:  # the columns DuckDB would fill from their default: the transaction's time
-            stored = {f.name: f for f in tables.STORED[name]}
+            stored = {f.name: f for f in tables.PHYSICAL[name]}
             defaults = {c: tables.default_of(stored[c]) if c in stored else None for c in missing}
             if any(d != "current_timestamp" for d in defaults.values()):
                 raise ValueError(f"rows for {name} lack {missing}, which have no time default to fill")

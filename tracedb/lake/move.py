@@ -24,6 +24,7 @@ from tracedb.lake.catalog import BATCH, lake_tables, per_trace
 from tracedb.lake.scan import visible_traces
 from tracedb.lake.write import AppendReport, append, lake_rows
 from tracedb.sqltext import quote_identifier
+from tracedb.tables import ENCODED, STORED, encode_rows
 
 PUSH_TRACES = 5_000
 """Traces per lake write when pushing a file store (each write is one traces commit)."""
@@ -262,6 +263,14 @@ def write_into(db: Database, rows: dict[str, pa.Table]) -> int:
                         select = (
                             f"SELECT * FROM _tdb_rows r WHERE NOT EXISTS (SELECT 1 FROM {target} x WHERE {_SAME[name]})"
                         )
-                    handle.con.execute(f"INSERT INTO {target} BY NAME {select}")
+                    if name in ENCODED:  # rows as the view reads, stored encoded
+                        found = handle.sql(select)
+                        stored, encoded = encode_rows(name, found.select(STORED[name].names))
+                        with handle.registered("_tdb_encoded", encoded):
+                            handle.con.execute(
+                                f"INSERT INTO {quote_identifier(stored)} BY NAME SELECT * FROM _tdb_encoded"
+                            )
+                    else:
+                        handle.con.execute(f"INSERT INTO {target} BY NAME {select}")
         numbering.store()
     return len(new)

@@ -3,9 +3,11 @@ view kernels (and the writers and credit algorithms) read.
 
 :func:`load_nodes` reads the nodes, segments and branches of the selected traces once,
 in one read transaction (a whole-database read takes the segments on a second cursor),
-and keeps them as DuckDB returned them: :class:`NodeColumns`, with the watermark (the
-highest sequence number committed) that read saw. Node rows are in (trace,
-node) order, so a trace's node ``i`` is row ``base[trace] + i``.
+from the tables that hold them (``node_store``, ``segment_store``: token ids and streams
+as text, :mod:`tracedb.codec`), decodes those into flat arrays, and keeps them as
+:class:`NodeColumns`, with the watermark (the highest sequence number committed) that
+read saw. Node rows are in (trace, node) order, so a trace's node ``i`` is row
+``base[trace] + i``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tracedb import runtime
+from tracedb import codec, runtime
 from tracedb.handle import Handle
 from tracedb.views import _buffers
 
@@ -202,27 +204,58 @@ _META = "trace_id, node_index, n_tokens, n_sampled, mask_prefix, mask_slots, los
 
 
 def read_all(con: Any, streams: Sequence[str]) -> tuple[pa.Table, dict[str, _Parts]]:
-    """Every node. List columns are read flat with ``unnest`` (DuckDB hands over flat
-    values several times faster than lists) and cut by the row lengths that a plain scan
-    of the same table returns in the same order (both keep insertion order)."""
-    lengths = "".join(f', len({s}) AS "len:{s}"' for s in streams)
-    nodes = _sql(con, f"SELECT {_META}{lengths} FROM nodes")
-    lists = {
-        s: flat_column(con, f"SELECT unnest({s}) FROM nodes", nodes.column(f"len:{s}"), np.float32) for s in streams
-    }
-    return nodes, lists
+    """Every node, its streams: the rows kept as text decoded (handed over as strings,
+    which DuckDB does several times faster than lists), those kept as lists read flat with
+    ``unnest`` and cut by the lengths a plain scan of the same table returns in the same
+    order (both keep insertion order)."""
+    columns = "".join(f', {s}, len({s}_list) AS "len:{s}"' for s in streams)
+    nodes = _sql(con, f"SELECT {_META}{columns} FROM node_store")
+    out = {}
+    for s in streams:
+        listed = flat_column(con, f"SELECT unnest({s}_list) FROM node_store", nodes.column(f"len:{s}"), np.float32)
+        out[s] = merged(codec.stream_values(nodes.column(s)), listed)
+    return nodes, out
+
+
+def merged(a: _Parts, b: _Parts) -> _Parts:
+    """One stream of rows whose values are in ``a`` or in ``b`` (the other holds none for
+    the row: null or empty), as (values, offsets, validity)."""
+    a_values, a_off, a_valid = a
+    b_values, b_off, b_valid = b
+    if not b_valid.any():
+        return a
+    if not a_valid.any():
+        return b
+    a_len, b_len = np.diff(a_off), np.diff(b_off)
+    offsets = np.zeros(len(a_len) + 1, np.int64)
+    np.cumsum(a_len + b_len, out=offsets[1:])
+    values = np.empty(int(offsets[-1]), np.result_type(a_values, b_values))
+    for part, part_off, part_len in ((a_values, a_off, a_len), (b_values, b_off, b_len)):
+        at = np.repeat(offsets[:-1] - part_off[:-1], part_len) + np.arange(part_off[0], part_off[-1], dtype=np.int64)
+        values[at] = part[part_off[0] : part_off[-1]]
+    return values, offsets, a_valid | b_valid
 
 
 def read_segments(con: Any, own_cursor: bool) -> tuple[pa.ChunkedArray, _Parts]:
-    """Every segment: (ids, tokens), read flat like the node lists."""
+    """Every segment: (ids, tokens). The rows kept as lists are read flat with ``unnest``
+    (DuckDB hands over flat values about twice as fast as lists), in the order a plain
+    scan of the same table returns them (both keep insertion order)."""
     try:
         if own_cursor:
             con.execute("BEGIN TRANSACTION")
-        segments = _sql(con, "SELECT segment_id, n_tokens FROM segments")
-        tokens = flat_column(con, "SELECT unnest(token_ids) FROM segments", segments.column("n_tokens"), np.int32)
+        # A row holds its ids as text or as a list, so the list rows are those without
+        # text (``token_ids IS NOT NULL`` would read the lists: ~8 ms on the benchmark file).
+        segments = _sql(con, "SELECT segment_id, n_tokens, tokens FROM segment_store")
+        is_list = pc.is_null(segments.column("tokens"))
+        listed = is_list.to_numpy(zero_copy_only=False) if segments.num_rows else np.zeros(0, bool)
+        flat = (np.zeros(0, np.int32), np.zeros(len(listed) + 1, np.int64))  # no row kept as a list
+        if listed.any():
+            lengths = pa.chunked_array([pc.if_else(is_list, segments.column("n_tokens"), 0)])
+            values, offsets, _ = flat_column(con, "SELECT unnest(token_ids) FROM segment_store", lengths, np.int32)
+            flat = (values, offsets)
         if own_cursor:
             con.execute("COMMIT")
-        return segments.column("segment_id"), tokens
+        return segments.column("segment_id"), segment_tokens(segments, flat)
     finally:
         if own_cursor:
             con.close()
@@ -254,36 +287,68 @@ def flat_column(con: Any, query: str, lengths: pa.ChunkedArray, dtype: type) -> 
     return values, offsets, valid
 
 
+def segment_tokens(segments: pa.Table, flat: tuple[np.ndarray, np.ndarray] | None = None) -> _Parts:
+    """The token ids of ``segment_store`` rows (``tokens``, and ``token_ids`` unless their
+    values are given ``flat``: (values, offsets per row, 0 ids for a row kept as text)),
+    each row's from its list or its text, as (values, offsets, validity)."""
+    counts = segments.column("n_tokens").to_numpy(zero_copy_only=False) if "n_tokens" in segments.column_names else None
+    text_values, text_off, _ = codec.token_values(segments.column("tokens"), counts)
+    if flat is None:
+        lists = segments.column("token_ids")
+        if lists.null_count == len(lists):
+            return text_values, text_off, np.ones(len(text_off) - 1, bool)
+        list_values, list_off, _ = list_parts(lists)
+        list_values = list_values[list_off[0] : list_off[-1]]
+        list_off = list_off - list_off[0]
+    else:
+        list_values, list_off = flat
+    if not len(text_values):
+        return list_values.astype(np.int32, copy=False), list_off, np.ones(len(list_off) - 1, bool)
+    if not len(list_values):
+        return text_values, text_off, np.ones(len(text_off) - 1, bool)
+    # Rows of both kinds (batches stored each its own way): each row's ids where they go.
+    text_len, list_len = np.diff(text_off), np.diff(list_off)
+    offsets = np.zeros(len(text_len) + 1, np.int64)
+    np.cumsum(text_len + list_len, out=offsets[1:])
+    values = np.empty(int(offsets[-1]), np.int32)
+    for part, part_off, part_len in ((text_values, text_off, text_len), (list_values, list_off, list_len)):
+        at = np.repeat(offsets[:-1] - part_off[:-1], part_len) + np.arange(len(part), dtype=np.int64)
+        values[at] = part
+    return values, offsets, np.ones(len(text_len), bool)
+
+
 def read_lists(
     con: Any, streams: Sequence[str], where: str
 ) -> tuple[pa.Table, tuple[pa.ChunkedArray, _Parts], dict[str, _Parts]]:
-    """The nodes (``where``: of the traces in ``_tdb_sel``) and their segments, with list
-    columns as lists: each row carries its own values, so no row order is relied on (a
-    selection filters with a join, which keeps none; ``preserve_insertion_order`` may be
-    off)."""
-    columns = "".join(f", {s}" for s in streams)
-    nodes = _sql(con, f"SELECT {_META}{columns} FROM nodes{where}")
+    """The nodes (``where``: of the traces in ``_tdb_sel``) and their segments: each row
+    carries its own values, so no row order is relied on (a selection filters with a
+    join, which keeps none; ``preserve_insertion_order`` may be off)."""
+    columns = "".join(f", {s}, {s}_list" for s in streams)
+    nodes = _sql(con, f"SELECT {_META}{columns} FROM node_store{where}")
+    wanted_columns = "segment_id, n_tokens, token_ids, tokens"
     if not where:
-        segments = _sql(con, "SELECT segment_id, token_ids FROM segments")
+        segments = _sql(con, f"SELECT {wanted_columns} FROM segment_store")
     else:
-        # The segments these nodes name: a short literal list is looked up through the
-        # key's index (~3x faster than a join for one trace); a long one is joined.
+        # The segments these nodes name: a short literal list is looked up as a filter
+        # (~3x faster than a join for one trace); a long one is joined.
         wanted = pc.unique(nodes.column("segment_id").combine_chunks())
         if len(wanted) <= runtime.settings().segment_lookup:
             marks = ", ".join("?" * len(wanted)) or "NULL"
             segments = _sql(
-                con, f"SELECT segment_id, token_ids FROM segments WHERE segment_id IN ({marks})", wanted.to_pylist()
+                con,
+                f"SELECT {wanted_columns} FROM segment_store WHERE segment_id IN ({marks})",
+                wanted.to_pylist(),
             )
         else:
             con.register("_tdb_segs", pa.table({"segment_id": wanted}))
             try:
                 segments = _sql(
-                    con, "SELECT s.segment_id, s.token_ids FROM segments s SEMI JOIN _tdb_segs USING (segment_id)"
+                    con, f"SELECT {wanted_columns} FROM segment_store s SEMI JOIN _tdb_segs USING (segment_id)"
                 )
             finally:
                 con.unregister("_tdb_segs")
-    lists = {s: list_parts(nodes.column(s)) for s in streams}
-    return nodes, (segments.column("segment_id"), list_parts(segments.column("token_ids"))), lists
+    lists = {s: merged(codec.stream_values(nodes.column(s)), list_parts(nodes.column(f"{s}_list"))) for s in streams}
+    return nodes, (segments.column("segment_id"), segment_tokens(segments)), lists
 
 
 def node_ordered(nodes: pa.Table) -> bool:
@@ -365,7 +430,7 @@ def _decode(
         take = np.where(valid, np.minimum(np.diff(offsets), n_sampled_scan), 0)
         decoded[name] = Stream(values.astype(np.float32, copy=False), rows(offsets[:-1]), rows(take), rows(valid))
     lw = nodes.column("loss_weights")
-    loss_weights = lw.to_pylist() if lw.null_count < len(lw) else [None] * n_rows
+    loss_weights = codec.loss_weights_values(lw) if lw.null_count < len(lw) else [None] * n_rows
     if perm is not None:
         loss_weights = [loss_weights[i] for i in perm.tolist()]
     return NodeColumns(
