@@ -351,11 +351,10 @@ def _with_episode(rows, episode, policy_start, ingested_at):
     return out
 
 
-def test_a_one_trace_query_shows_the_episode_row_every_reader_shows(tmp_path):
-    """An episode of traces in several writes shows one row, the first (by ingest time)
-    of a write with a visible trace of it: a query about one of them that reads only the
-    trace's episode (not every visible trace) finds the same row, through the episode's
-    other traces when another write's row comes first, and never a killed writer's."""
+def _shared_episode_lake(tmp_path):
+    """A lake of two traces of one episode, each in its own write (episode rows with
+    policy_start 5, then 9), and an earlier episode row (1) of a writer killed before
+    its traces row: (lake, first trace, second trace)."""
     import datetime
 
     from tracedb.lake import write
@@ -372,6 +371,15 @@ def test_a_one_trace_query_shows_the_episode_row_every_reader_shows(tmp_path):
     lake.table("episodes").append(write.lake_rows("episodes", killed["episodes"], "killed-writer"))
     lake.append(_with_episode(rows[first], "shared", 5, day + datetime.timedelta(hours=1)))
     lake.append(_with_episode(rows[second], "shared", 9, day + datetime.timedelta(hours=2)))
+    return lake, first, second
+
+
+def test_a_one_trace_query_shows_the_episode_row_every_reader_shows(tmp_path):
+    """An episode of traces in several writes shows one row, the first (by ingest time)
+    of a write with a visible trace of it: a query about one of them that reads only the
+    trace's episode (not every visible trace) finds the same row, through the episode's
+    other traces when another write's row comes first, and never a killed writer's."""
+    lake, first, second = _shared_episode_lake(tmp_path)
     for trace in (first, second):
         for query in (
             "SELECT trace_id, node_index, policy_version FROM node_tokens() WHERE trace_id = ? ORDER BY ALL",
@@ -382,3 +390,25 @@ def test_a_one_trace_query_shows_the_episode_row_every_reader_shows(tmp_path):
             assert got.num_rows > 0 and got.equals(_full(lake, query, [trace])), (trace, query)
     query = "SELECT e.policy_start FROM traces t JOIN episodes e USING (episode_id) WHERE t.trace_id = ?"
     assert lake.sql(query, [second]).column(0).to_pylist() == [5]  # the first committed write's row
+
+
+def test_reads_of_some_traces_show_the_episode_row_a_full_read_shows(tmp_path):
+    """read.visible of one trace and a view task's policy versions (the episode's
+    policy_start stands for tokens without weight-version spans) choose the episode's
+    row as over every visible trace: the first committed write's (5), not the selected
+    trace's own (9), nor the killed writer's (1)."""
+    from tracedb.lake import views
+    from tracedb.lake.catalog import BATCH
+    from tracedb.lake.scan import visible_traces
+
+    lake, first, second = _shared_episode_lake(tmp_path)
+    whole = read.visible(lake)["episodes"]
+    assert whole.column("policy_start").to_pylist() == [5]
+    for trace in (first, second):
+        assert read.visible(lake, trace_ids=[trace])["episodes"].equals(whole), trace
+        rows = visible_traces(lake.table("traces"), trace_ids=[trace]).select(["trace_id", BATCH])
+        got = views.view(
+            lake, rows, columns=["policy_version"], train_once=False, trainable=None, branch_index=None, credit=None
+        )
+        versions = {v for branch in got.column("policy_version").to_pylist() for v in branch if v is not None}
+        assert versions == {5}, (trace, versions)

@@ -127,9 +127,11 @@ def visible(
             continue
         if per_trace(name, schema):
             raw = scan_keys(lake.table(name), "trace_id", ids) if selected else _scan(lake.table(name))
-        elif name == "episodes":
+        elif name == "episodes" and selected:  # the row a full read shows (visible_episodes)
             episodes = [e for e in traces.column("episode_id").to_pylist() if e is not None]
-            raw = scan_keys(lake.table(name), "episode_id", episodes) if selected else _scan(lake.table(name))
+            raw = scan_keys(lake.table(name), "episode_id", episodes)
+            out[name] = stored(name, visible_episodes(con, lake, raw, traces))
+            continue
         else:
             raw = _scan(lake.table(name))
             if name == "rejects" and selected:
@@ -177,6 +179,39 @@ def visible_rows(con: duckdb.DuckDBPyConnection, name: str, raw: pa.Table) -> pa
         return con.sql(query).to_arrow_table()
     finally:
         con.unregister("raw")
+
+
+def visible_episodes(con: duckdb.DuckDBPyConnection, lake: Any, raw: pa.Table, vis: pa.Table) -> pa.Table:
+    """The visible rows of the episodes read in ``raw`` (every row of their ids, with
+    ``episode_id``, :data:`BATCH` and ``ingested_at`` if the table has it), of which
+    ``vis`` (registered in ``con`` as ``vis``) holds some visible traces rows: decided
+    as over every visible trace (:func:`visible_rows`), the first row by ingest time
+    then write of the writes of a visible trace of the episode. ``vis`` decides it for
+    an episode whose first row is of a write of one of its traces; for any other, that
+    episode's visible traces are read (by episode id), so a reader of some of an
+    episode's traces shows the row a reader of all of them does. ``vis`` is registered
+    again after."""
+    pairs = vis.select(["trace_id", BATCH, "episode_id"])
+    order = "r.ingested_at, " if "ingested_at" in raw.column_names else ""
+    con.register("ep_raw", raw)
+    con.register("ep_vis", pairs)
+    try:
+        unsure = con.sql(
+            f"SELECT episode_id FROM (SELECT r.episode_id, EXISTS (SELECT 1 FROM ep_vis v WHERE v.episode_id = "
+            f"r.episode_id AND v.{BATCH} = r.{BATCH}) AS seen, row_number() OVER (PARTITION BY r.episode_id "
+            f"ORDER BY {order}r.{BATCH}) AS k FROM ep_raw r) WHERE k = 1 AND NOT seen"
+        ).fetchall()
+    finally:
+        con.unregister("ep_raw")
+        con.unregister("ep_vis")
+    if unsure:  # a row of another write comes first: is a trace of that write visible?
+        mates = visible_traces(lake.table("traces"), In("episode_id", sorted(r[0] for r in unsure)))
+        pairs = pa.concat_tables([pairs, mates.select(pairs.column_names).cast(pairs.schema)])
+    con.register("vis", pairs)
+    try:
+        return visible_rows(con, "episodes", raw)
+    finally:
+        con.register("vis", vis)
 
 
 def visible_segments(con: duckdb.DuckDBPyConnection, raw: pa.Table, used: Iterable[bytes]) -> pa.Table:

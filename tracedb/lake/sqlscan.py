@@ -282,10 +282,7 @@ def _episodes(
 ) -> pa.Table:
     """The visible episode rows of the episode ids ``held`` (None: those of the traces read,
     ``vis``). Every row of those ids is read (by key: the table is bucketed on it), and
-    which one shows is decided as over every visible trace (:func:`read.visible_rows`):
-    the first, by ingest time then write, of the writes of a visible trace of the episode.
-    The traces read are enough to decide it for an episode whose first row is of a write
-    of one of them; for any other, that episode's visible traces are read (by episode id)."""
+    which one shows is decided as over every visible trace (:func:`read.visible_episodes`)."""
     names = lake_tables()["episodes"].names
     if held is None:  # too many to send as a reduction: those of the traces read, and any pinned
         held = set(pc.unique(vis.column("episode_id").drop_null()).to_pylist())
@@ -293,27 +290,7 @@ def _episodes(
     need = columns | {"episode_id", BATCH} | ({"ingested_at"} & set(names))
     keys = ("episode_id", held)
     raw = reader.scan("episodes", In("episode_id", sorted(held)) if held else AlwaysFalse(), need, keys=keys)
-    pairs = vis.select(["trace_id", BATCH, "episode_id"])
-    order = "r.ingested_at, " if "ingested_at" in raw.column_names else ""
-    con.register("ep_raw", raw)
-    con.register("ep_vis", pairs)
-    try:
-        unsure = con.sql(
-            f"SELECT episode_id FROM (SELECT r.episode_id, EXISTS (SELECT 1 FROM ep_vis v WHERE v.episode_id = "
-            f"r.episode_id AND v.{BATCH} = r.{BATCH}) AS seen, row_number() OVER (PARTITION BY r.episode_id "
-            f"ORDER BY {order}r.{BATCH}) AS k FROM ep_raw r) WHERE k = 1 AND NOT seen"
-        ).fetchall()
-    finally:
-        con.unregister("ep_raw")
-        con.unregister("ep_vis")
-    if unsure:  # a row of another write comes first: is a trace of that write visible?
-        mates = visible_traces(reader.lake.table("traces"), In("episode_id", sorted(r[0] for r in unsure)))
-        pairs = pa.concat_tables([pairs, mates.select(pairs.column_names).cast(pairs.schema)])
-    con.register("vis", pairs)
-    try:
-        return read.visible_rows(con, "episodes", raw)
-    finally:
-        con.register("vis", vis)
+    return read.visible_episodes(con, reader.lake, raw, vis)
 
 
 def _bounded(scans: list[Scan]) -> list[bool]:

@@ -59,7 +59,7 @@ def attach(lake: Any, traces: pa.Table, data: NodeColumns) -> np.ndarray | None:
         con = lake_files.duck()
         try:
             con.register("vis", vis)
-            con.register("episode_rows", read.visible_rows(con, "episodes", raw))
+            con.register("episode_rows", read.visible_episodes(con, lake, raw, vis))
             fallbacks = con.execute(
                 "SELECT v.trace_id, coalesce(e.policy_start, e.work_step) FROM vis v "
                 "JOIN episode_rows e USING (episode_id) WHERE coalesce(e.policy_start, e.work_step) IS NOT NULL"
